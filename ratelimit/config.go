@@ -1,0 +1,315 @@
+package ratelimit
+
+import (
+	"fmt"
+	"hash/fnv"
+	"math"
+	"time"
+	"unicode/utf8"
+)
+
+// Kind selects the algorithm of a limit.
+type Kind int
+
+const (
+	// TokenBucket refills continuously: Rate tokens per Period, up to Capacity. In any interval of
+	// length Period it grants at most Capacity + Rate tokens. It is the zero Kind, so the default.
+	TokenBucket Kind = iota
+
+	// FixedWindow adds Rate tokens at the start of each window of length Period, up to Capacity.
+	// Without reservations it grants at most Capacity tokens within one window. Windows lie on a
+	// grid anchored at Config.Start, or at a phase derived from the limit's name and key.
+	FixedWindow
+)
+
+// String returns "token bucket" or "fixed window".
+func (k Kind) String() string {
+	switch k {
+	case TokenBucket:
+		return "token bucket"
+	case FixedWindow:
+		return "fixed window"
+	}
+	return fmt.Sprintf("Kind(%d)", int(k))
+}
+
+// Bounds on arguments. They keep every value exact in float8 arithmetic and every key indexable.
+const (
+	// MaxAmount bounds Rate, Capacity, MaxReserved and every count: 10^15 tokens, so that sums of
+	// tokens stay exact to well below one token in float8.
+	MaxAmount = 1e15
+
+	// MaxKeyLen is the longest key accepted, in bytes of UTF-8.
+	MaxKeyLen = 1024
+
+	// MaxNameLen is the longest limit name accepted, in bytes of UTF-8.
+	MaxNameLen = 256
+
+	// MaxShards is the largest Config.Shards accepted.
+	MaxShards = 1024
+
+	// MaxPeriod is the longest Config.Period accepted: 100 years of 365 days.
+	MaxPeriod = 100 * 365 * 24 * time.Hour
+)
+
+// Config is the configuration of one limit. It is not stored: every call carries it, so changing it
+// takes effect on the next call (see Shards for what a change of shard count does). The zero value
+// is not valid: Rate and Period are required.
+type Config struct {
+	// Capacity is the most tokens the limit holds at once, its burst. Must be > 0 when set.
+	// Defaults to Rate.
+	Capacity float64
+
+	// Kind is the algorithm. Defaults to TokenBucket.
+	Kind Kind
+
+	// MaxReserved bounds how far below zero a reservation (LimitOpts.Reserve) may take the limit:
+	// a reservation that would leave more than MaxReserved tokens owed is denied. Must be >= 0.
+	// Defaults to 0, which means no bound: every reservation is granted and only its RetryAt grows.
+	// Calls without Reserve never go below zero, whatever this is.
+	MaxReserved float64
+
+	// Period is the time over which Rate tokens are added. Must be > 0 and a whole number of
+	// microseconds (Postgres's timestamp precision), at most MaxPeriod. Required.
+	Period time.Duration
+
+	// Rate is the number of tokens added per Period. Must be > 0. Required.
+	Rate float64
+
+	// Shards splits the limit over this many rows so that a hot key does not serialise every
+	// caller on one row lock. Rate, Capacity and MaxReserved are divided evenly between shards; a
+	// call looks at two distinct shards chosen at random and charges the one with more tokens, or
+	// both when neither alone suffices but both together do. Changing Shards while rows exist never
+	// grants more than the new config allows: each shard row is capped at the new per-shard
+	// capacity, missing shards count as full, and rows of shards >= the new count are ignored
+	// (their debt forgiven) until Reset removes them. Must be between 1 and MaxShards.
+	// Defaults to 1.
+	Shards int
+
+	// Start anchors the window grid of a FixedWindow limit: windows begin at Start + k*Period for
+	// every integer k (any instant works; a midnight aligns daily windows to it). Only valid with
+	// FixedWindow. Defaults to the zero time, which means a phase derived from a hash of the
+	// limit's name and key: spread across keys, stable across resets, the same for every shard.
+	Start time.Time
+}
+
+// PerSecond returns a token bucket Config of rate tokens per second.
+func PerSecond(rate float64) Config { return Config{Rate: rate, Period: time.Second} }
+
+// PerMinute returns a token bucket Config of rate tokens per minute.
+func PerMinute(rate float64) Config { return Config{Rate: rate, Period: time.Minute} }
+
+// PerHour returns a token bucket Config of rate tokens per hour.
+func PerHour(rate float64) Config { return Config{Rate: rate, Period: time.Hour} }
+
+// String describes the config, e.g. "token bucket 10/1m0s cap 20".
+func (c Config) String() string {
+	s := fmt.Sprintf("%s %g/%s", c.Kind, c.Rate, c.Period)
+	if c.Capacity != 0 && c.Capacity != c.Rate {
+		s += fmt.Sprintf(" cap %g", c.Capacity)
+	}
+	if c.MaxReserved != 0 {
+		s += fmt.Sprintf(" maxReserved %g", c.MaxReserved)
+	}
+	if c.Shards > 1 {
+		s += fmt.Sprintf(" shards %d", c.Shards)
+	}
+	return s
+}
+
+// capacity returns Capacity with its default applied.
+func (c Config) capacity() float64 {
+	if c.Capacity == 0 {
+		return c.Rate
+	}
+	return c.Capacity
+}
+
+// shards returns Shards with its default applied.
+func (c Config) shards() int {
+	if c.Shards == 0 {
+		return 1
+	}
+	return c.Shards
+}
+
+// validate checks every field and names the first that is wrong.
+func (c Config) validate(name string) error {
+	bad := func(field string, value any, reason string) error {
+		return &ConfigError{Limit: name, Field: field, Value: value, Reason: reason}
+	}
+	amount := func(field string, v float64, zeroOK bool) error {
+		switch {
+		case math.IsNaN(v) || math.IsInf(v, 0):
+			return bad(field, v, "must be finite")
+		case v < 0:
+			return bad(field, v, "must not be negative")
+		case v == 0 && !zeroOK:
+			return bad(field, v, "must be > 0")
+		case v > MaxAmount:
+			return bad(field, v, fmt.Sprintf("must be at most MaxAmount (%g)", float64(MaxAmount)))
+		}
+		return nil
+	}
+	if c.Kind != TokenBucket && c.Kind != FixedWindow {
+		return bad("Kind", c.Kind, "must be TokenBucket or FixedWindow")
+	}
+	if err := amount("Rate", c.Rate, false); err != nil {
+		return err
+	}
+	switch {
+	case c.Period <= 0:
+		return bad("Period", c.Period, "must be > 0 (e.g. time.Second)")
+	case c.Period%time.Microsecond != 0:
+		return bad("Period", c.Period, "must be a whole number of microseconds")
+	case c.Period > MaxPeriod:
+		return bad("Period", c.Period, "must be at most MaxPeriod (100 years)")
+	}
+	if err := amount("Capacity", c.Capacity, true); err != nil {
+		return err
+	}
+	if err := amount("MaxReserved", c.MaxReserved, true); err != nil {
+		return err
+	}
+	if c.Shards < 0 || c.Shards > MaxShards {
+		return bad("Shards", c.Shards, fmt.Sprintf("must be between 1 and MaxShards (%d); 0 means 1", MaxShards))
+	}
+	if !c.Start.IsZero() && c.Kind != FixedWindow {
+		return bad("Start", c.Start, "is only used by FixedWindow; leave it zero for a token bucket")
+	}
+	return nil
+}
+
+// checkName validates a limit name.
+func checkName(op, name string) error {
+	switch {
+	case name == "":
+		return &ArgumentError{Op: op, Arg: "name", Reason: "must not be empty"}
+	case len(name) > MaxNameLen:
+		return &ArgumentError{Op: op, Arg: "name", Reason: fmt.Sprintf("is %d bytes, more than MaxNameLen (%d)", len(name), MaxNameLen)}
+	}
+	return checkText(op, "name", name)
+}
+
+// checkKey validates a key. The empty key is valid: it names the limit's single global instance.
+func checkKey(op, key string) error {
+	if len(key) > MaxKeyLen {
+		return &ArgumentError{Op: op, Arg: "key", Reason: fmt.Sprintf("is %d bytes, more than MaxKeyLen (%d)", len(key), MaxKeyLen)}
+	}
+	return checkText(op, "key", key)
+}
+
+func checkText(op, arg, s string) error {
+	if !utf8.ValidString(s) {
+		return &ArgumentError{Op: op, Arg: arg, Reason: "is not valid UTF-8"}
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return &ArgumentError{Op: op, Arg: arg, Reason: "contains a NUL byte, which Postgres text cannot hold"}
+		}
+	}
+	return nil
+}
+
+// checkCount validates a count of tokens.
+func checkCount(op string, n float64) error {
+	switch {
+	case math.IsNaN(n) || math.IsInf(n, 0):
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be finite, got %g", n)}
+	case n <= 0:
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be > 0, got %g", n)}
+	case n > MaxAmount:
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at most MaxAmount (%g), got %g", float64(MaxAmount), n)}
+	}
+	return nil
+}
+
+// spec is a validated limit resolved for one (name, key): the per-shard numbers the SQL works with.
+type spec struct {
+	name, key string
+	cfg       Config
+	kind      int16
+	shards    int
+	rate      float64 // per shard
+	capacity  float64 // per shard
+	maxRes    float64 // per shard; < 0 means unbounded
+	periodUs  int64
+	anchorUs  int64 // fixed window grid phase in [0, periodUs)
+}
+
+func newSpec(name, key string, cfg Config) spec {
+	n := cfg.shards()
+	s := spec{
+		name:     name,
+		key:      key,
+		cfg:      cfg,
+		kind:     int16(cfg.Kind),
+		shards:   n,
+		rate:     cfg.Rate / float64(n),
+		capacity: cfg.capacity() / float64(n),
+		maxRes:   -1,
+		periodUs: cfg.Period.Microseconds(),
+	}
+	if cfg.MaxReserved > 0 {
+		s.maxRes = cfg.MaxReserved / float64(n)
+	}
+	if cfg.Kind == FixedWindow {
+		s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs)
+	}
+	return s
+}
+
+// windowPhase returns where in [0, periodUs) microseconds after the Unix epoch the window grid of
+// a fixed window starts: from start when set, else from an FNV-1a hash of name and key.
+func windowPhase(name, key string, start time.Time, periodUs int64) int64 {
+	var x int64
+	if !start.IsZero() {
+		x = start.UnixMicro() % periodUs
+	} else {
+		h := fnv.New64a()
+		h.Write([]byte(name))
+		h.Write([]byte{0})
+		h.Write([]byte(key))
+		x = int64(h.Sum64() % uint64(periodUs))
+	}
+	if x < 0 {
+		x += periodUs
+	}
+	return x
+}
+
+// maxCount is the largest count a single call could ever be granted: what one shard holds (or two
+// together when sharded), plus what may be owed when reserving with a bound. With an unbounded
+// reservation any count can be granted, and maxCount returns +Inf.
+func (s spec) maxCount(reserve bool) float64 {
+	per := s.capacity
+	if reserve {
+		if s.maxRes < 0 {
+			return math.Inf(1)
+		}
+		per += s.maxRes
+	}
+	if s.shards >= 2 {
+		return 2 * per
+	}
+	return per
+}
+
+// checkRequest validates a count against the spec.
+func (s spec) checkRequest(op string, count float64, reserve bool) error {
+	if err := checkCount(op, count); err != nil {
+		return err
+	}
+	if m := s.maxCount(reserve); count > m {
+		what := "the capacity"
+		if s.shards >= 2 {
+			what = "what two shards hold together"
+		}
+		if reserve {
+			what += " plus MaxReserved"
+		}
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf(
+			"%g exceeds %s (%g) of limit %q, so it could never be granted", count, what, m, s.name)}
+	}
+	return nil
+}

@@ -1,0 +1,118 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrInvalid is matched (errors.Is) by every error that rejects bad input before any SQL runs:
+// *ConfigError, *ArgumentError and *UnknownLimitError. Nothing is written when it is returned.
+var ErrInvalid = errors.New("ratelimit: invalid input")
+
+// ConfigError reports a Config field that is out of range. Nothing was written.
+type ConfigError struct {
+	// Limit is the name of the limit whose config is wrong.
+	Limit string
+	// Field is the Config field, e.g. "Rate".
+	Field string
+	// Value is the offending value.
+	Value any
+	// Reason says what the field must be.
+	Reason string
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("ratelimit: limit %q: Config.%s %s (got %v)", e.Limit, e.Field, e.Reason, e.Value)
+}
+
+// Is makes errors.Is(err, ErrInvalid) true.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalid }
+
+// ArgumentError reports a bad argument to a call: a count, key or name. Nothing was written.
+type ArgumentError struct {
+	// Op is the call, e.g. "Limit".
+	Op string
+	// Arg is the argument: "count", "key", "name", "db", "requests".
+	Arg string
+	// Reason says what is wrong.
+	Reason string
+}
+
+func (e *ArgumentError) Error() string {
+	return fmt.Sprintf("ratelimit: %s: %s %s", e.Op, e.Arg, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrInvalid) true.
+func (e *ArgumentError) Is(target error) bool { return target == ErrInvalid }
+
+// UnknownLimitError reports a name that the Limiter does not know, used without an inline config.
+type UnknownLimitError struct {
+	// Name is the unknown limit name.
+	Name string
+}
+
+func (e *UnknownLimitError) Error() string {
+	return fmt.Sprintf("ratelimit: unknown limit %q: register it in LimiterConfig.Limits or pass a Config with the call", e.Name)
+}
+
+// Is makes errors.Is(err, ErrInvalid) true.
+func (e *UnknownLimitError) Is(target error) bool { return target == ErrInvalid }
+
+// LimitedError is a denial turned into an error, for callers who set Throw so that a denial aborts
+// their transaction. It is returned only for denials: a granted reservation is never an error.
+type LimitedError struct {
+	// Name and Key identify the (first) denied limit.
+	Name, Key string
+	// RetryAt is when the call could succeed: the latest RetryAt of all denied limits.
+	RetryAt time.Time
+	// Denied lists every denied limit (one element for a single-limit call).
+	Denied []Result
+}
+
+func (e *LimitedError) Error() string {
+	var b strings.Builder
+	b.WriteString("ratelimit: rate limited: ")
+	for i, d := range e.Denied {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%q key %q", d.Name, d.Key)
+	}
+	fmt.Fprintf(&b, "; retry at %s", e.RetryAt.UTC().Format(time.RFC3339Nano))
+	return b.String()
+}
+
+// IsLimited reports whether err is, or wraps, a *LimitedError.
+func IsLimited(err error) bool {
+	var le *LimitedError
+	return errors.As(err, &le)
+}
+
+// RetriesExhaustedError is returned by InSerializableTx when every attempt failed with a
+// serialization failure or deadlock. It wraps the last cause.
+type RetriesExhaustedError struct {
+	// Attempts is how many times the function ran.
+	Attempts int
+	// Err is the last cause.
+	Err error
+}
+
+func (e *RetriesExhaustedError) Error() string {
+	return fmt.Sprintf("ratelimit: serializable transaction gave up after %d attempts: %v", e.Attempts, e.Err)
+}
+
+func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
+
+// IsRetryable reports whether err is a Postgres serialization failure (SQLSTATE 40001) or deadlock
+// (40P01): the transaction can be retried from the start.
+func IsRetryable(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "40001" || pgErr.Code == "40P01"
+	}
+	return false
+}

@@ -1,0 +1,139 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
+)
+
+// State is the current state of one (name, key), as returned by Limiter.Value.
+type State struct {
+	// Name and Key identify the limit.
+	Name, Key string
+	// Config is the config the state was evaluated with.
+	Config Config
+	// Value is the number of tokens available now (refill applied), summed exactly over every
+	// configured shard; a missing shard row counts as full. Negative while reservations are owed.
+	Value float64
+	// TS is the latest stored timestamp of any shard row; zero when no row exists (a full limit).
+	TS time.Time
+	// Shards has the tokens available now in each configured shard, indexed by shard.
+	Shards []float64
+	// Time is the instant the state was evaluated at.
+	Time time.Time
+}
+
+// ValueOpts are the options of Value and Reset. A nil *ValueOpts is the zero value.
+type ValueOpts struct {
+	// Config, when set, is used instead of the limit registered under the name. Defaults to nil.
+	Config *Config
+}
+
+// Value returns the current state of (name, key) without locking or writing. Rows of shards beyond
+// Config.Shards (left by an earlier, larger shard count) are ignored, as decisions ignore them.
+func (l *Limiter) Value(ctx context.Context, db Executor, name, key string, opts *ValueOpts) (State, error) {
+	const op = "Value"
+	s, err := l.prepare(op, db, name, key, opts)
+	if err != nil {
+		return State{}, err
+	}
+	rows, err := dbsqlc.New().Levels(ctx, db, dbsqlc.LevelsParams{
+		Now: l.clock(), Name: name, Key: key,
+		Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
+	})
+	if err != nil {
+		return State{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+	}
+	st := State{Name: name, Key: key, Config: s.cfg, Shards: make([]float64, s.shards)}
+	for i := range st.Shards {
+		st.Shards[i] = s.capacity
+	}
+	for _, row := range rows {
+		st.Time = time.UnixMicro(row.NowUs)
+		if !row.Shard.Valid || int(row.Shard.Int32) >= s.shards {
+			continue
+		}
+		st.Shards[row.Shard.Int32] = row.Level
+		if row.Ts.Time.After(st.TS) {
+			st.TS = row.Ts.Time
+		}
+	}
+	for _, v := range st.Shards {
+		st.Value += v
+	}
+	return st, nil
+}
+
+// Reset removes every shard row of (name, key), so the limit is full again. Resetting a limit that
+// has no rows is not an error. opts may be nil; a name needs no config to be reset.
+func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) error {
+	const op = "Reset"
+	if err := checkExecutor(op, db); err != nil {
+		return err
+	}
+	if err := checkName(op, name); err != nil {
+		return err
+	}
+	if err := checkKey(op, key); err != nil {
+		return err
+	}
+	if _, err := dbsqlc.New().Reset(ctx, db, dbsqlc.ResetParams{Name: name, Key: key}); err != nil {
+		return fmt.Errorf("ratelimit: %s: %w", op, err)
+	}
+	return nil
+}
+
+// CreditResult is the outcome of Credit.
+type CreditResult struct {
+	// Name and Key identify the limit.
+	Name, Key string
+	// Credited is how many tokens were given back: count, or less where the limit was too full to
+	// take them all.
+	Credited float64
+	// Value is the number of tokens available after the credit, summed exactly over every shard.
+	Value float64
+	// Time is the instant the credit was evaluated at.
+	Time time.Time
+}
+
+// Credit gives count tokens back to (name, key), e.g. to settle a reservation with the actual
+// usage: the value becomes min(value + count, capacity), never above capacity. With shards, the
+// tokens go to the emptiest shards first. To charge more instead, call LimitN with Reserve.
+func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *ValueOpts) (CreditResult, error) {
+	const op = "Credit"
+	s, err := l.prepare(op, db, name, key, opts)
+	if err != nil {
+		return CreditResult{}, err
+	}
+	if err := checkCount(op, count); err != nil {
+		return CreditResult{}, err
+	}
+	rows, err := dbsqlc.New().Credit(ctx, db, dbsqlc.CreditParams{
+		Now: l.clock(), Name: name, Key: key, Shards: int32(s.shards), Count: count,
+		Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
+	})
+	if err != nil {
+		return CreditResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+	}
+	res := CreditResult{Name: name, Key: key, Value: float64(s.shards-len(rows)) * s.capacity}
+	for _, row := range rows {
+		res.Credited += row.After - row.Before
+		res.Value += row.After
+		res.Time = time.UnixMicro(row.NowUs)
+	}
+	return res, nil
+}
+
+// prepare validates the common arguments of Value and Credit and resolves the config.
+func (l *Limiter) prepare(op string, db Executor, name, key string, opts *ValueOpts) (spec, error) {
+	if err := checkExecutor(op, db); err != nil {
+		return spec{}, err
+	}
+	var inline *Config
+	if opts != nil {
+		inline = opts.Config
+	}
+	return l.resolve(op, name, key, inline)
+}

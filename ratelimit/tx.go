@@ -1,0 +1,82 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// TxBeginner starts transactions: a *pgxpool.Pool or *pgx.Conn.
+type TxBeginner interface {
+	BeginTx(ctx context.Context, txOptions pgx.TxOptions) (pgx.Tx, error)
+}
+
+// TxOpts are the options of InSerializableTx. A nil *TxOpts is the zero value.
+type TxOpts struct {
+	// MaxAttempts is how many times fn may run. Defaults to 10.
+	MaxAttempts int
+	// MinBackoff is the backoff ceiling after the first failure; it doubles after each further
+	// failure up to MaxBackoff, and the actual sleep is drawn uniformly from [0, ceiling]
+	// ("full jitter"). Defaults to 2ms.
+	MinBackoff time.Duration
+	// MaxBackoff caps the backoff ceiling. Defaults to 200ms.
+	MaxBackoff time.Duration
+}
+
+// InSerializableTx runs fn in a SERIALIZABLE transaction and commits it. When fn or the commit
+// fails with a serialization failure (40001) or deadlock (40P01), it rolls back, sleeps a jittered,
+// bounded backoff and runs fn again in a new transaction. fn must therefore be safe to repeat and
+// do all its database work through tx. Any other error is returned at once. When attempts run out
+// it returns a *RetriesExhaustedError wrapping the last cause.
+func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	if db == nil {
+		return &ArgumentError{Op: "InSerializableTx", Arg: "db", Reason: "is nil"}
+	}
+	o := TxOpts{MaxAttempts: 10, MinBackoff: 2 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
+	if opts != nil {
+		if opts.MaxAttempts > 0 {
+			o.MaxAttempts = opts.MaxAttempts
+		}
+		if opts.MinBackoff > 0 {
+			o.MinBackoff = opts.MinBackoff
+		}
+		if opts.MaxBackoff > 0 {
+			o.MaxBackoff = opts.MaxBackoff
+		}
+	}
+	ceiling := o.MinBackoff
+	var last error
+	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
+		last = runTx(ctx, db, fn)
+		if last == nil || !IsRetryable(last) {
+			return last
+		}
+		if attempt == o.MaxAttempts {
+			break
+		}
+		t := time.NewTimer(rand.N(ceiling + 1))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return errors.Join(ctx.Err(), last)
+		case <-t.C:
+		}
+		ceiling = min(2*ceiling, o.MaxBackoff)
+	}
+	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last}
+}
+
+func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	if err != nil {
+		return err
+	}
+	if err := fn(ctx, tx); err != nil {
+		_ = tx.Rollback(ctx)
+		return err
+	}
+	return tx.Commit(ctx)
+}
