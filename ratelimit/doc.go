@@ -1,0 +1,75 @@
+// Package ratelimit enforces rate limits stored in Postgres, decided inside the caller's transaction.
+//
+// # Model
+//
+// A limit is a name, a Config and a key (a user ID, an IP, "" for a global limit). Its whole state
+// is two numbers per row of table txlimit_state: value (tokens, negative while reservations are
+// owed) and ts. A missing row is a full, untouched limit. Configs are not stored; every call
+// carries its config, registered by name in LimiterConfig.Limits or passed inline.
+//
+// With r = Rate/Period and cap = Capacity, a token bucket evaluated at now holds
+//
+//	v = min(value + (now - ts)·r, cap)
+//
+// and a fixed window, with n = floor((now - ts)/Period) whole windows elapsed, holds
+//
+//	v = min(value + Rate·n, cap)
+//
+// A request for count tokens leaves v - count. When that is >= 0 it is granted (Result.OK) and the
+// row becomes (v - count, ts'), where ts' is now for a token bucket and ts + n·Period (the start of
+// the current window) for a fixed window. When it is < 0 the request is denied and nothing is
+// written, unless it asked to Reserve and the debt -(v - count) is within MaxReserved: then it is
+// granted as a reservation (Result.Reserved) and the caller should act at Result.RetryAt, when the
+// debt has been refilled: ts' + debt/r for a token bucket, ts' + Period·ceil(debt/Rate) for a fixed
+// window (rounded up to the next microsecond, the database's precision).
+//
+// Time never runs backwards for a row: a request evaluated at now < ts is evaluated at ts. The
+// time is the database's clock (clock_timestamp()) read once per statement, unless
+// LimiterConfig.Now supplies one (for tests).
+//
+// # One round trip, any isolation level
+//
+// Every decision is one SQL statement. It reads the candidate rows without locking; if that read
+// already shows the request cannot be granted, it answers from it and takes no lock (this can
+// under-grant against a concurrent Credit or Reset, never over-grant). Otherwise it locks the rows
+// in one global order (name, key, shard) with FOR UPDATE, which re-reads their latest committed
+// versions under READ COMMITTED and raises a serialization failure under REPEATABLE READ or
+// SERIALIZABLE if they changed, decides on them, and writes only if everything is granted. So a
+// decision is exact at every isolation level, and never over-grants: a database error is returned
+// as an error, never as a grant.
+//
+// Pass a pgx.Tx to make a limit part of your transaction: its consumption commits or rolls back
+// with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own.
+// InSerializableTx runs a function in a SERIALIZABLE transaction with bounded, jittered retries.
+//
+// A row that was missing when read but created by a concurrent caller before this one could
+// insert it makes the statement write nothing and ask to be run again; the Limiter does so at once
+// (a second round trip only in that race). When a call would charge two or more missing rows at
+// once, the statement first creates them full, which is the same as missing, then runs again, so
+// no race can leave part of an all-or-nothing call written.
+//
+// # Shards
+//
+// Config.Shards = N splits a hot limit over N rows of the same (name, key): each shard has
+// Rate/N, Capacity/N and MaxReserved/N. A call picks two distinct shards a and b at random and
+// evaluates both (missing rows are full). If either alone holds count, it charges the one with more
+// tokens (a on a tie). Otherwise, if their difference is at most count, it charges both so that they
+// end equal, each at (va + vb - count)/2: granted when that is >= 0, a reservation when it is not.
+// Otherwise it charges the one with more tokens alone. A reservation's debt is bounded per charged
+// shard by MaxReserved/N. Result.Shards names the charged shards.
+//
+// # Fixed window grid
+//
+// Fixed windows start at anchor + k·Period. The anchor is Config.Start when set, else a phase in
+// [0, Period) after the Unix epoch taken from an FNV-1a hash of name, a NUL byte and key: spread
+// across keys, stable across resets, shared by all shards of a key. A missing row starts at the
+// start of the window containing now, full.
+//
+// # Errors
+//
+// Bad input returns a typed error (*ConfigError, *ArgumentError, *UnknownLimitError, all matching
+// errors.Is(err, ErrInvalid)) before any SQL runs. A denial is a Result with OK false, not an error,
+// unless LimitOpts.Throw asks for a *LimitedError. Names are 1 to MaxNameLen bytes, keys 0 to
+// MaxKeyLen bytes, both valid UTF-8 without NUL bytes; counts are finite, > 0 and at most
+// MaxAmount.
+package ratelimit
