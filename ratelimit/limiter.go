@@ -378,7 +378,7 @@ func toResult(s spec, row dbsqlc.DecideRow, a, b int) Result {
 		Key:      s.key,
 		OK:       row.OkNow || row.Reserved,
 		Reserved: row.Reserved,
-		Time:     time.UnixMicro(row.NowUs),
+		Time:     usTime(row.NowUs),
 	}
 	chargedA := row.Charge == 1 || row.Charge == 3
 	chargedB := b >= 0 && (row.Charge == 2 || row.Charge == 3)
@@ -407,7 +407,7 @@ func toResult(s spec, row dbsqlc.DecideRow, a, b int) Result {
 		if chargedB {
 			at = max(at, retryAtUs(s, row.EndB, row.TsBUs))
 		}
-		r.RetryAt = time.UnixMicro(at)
+		r.RetryAt = usTime(at)
 	}
 	return r
 }
@@ -484,3 +484,6 @@ func checkExecutor(op string, db Executor) error {
 	return nil
 }
 
+
+// usTime converts microseconds since the Unix epoch, the database's precision, to a UTC time.
+func usTime(us int64) time.Time { return time.UnixMicro(us).UTC() }

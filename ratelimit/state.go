@@ -51,13 +51,13 @@ func (l *Limiter) Value(ctx context.Context, db Executor, name, key string, opts
 		st.Shards[i] = s.capacity
 	}
 	for _, row := range rows {
-		st.Time = time.UnixMicro(row.NowUs)
+		st.Time = usTime(row.NowUs)
 		if !row.Shard.Valid || int(row.Shard.Int32) >= s.shards {
 			continue
 		}
 		st.Shards[row.Shard.Int32] = row.Level
 		if row.Ts.Time.After(st.TS) {
-			st.TS = row.Ts.Time
+			st.TS = row.Ts.Time.UTC()
 		}
 	}
 	for _, v := range st.Shards {
@@ -121,7 +121,7 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	for _, row := range rows {
 		res.Credited += row.After - row.Before
 		res.Value += row.After
-		res.Time = time.UnixMicro(row.NowUs)
+		res.Time = usTime(row.NowUs)
 	}
 	return res, nil
 }

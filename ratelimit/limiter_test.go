@@ -1,0 +1,422 @@
+package ratelimit_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// Symbolic times, x/time/rate style. t0 is a round instant so fixed windows anchored at it are easy
+// to read.
+var (
+	t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	ms = time.Millisecond
+)
+
+// testClock is an injectable clock (LimiterConfig.Now).
+type testClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *testClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+
+func (c *testClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
+
+type testBundle struct {
+	ctx   context.Context
+	pool  *pgxpool.Pool
+	clock *testClock
+	lim   *ratelimit.Limiter
+}
+
+// setup returns a limiter on a fresh schema whose clock is t0 until the test moves it.
+func setup(t *testing.T, limits map[string]ratelimit.Config) *testBundle {
+	t.Helper()
+	b := &testBundle{ctx: context.Background(), pool: testdb.Pool(t, nil), clock: &testClock{t: t0}}
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits, Now: b.clock.Now})
+	require.NoError(t, err)
+	b.lim = lim
+	return b
+}
+
+// step is one call in a table-driven sequence.
+type step struct {
+	at       time.Time
+	count    float64
+	reserve  bool
+	check    bool // CheckN instead of LimitN
+	ok       bool
+	reserved bool
+	retryAt  time.Time // zero when no wait
+	value    float64
+}
+
+func runSteps(t *testing.T, b *testBundle, name, key string, steps []step) {
+	t.Helper()
+	for i, s := range steps {
+		b.clock.Set(s.at)
+		opts := &ratelimit.LimitOpts{Reserve: s.reserve}
+		var res ratelimit.Result
+		var err error
+		if s.check {
+			res, err = b.lim.CheckN(b.ctx, b.pool, name, key, s.count, opts)
+		} else {
+			res, err = b.lim.LimitN(b.ctx, b.pool, name, key, s.count, opts)
+		}
+		require.NoError(t, err, "step %d", i)
+		if res.OK != s.ok || res.Reserved != s.reserved || !res.RetryAt.Equal(s.retryAt) || res.Value != s.value {
+			t.Fatalf("step %d at t0+%v: LimitN(%g, reserve=%v) = ok %v reserved %v retryAt t0+%v value %v; want ok %v reserved %v retryAt t0+%v value %v",
+				i, s.at.Sub(t0), s.count, s.reserve, res.OK, res.Reserved, sinceT0(res.RetryAt), res.Value,
+				s.ok, s.reserved, sinceT0(s.retryAt), s.value)
+		}
+		require.True(t, res.Time.Equal(s.at), "step %d: decision time %v, want the injected %v", i, res.Time, s.at)
+	}
+}
+
+func sinceT0(t time.Time) any {
+	if t.IsZero() {
+		return "∅"
+	}
+	return t.Sub(t0)
+}
+
+// SPEC §3: v = min(value + (now−ts)·r, cap) − count; RetryAt = ts' + (−v)/r.
+func TestTokenBucketRefillWithCap(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	runSteps(t, b, "tb", "u1", []step{
+		{at: t0, count: 4, ok: true, value: 6},                                                       // a missing row is full: 10 − 4
+		{at: t0.Add(100 * ms), count: 7, ok: true, value: 0},                                         // 6 + 0.1 s·10/s = 7, all taken
+		{at: t0.Add(100 * ms), count: 1, retryAt: t0.Add(200 * ms), value: 0},                        // denied: 1 token accrues in 100 ms
+		{at: t0.Add(150 * ms), count: 1, retryAt: t0.Add(200 * ms), value: 0.5},                      // denied, nothing written: 0.5 held
+		{at: t0.Add(200 * ms), count: 1, ok: true, value: 0},                                         // exactly at RetryAt: granted
+		{at: t0.Add(time.Hour), count: 1, check: true, ok: true, value: 9},                           // refill capped at 10; Check writes nothing
+		{at: t0.Add(time.Hour), count: 10, ok: true, value: 0},                                       // so the full 10 are still there
+		{at: t0.Add(time.Hour + 250*ms), count: 2.5, ok: true, value: 0},                             // partial refill, fractional count
+		{at: t0.Add(time.Hour + 250*ms), count: 0.25, retryAt: t0.Add(time.Hour + 275*ms), value: 0}, // 0.25 in 25 ms
+	})
+}
+
+// Capacity above Rate is a burst: a 10/min bucket with capacity 20 starts with 20.
+func TestTokenBucketCapacity(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"burst": {Rate: 10, Period: time.Minute, Capacity: 20}})
+	runSteps(t, b, "burst", "", []step{
+		{at: t0, count: 20, ok: true, value: 0},
+		{at: t0.Add(6 * time.Second), count: 1, ok: true, value: 0}, // 1 per 6 s
+		{at: t0.Add(9 * time.Second), count: 1, retryAt: t0.Add(12 * time.Second), value: 0.5},
+		{at: t0.Add(24 * time.Hour), count: 20, ok: true, value: 0}, // idle: back to capacity, not beyond
+		{at: t0.Add(24 * time.Hour), count: 20, check: true, retryAt: t0.Add(24*time.Hour + 2*time.Minute), value: 0},
+	})
+}
+
+// SPEC §2: a request evaluated at now < ts is evaluated at ts; the row never moves back.
+func TestClockNeverRunsBackwards(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	runSteps(t, b, "tb", "k", []step{
+		{at: t0.Add(time.Second), count: 10, ok: true, value: 0},
+		// A skewed caller at t0 (one second earlier) sees no refill and no negative refill.
+		{at: t0, count: 1, retryAt: t0.Add(time.Second + 100*ms), value: 0},
+		{at: t0.Add(500 * ms), count: 1, retryAt: t0.Add(time.Second + 100*ms), value: 0},
+		{at: t0.Add(time.Second + 100*ms), count: 1, ok: true, value: 0},
+		// A reservation from the past is timed from the row's ts, not from the caller's clock.
+		{at: t0, count: 2, reserve: true, ok: true, reserved: true, retryAt: t0.Add(time.Second + 300*ms), value: -2},
+	})
+	st, err := b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	require.NoError(t, err)
+	require.True(t, st.TS.Equal(t0.Add(time.Second+100*ms)), "ts moved to %v", st.TS)
+
+	// Fixed window: the window never moves back either.
+	b2 := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 3, Period: time.Minute, Start: t0}})
+	runSteps(t, b2, "fw", "k", []step{
+		{at: t0.Add(2 * time.Minute), count: 3, ok: true, value: 0},
+		{at: t0.Add(30 * time.Second), count: 1, retryAt: t0.Add(3 * time.Minute), value: 0},
+	})
+}
+
+// SPEC §4: n = floor((now − ts)/Period), v = min(value + Rate·n, cap) − count,
+// RetryAt = ts' + Period·ceil(−v/Rate).
+func TestFixedWindowRollover(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"fw":  {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0},
+		"fw8": {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Capacity: 8, Start: t0},
+	})
+	runSteps(t, b, "fw", "k", []step{
+		{at: t0.Add(10 * time.Second), count: 5, ok: true, value: 0},
+		{at: t0.Add(10 * time.Second), count: 1, retryAt: t0.Add(time.Minute), value: 0}, // the window's end
+		{at: t0.Add(time.Minute - time.Microsecond), count: 1, retryAt: t0.Add(time.Minute), value: 0},
+		{at: t0.Add(time.Minute), count: 1, ok: true, value: 4}, // a new window: 5 tokens, no more
+		{at: t0.Add(time.Minute + 59*time.Second), count: 4, ok: true, value: 0},
+		{at: t0.Add(10 * time.Minute), count: 5, ok: true, value: 0}, // capped at Rate (capacity defaults to rate)
+		{at: t0.Add(10 * time.Minute), count: 5, check: true, retryAt: t0.Add(11 * time.Minute), value: 0},
+	})
+	runSteps(t, b, "fw8", "k", []step{
+		{at: t0, count: 8, ok: true, value: 0},
+		{at: t0.Add(time.Minute), count: 5, ok: true, value: 0},     // one window adds Rate = 5
+		{at: t0.Add(3 * time.Minute), count: 8, ok: true, value: 0}, // two windows: min(0 + 10, 8)
+		{at: t0.Add(3 * time.Minute), count: 7, check: true, retryAt: t0.Add(5 * time.Minute), value: 0},
+	})
+}
+
+// Without Start, the grid's phase comes from a hash of (name, key): spread across keys, the same
+// every time for one key.
+func TestFixedWindowDerivedPhase(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 1, Period: time.Hour}})
+	ends := map[time.Time]bool{}
+	for _, key := range []string{"a", "b", "c", "d", "e", "f"} {
+		res, err := b.lim.Limit(b.ctx, b.pool, "fw", key, nil)
+		require.NoError(t, err)
+		require.True(t, res.OK)
+		res, err = b.lim.Limit(b.ctx, b.pool, "fw", key, nil)
+		require.NoError(t, err)
+		require.False(t, res.OK)
+		require.True(t, res.RetryAt.After(t0) && !res.RetryAt.After(t0.Add(time.Hour)), "window end %v outside (t0, t0+1h]", res.RetryAt)
+		ends[res.RetryAt] = true
+		// Reset and do it again: the phase is stable.
+		require.NoError(t, b.lim.Reset(b.ctx, b.pool, "fw", key))
+		_, err = b.lim.Limit(b.ctx, b.pool, "fw", key, nil)
+		require.NoError(t, err)
+		again, err := b.lim.Limit(b.ctx, b.pool, "fw", key, nil)
+		require.NoError(t, err)
+		require.Equal(t, res.RetryAt, again.RetryAt, "key %q: phase changed across a reset", key)
+	}
+	require.Greater(t, len(ends), 3, "six keys share %d window ends: phases are not spread", len(ends))
+}
+
+// SPEC §4: without reservations, at most cap tokens within one window.
+func TestFixedWindowAtMostCapacityPerWindow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 4, Period: time.Second, Capacity: 6, Start: t0}})
+	granted := 0.0
+	for at := t0.Add(5 * time.Second); at.Before(t0.Add(6 * time.Second)); at = at.Add(50 * ms) {
+		b.clock.Set(at)
+		res, err := b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+		require.NoError(t, err)
+		if res.OK {
+			granted++
+		}
+	}
+	require.Equal(t, 6.0, granted, "one window granted %v, want capacity 6", granted)
+}
+
+// SPEC §3 with Reserve: granted below zero while −v ≤ MaxReserved; RetryAt is when the debt is paid.
+func TestReservations(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"bounded":   {Rate: 10, Period: time.Second, MaxReserved: 5},
+		"unbounded": {Rate: 10, Period: time.Second},
+		"fw":        {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: 12, Start: t0},
+	})
+	runSteps(t, b, "bounded", "k", []step{
+		{at: t0, count: 10, ok: true, value: 0},
+		{at: t0, count: 3, reserve: true, ok: true, reserved: true, retryAt: t0.Add(300 * ms), value: -3},
+		{at: t0, count: 3, reserve: true, retryAt: t0.Add(600 * ms), value: -3},                           // −6 > 5: denied, nothing written
+		{at: t0, count: 2, reserve: true, ok: true, reserved: true, retryAt: t0.Add(500 * ms), value: -5}, // −5 ≤ 5
+		{at: t0, count: 0.001, reserve: true, retryAt: t0.Add(500*ms + 100*time.Microsecond), value: -5},
+		{at: t0.Add(100 * ms), count: 1, reserve: true, ok: true, reserved: true, retryAt: t0.Add(600 * ms), value: -5},
+		{at: t0.Add(600 * ms), count: 1, retryAt: t0.Add(700 * ms), value: 0}, // paid off, but nothing spare
+		{at: t0.Add(700 * ms), count: 1, ok: true, value: 0},
+	})
+	runSteps(t, b, "unbounded", "k", []step{
+		{at: t0, count: 1000, reserve: true, ok: true, reserved: true, retryAt: t0.Add(99 * time.Second), value: -990},
+		{at: t0, count: 1, retryAt: t0.Add(99*time.Second + 100*ms), value: -990}, // no Reserve: denied
+	})
+	runSteps(t, b, "fw", "k", []step{
+		// The window started at t0 with 5 tokens; 17 = cap + MaxReserved is the most one call can book.
+		{at: t0.Add(time.Second), count: 17, reserve: true, ok: true, reserved: true, retryAt: t0.Add(3 * time.Minute), value: -12}, // ceil(12/5) windows
+		{at: t0.Add(time.Second), count: 1, reserve: true, retryAt: t0.Add(3 * time.Minute), value: -12},                            // −13 > 12: denied
+		{at: t0.Add(2 * time.Minute), count: 1, retryAt: t0.Add(3 * time.Minute), value: -2},                                        // two windows: −12 + 10
+		{at: t0.Add(3 * time.Minute), count: 3, ok: true, value: 0},
+	})
+}
+
+// Limit and Check agree, and Check writes nothing.
+func TestCheckMatchesLimitAndWritesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 3, Period: time.Second}})
+	for i := 0; i < 5; i++ {
+		c, err := b.lim.Check(b.ctx, b.pool, "tb", "k", nil)
+		require.NoError(t, err)
+		c2, err := b.lim.Check(b.ctx, b.pool, "tb", "k", nil)
+		require.NoError(t, err)
+		require.Equal(t, c, c2, "step %d: Check changed state", i)
+		l, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", nil)
+		require.NoError(t, err)
+		require.Equal(t, c, l, "step %d: Check and Limit disagree", i)
+	}
+}
+
+func TestValueResetCredit(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, Capacity: 20}})
+	st, err := b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 20.0, st.Value, "a missing row is full")
+	require.True(t, st.TS.IsZero())
+
+	_, err = b.lim.LimitN(b.ctx, b.pool, "tb", "k", 15, nil)
+	require.NoError(t, err)
+	b.clock.Set(t0.Add(200 * ms))
+	st, err = b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 7.0, st.Value) // 5 + 0.2 s·10/s
+	require.True(t, st.TS.Equal(t0))
+	require.Equal(t, "tb", st.Name)
+
+	c, err := b.lim.Credit(b.ctx, b.pool, "tb", "k", 4, nil)
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.CreditResult{Name: "tb", Key: "k", Credited: 4, Value: 11, Time: t0.Add(200 * ms)}, c)
+	c, err = b.lim.Credit(b.ctx, b.pool, "tb", "k", 100, nil)
+	require.NoError(t, err)
+	require.Equal(t, 9.0, c.Credited, "credit is capped at capacity")
+	require.Equal(t, 20.0, c.Value)
+
+	// Credit settles a reservation: reserve 30, actual use 12, give back 18.
+	_, err = b.lim.LimitN(b.ctx, b.pool, "tb", "k", 30, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	c, err = b.lim.Credit(b.ctx, b.pool, "tb", "k", 18, nil)
+	require.NoError(t, err)
+	require.Equal(t, 8.0, c.Value) // 20 − 12
+
+	// A credit on a missing row changes nothing and creates nothing.
+	c, err = b.lim.Credit(b.ctx, b.pool, "tb", "other", 5, nil)
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.CreditResult{Name: "tb", Key: "other", Credited: 0, Value: 20}, c)
+
+	require.NoError(t, b.lim.Reset(b.ctx, b.pool, "tb", "k"))
+	st, err = b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 20.0, st.Value)
+	require.True(t, st.TS.IsZero(), "reset removed the row")
+	require.NoError(t, b.lim.Reset(b.ctx, b.pool, "tb", "never-used"), "resetting a missing row is fine")
+}
+
+func TestInlineConfigAndUnknownName(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"known": {Rate: 1, Period: time.Second}})
+	_, err := b.lim.Limit(b.ctx, b.pool, "unknown", "k", nil)
+	var unk *ratelimit.UnknownLimitError
+	require.ErrorAs(t, err, &unk)
+	require.Equal(t, "unknown", unk.Name)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.Contains(t, err.Error(), `"unknown"`)
+
+	inline := ratelimit.PerMinute(2)
+	for i, want := range []bool{true, true, false} {
+		res, err := b.lim.Limit(b.ctx, b.pool, "unknown", "k", &ratelimit.LimitOpts{Config: &inline})
+		require.NoError(t, err)
+		require.Equal(t, want, res.OK, "step %d", i)
+	}
+	// An inline config overrides the registered one.
+	res, err := b.lim.LimitN(b.ctx, b.pool, "known", "k", 5, &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 5, Period: time.Second}})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+}
+
+// SPEC §6 throws-style: a denial becomes a typed error; a reservation never does.
+func TestThrow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 1, Period: time.Second}})
+	throw := &ratelimit.LimitOpts{Throw: true}
+	_, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", throw)
+	require.NoError(t, err)
+	res, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", &ratelimit.LimitOpts{Throw: true, Reserve: true})
+	require.NoError(t, err, "a granted reservation is not an error")
+	require.True(t, res.Reserved)
+	res, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", throw)
+	var le *ratelimit.LimitedError
+	require.ErrorAs(t, err, &le)
+	require.Equal(t, "tb", le.Name)
+	require.Equal(t, "k", le.Key)
+	require.True(t, le.RetryAt.Equal(t0.Add(2*time.Second)), "retry at %v", le.RetryAt)
+	require.True(t, ratelimit.IsLimited(err))
+	require.False(t, res.OK)
+	require.Equal(t, time.Duration(2*time.Second), res.RetryAfter())
+}
+
+func TestLimitMany(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"perUser": {Rate: 3, Period: time.Second},
+		"global":  {Rate: 100, Period: time.Second},
+		"daily":   {Kind: ratelimit.FixedWindow, Rate: 4, Period: 24 * time.Hour, Start: t0},
+	})
+	reqs := []ratelimit.Request{{Name: "perUser", Key: "u1"}, {Name: "global"}, {Name: "daily", Key: "u1"}}
+	for i := 0; i < 3; i++ {
+		m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, nil)
+		require.NoError(t, err)
+		require.True(t, m.OK, "step %d", i)
+		require.True(t, m.RetryAt.IsZero())
+	}
+	// perUser is empty: the whole call is denied and nothing is consumed, daily included.
+	m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, nil)
+	require.NoError(t, err)
+	require.False(t, m.OK)
+	require.Len(t, m.Denied(), 1)
+	require.Equal(t, "perUser", m.Denied()[0].Name)
+	require.True(t, m.RetryAt.Equal(t0.Add(333334*time.Microsecond)), "retry at %v", sinceT0(m.RetryAt)) // ceil(1e6/3) µs
+	for _, r := range m.Results {
+		require.Empty(t, r.Shards, "%s: nothing charged", r.Name)
+	}
+	st, err := b.lim.Value(b.ctx, b.pool, "daily", "u1", nil)
+	require.NoError(t, err)
+	require.Equal(t, 1.0, st.Value, "daily kept its token")
+	st, err = b.lim.Value(b.ctx, b.pool, "global", "", nil)
+	require.NoError(t, err)
+	require.Equal(t, 97.0, st.Value)
+
+	// Two denials: the result names both and the latest RetryAt.
+	b.clock.Set(t0.Add(time.Second))
+	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{
+		{Name: "perUser", Key: "u1", Count: 3}, {Name: "daily", Key: "u1", Count: 2}, {Name: "global"},
+	}, &ratelimit.ManyOpts{Throw: true})
+	var le *ratelimit.LimitedError
+	require.ErrorAs(t, err, &le)
+	require.False(t, m.OK)
+	require.Len(t, le.Denied, 1, "perUser refilled to 3 by t0+1s; only daily is denied")
+	require.Equal(t, "daily", le.Name)
+	require.True(t, le.RetryAt.Equal(t0.Add(24*time.Hour)), "retry at %v", sinceT0(le.RetryAt))
+
+	m, err = b.lim.CheckMany(b.ctx, b.pool, []ratelimit.Request{{Name: "perUser", Key: "u1", Count: 3}, {Name: "global", Count: 97}}, nil)
+	require.NoError(t, err)
+	require.True(t, m.OK)
+
+	_, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{{Name: "global"}, {Name: "global"}}, nil)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid, "the same limit twice")
+}
+
+// InSerializableTx gives up with an error that says so and wraps the cause.
+func TestInSerializableTxExhaustion(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	attempts := 0
+	cause := &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
+	err := ratelimit.InSerializableTx(context.Background(), pool, &ratelimit.TxOpts{MaxAttempts: 3, MinBackoff: time.Millisecond},
+		func(ctx context.Context, _ pgx.Tx) error { attempts++; return cause })
+	var ex *ratelimit.RetriesExhaustedError
+	require.ErrorAs(t, err, &ex)
+	require.Equal(t, 3, attempts)
+	require.Equal(t, 3, ex.Attempts)
+	require.ErrorIs(t, err, cause)
+	require.Contains(t, err.Error(), "gave up after 3 attempts")
+
+	other := errors.New("boom")
+	attempts = 0
+	err = ratelimit.InSerializableTx(context.Background(), pool, nil, func(ctx context.Context, _ pgx.Tx) error { attempts++; return other })
+	require.ErrorIs(t, err, other)
+	require.Equal(t, 1, attempts, "a non-retryable error is returned at once")
+}
