@@ -484,6 +484,5 @@ func checkExecutor(op string, db Executor) error {
 	return nil
 }
 
-
 // usTime converts microseconds since the Unix epoch, the database's precision, to a UTC time.
 func usTime(us int64) time.Time { return time.UnixMicro(us).UTC() }
