@@ -42,11 +42,13 @@
 // with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own.
 // InSerializableTx runs a function in a SERIALIZABLE transaction with bounded, jittered retries.
 //
-// A row that was missing when read but created by a concurrent caller before this one could
-// insert it makes the statement write nothing and ask to be run again; the Limiter does so at once
-// (a second round trip only in that race). When a call would charge two or more missing rows at
-// once, the statement first creates them full, which is the same as missing, then runs again, so
-// no race can leave part of an all-or-nothing call written.
+// A call that involves a single row (one unsharded limit) inserts it if it is missing; if a
+// concurrent caller created it first, the statement writes nothing and the Limiter runs it again at
+// once (a second round trip, only in that race). A call that involves two or more rows (a sharded
+// limit, LimitMany) and finds some missing takes no lock: it creates the missing rows full, which is
+// the same as missing, in the global order, and runs again. So the first call on fresh rows of a
+// multi-row decision costs two statements, and every multi-row decision locks rows that all exist,
+// in one global order: concurrent calls never deadlock and no race leaves part of it written.
 //
 // # Shards
 //

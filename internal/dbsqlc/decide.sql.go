@@ -42,8 +42,14 @@ snap AS MATERIALIZED (
     FROM cand c
     LEFT JOIN txlimit_state s ON s.name = c.name AND s.key = c.key AND s.shard = c.shard
 ),
+shape AS MATERIALIZED (
+    SELECT count(*) AS rows, count(*) FILTER (WHERE sn.value IS NULL) AS missing FROM snap sn
+),
 gate AS MATERIALIZED (
-    SELECT NOT $14::boolean AND coalesce(bool_and(p.possible), false) AS locking
+    SELECT NOT $14::boolean AND coalesce(bool_and(p.possible), false)
+               AND ((SELECT rows FROM shape) = 1 OR (SELECT missing FROM shape) = 0) AS locking,
+           NOT $14::boolean AND coalesce(bool_and(p.possible), false)
+               AND (SELECT rows FROM shape) > 1 AND (SELECT missing FROM shape) > 0 AS prefill
     FROM (
         SELECT r.idx,
                max(l.lv) >= r.count
@@ -73,7 +79,8 @@ lk AS (
 cur AS MATERIALIZED (
     SELECT sn.idx, sn.slot, sn.name, sn.key, sn.shard,
            CASE WHEN g.locking THEN l.value ELSE sn.value END AS value,
-           CASE WHEN g.locking THEN (extract(epoch FROM l.ts) * 1000000)::bigint ELSE sn.ts_us END AS ts_us
+           CASE WHEN g.locking THEN (extract(epoch FROM l.ts) * 1000000)::bigint ELSE sn.ts_us END AS ts_us,
+           g.locking AND sn.value IS NOT NULL AND l.value IS NULL AS vanished
     FROM snap sn
     CROSS JOIN gate g
     LEFT JOIN lk l ON l.name = sn.name AND l.key = sn.key AND l.shard = sn.shard
@@ -121,30 +128,34 @@ plan AS MATERIALIZED (
     ) e
 ),
 verdict AS MATERIALIZED (
-    SELECT g.locking, coalesce(bool_and(p.ok_now OR p.reserved), false) AS granted
+    SELECT g.locking, g.prefill, coalesce(bool_and(p.ok_now OR p.reserved), false) AS granted,
+           (SELECT rows FROM shape) > 1 AND EXISTS (SELECT 1 FROM cur WHERE cur.vanished) AS vanished
     FROM gate g CROSS JOIN plan p
-    GROUP BY g.locking
+    GROUP BY g.locking, g.prefill
 ),
 w AS MATERIALIZED (
-    SELECT e.name, e.key, e.shard, e.existed, e.ts_us, r.cap,
+    SELECT e.name, e.key, e.shard, e.existed, e.ts_us,
            CASE WHEN e.slot = 0 THEN p.end_a ELSE p.end_b END AS value
     FROM plan p
-    JOIN req r ON r.idx = p.idx
     JOIN ev e ON e.idx = p.idx
              AND ((e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3)))
-    WHERE (SELECT locking AND granted FROM verdict)
+    WHERE (SELECT locking AND granted AND NOT vanished FROM verdict)
 ),
-missing AS MATERIALIZED (
-    SELECT count(*) AS n FROM w WHERE NOT w.existed
+fill AS (
+    INSERT INTO txlimit_state (name, key, shard, value, ts)
+    SELECT sn.name, sn.key, sn.shard, e.lv, 'epoch'::timestamptz + e.ts_us * interval '1 microsecond'
+    FROM snap sn
+    JOIN ev e ON e.idx = sn.idx AND e.slot = sn.slot
+    WHERE sn.value IS NULL AND (SELECT prefill FROM gate)
+    ORDER BY sn.name, sn.key, sn.shard
+    ON CONFLICT DO NOTHING
+    RETURNING 1
 ),
 ins AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT w.name, w.key, w.shard,
-           CASE WHEN (SELECT n FROM missing) = 1 THEN w.value ELSE w.cap END,
-           'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
+    SELECT w.name, w.key, w.shard, w.value, 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
     FROM w
     WHERE NOT w.existed
-    ORDER BY w.name, w.key, w.shard
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
@@ -153,18 +164,18 @@ upd AS (
     SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
     FROM w
     WHERE w.existed AND s.name = w.name AND s.key = w.key AND s.shard = w.shard
-      AND (SELECT n FROM missing) <= 1
-      AND (SELECT count(*) FROM ins) = (SELECT n FROM missing)
+      AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
     RETURNING 1
 ),
 outcome AS (
-    SELECT CASE WHEN NOT v.locking THEN 2
+    SELECT CASE WHEN v.prefill OR v.vanished THEN 3
+                WHEN NOT v.locking THEN 2
                 WHEN NOT v.granted THEN 1
-                WHEN m.n >= 2 OR (SELECT count(*) FROM ins) < m.n THEN 3
+                WHEN (SELECT count(*) FROM ins) < (SELECT count(*) FROM w WHERE NOT w.existed) THEN 3
                 ELSE 0
            END AS status,
-           (SELECT count(*) FROM upd) AS updated
-    FROM verdict v CROSS JOIN missing m
+           (SELECT count(*) FROM upd) + (SELECT count(*) FROM fill) AS written
+    FROM verdict v
 )
 SELECT p.idx::bigint AS idx,
        o.status::integer AS status,
@@ -228,11 +239,14 @@ type DecideRow struct {
 //     or reset, so this can under-grant against a concurrent credit but never over-grant.
 //  3. lk: otherwise lock the existing candidate rows in one global order (name, key, shard) and
 //     decide on their latest versions (FOR UPDATE re-reads them after any wait).
-//  4. Write only when every request is granted. Existing rows are updated under the lock. A
-//     candidate that was missing is inserted ON CONFLICT DO NOTHING first; if a concurrent caller
-//     created it meanwhile, nothing is written and the status asks the caller to re-run (status
-//     3). When two or more missing rows would be charged, the statement only creates them full
-//     (equivalent to missing) and asks for a re-run, so that a race can never leave a partial write.
+//  4. Write only when every request is granted, by updating the locked rows. A single-row call
+//     whose row is missing inserts it ON CONFLICT DO NOTHING instead; if a concurrent caller
+//     created it meanwhile, nothing is written and the status asks for a re-run (status 3).
+//  5. A call that involves two or more rows, some of them missing, locks nothing: it only
+//     creates the missing rows full (the same as missing), in the global order, and asks for a
+//     re-run (status 3). Locking existing rows and then inserting others would break the global
+//     lock order across concurrent calls (and deadlock); this way every multi-row decision locks
+//     rows that all exist, in one order, and no race can leave part of it written.
 //
 // Status: 0 granted and written, 1 denied, 2 decided without writing (dry run or fast denial),
 // 3 re-run needed.

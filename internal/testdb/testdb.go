@@ -127,6 +127,8 @@ type Options struct {
 	MaxConns int32
 	// NoMigrate leaves the schema empty. Defaults to false.
 	NoMigrate bool
+	// Tracer is installed on every connection, e.g. to count statements. Defaults to none.
+	Tracer pgx.QueryTracer
 }
 
 // Pool returns a pool whose search_path is a new schema with txlimit's migrations applied. The
@@ -147,6 +149,7 @@ func Pool(tb testing.TB, opts *Options) *pgxpool.Pool {
 	if opts.MaxConns > 0 {
 		cfg.MaxConns = opts.MaxConns
 	}
+	cfg.ConnConfig.Tracer = opts.Tracer
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		tb.Fatalf("testdb: connect: %v", err)

@@ -1,0 +1,388 @@
+package ratelimit_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// overGrantRunWindow is seed 003's correctness test: burst 10, rate 10/s, cost 1, 64 goroutines on one
+// key for 3 s. decide makes one decision and reports whether it was granted and when (database
+// time). It returns the grants, those decided within 3 s of the first decision (database time,
+// the window of seed 003's "at most 40"), the errors, and the most the limit could have granted
+// between the first decision and the last grant: 10 + 10·elapsed.
+func overGrantRunWindow(t *testing.T, decide func(ctx context.Context) (ok bool, at time.Time, err error)) (allowed, in3s, errs int64, max float64) {
+	t.Helper()
+	const goroutines = 64
+	ctx := context.Background()
+	var (
+		mu        sync.Mutex
+		first     time.Time
+		lastGrant time.Time
+		grants    []time.Time
+		wg        sync.WaitGroup
+	)
+	deadline := time.Now().Add(3 * time.Second)
+	for g := 0; g < goroutines; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				ok, at, err := decide(ctx)
+				if err != nil {
+					atomic.AddInt64(&errs, 1)
+					continue
+				}
+				mu.Lock()
+				if first.IsZero() || at.Before(first) {
+					first = at
+				}
+				if ok {
+					allowed++
+					grants = append(grants, at)
+					if at.After(lastGrant) {
+						lastGrant = at
+					}
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	for _, at := range grants {
+		if at.Sub(first) <= 3*time.Second {
+			in3s++
+		}
+	}
+	max = 10 + 10*lastGrant.Sub(first).Seconds()
+	return allowed, in3s, errs, max
+}
+
+func overGrantLimiter(t *testing.T) (*pgxpool.Pool, *ratelimit.Limiter) {
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 32})
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"hot":    {Rate: 10, Period: time.Second, Capacity: 10},
+		"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},
+	}})
+	require.NoError(t, err)
+	return pool, lim
+}
+
+func requireNoOverGrant(t *testing.T, mode string, allowed, in3s, errs int64, max float64) {
+	t.Helper()
+	t.Logf("%s: allowed %d (%d within 3 s, seed 003 max 40), errors %d, max for the whole run %.2f", mode, allowed, in3s, errs, max)
+	require.LessOrEqual(t, float64(allowed), max, "%s over-granted", mode)
+	require.LessOrEqual(t, in3s, int64(40), "%s over-granted within 3 s", mode)
+	// Not vacuous: demand far above the rate must still be served close to the limit.
+	require.GreaterOrEqual(t, allowed, int64(25), "%s granted too little: the test did not exercise the limit", mode)
+}
+
+// (a) every decision on the pool, each its own statement.
+func TestOverGrantPool(t *testing.T) {
+	t.Parallel()
+	pool, lim := overGrantLimiter(t)
+	allowed, in3s, errs, max := overGrantRunWindow(t, func(ctx context.Context) (bool, time.Time, error) {
+		r, err := lim.Limit(ctx, pool, "hot", "k", nil)
+		return r.OK, r.Time, err
+	})
+	require.Zero(t, errs)
+	requireNoOverGrant(t, "pool", allowed, in3s, errs, max)
+}
+
+// (b) every decision in its own SERIALIZABLE transaction through InSerializableTx. Errors are
+// retries that ran out: they fail closed and count as denials.
+func TestOverGrantSerializable(t *testing.T) {
+	t.Parallel()
+	pool, lim := overGrantLimiter(t)
+	allowed, in3s, errs, max := overGrantRunWindow(t, func(ctx context.Context) (bool, time.Time, error) {
+		var r ratelimit.Result
+		err := ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			r, err = lim.Limit(ctx, tx, "hot", "k", nil)
+			return err
+		})
+		return r.OK, r.Time, err
+	})
+	requireNoOverGrant(t, "serializable", allowed, in3s, errs, max)
+}
+
+// (c) two limits taken together, all-or-nothing, in opposite orders by half the callers.
+func TestOverGrantMany(t *testing.T) {
+	t.Parallel()
+	pool, lim := overGrantLimiter(t)
+	var n atomic.Int64
+	allowed, in3s, errs, max := overGrantRunWindow(t, func(ctx context.Context) (bool, time.Time, error) {
+		reqs := []ratelimit.Request{{Name: "hot", Key: "k"}, {Name: "hotToo", Key: "k"}}
+		if n.Add(1)%2 == 0 {
+			reqs[0], reqs[1] = reqs[1], reqs[0]
+		}
+		m, err := lim.LimitMany(ctx, pool, reqs, nil)
+		if err != nil {
+			return false, time.Time{}, err
+		}
+		return m.OK, m.Results[0].Time, nil
+	})
+	require.Zero(t, errs)
+	requireNoOverGrant(t, "many", allowed, in3s, errs, max)
+	// All-or-nothing: both limits were charged exactly the same number of times.
+	a, err := lim.Value(context.Background(), pool, "hot", "k", nil)
+	require.NoError(t, err)
+	b, err := lim.Value(context.Background(), pool, "hotToo", "k", nil)
+	require.NoError(t, err)
+	require.InDelta(t, a.Value, b.Value, 0.05, "the two limits drifted apart: %v vs %v", a.Value, b.Value)
+}
+
+// Two goroutines take the same two limits in opposite order, 1,000 times each, each call inside
+// its own transaction that holds the locks until commit: never a deadlock (40P01).
+func TestOppositeOrderNoDeadlock(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"x": {Rate: 1e9, Period: time.Second},
+		"y": {Rate: 1e9, Period: time.Second, Shards: 2},
+	}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	orders := [][]ratelimit.Request{
+		{{Name: "x", Key: "k"}, {Name: "y", Key: "k"}},
+		{{Name: "y", Key: "k"}, {Name: "x", Key: "k"}},
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	for _, reqs := range orders {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 1000; i++ {
+				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					m, err := lim.LimitMany(ctx, tx, reqs, nil)
+					if err == nil && !m.OK {
+						t.Errorf("iteration %d denied", i)
+					}
+					return err
+				})
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("opposite-order LimitMany failed: %v", err)
+	}
+}
+
+// A denial visible from the lock-free read takes no row lock: it answers at once even while
+// another transaction holds the row, on the pool and inside SERIALIZABLE transactions.
+func TestFastDenialTakesNoLock(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"l": {Rate: 1, Period: time.Hour}}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = lim.Limit(ctx, pool, "l", "k", nil)
+	require.NoError(t, err)
+
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	testdb.LockRow(t, holder, "l", "k", 0)
+
+	quick, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	r, err := lim.Limit(quick, pool, "l", "k", nil)
+	require.NoError(t, err, "the denial waited for the row lock")
+	require.False(t, r.OK)
+
+	err = ratelimit.InSerializableTx(quick, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+		r, err = lim.Limit(ctx, tx, "l", "k", nil)
+		return err
+	})
+	require.NoError(t, err, "the SERIALIZABLE denial waited for the row lock")
+	require.False(t, r.OK)
+
+	// A grant does need the lock: with a reservation it waits, and times out here.
+	short, cancel2 := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel2()
+	_, err = lim.Limit(short, pool, "l", "k", &ratelimit.LimitOpts{Reserve: true})
+	require.Error(t, err, "a grant must wait for the row lock")
+}
+
+// SPEC §5/§7 "a denial writes nothing": the row's xmin is unchanged, whether the denial came from
+// the lock-free read or after waiting for the lock.
+func TestDenialWritesNothing(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	clock := &testClock{t: t0}
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"l":     {Rate: 2, Period: time.Hour, MaxReserved: 1},
+		"fresh": {Rate: 5, Period: time.Hour},
+	}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = lim.LimitN(ctx, pool, "l", "k", 2, nil)
+	require.NoError(t, err)
+	before, found := testdb.RowVersion(t, pool, "l", "k", 0)
+	require.True(t, found)
+
+	for i, opts := range []*ratelimit.LimitOpts{nil, {Reserve: true}} {
+		r, err := lim.LimitN(ctx, pool, "l", "k", 2, opts) // −2 is below −MaxReserved
+		require.NoError(t, err)
+		require.False(t, r.OK, "step %d", i)
+		after, _ := testdb.RowVersion(t, pool, "l", "k", 0)
+		require.Equal(t, before, after, "step %d: a fast denial wrote the row", i)
+	}
+
+	// A denial decided after the lock: the read sees tokens that a concurrent transaction is
+	// taking; the decision waits for its lock, re-reads, and denies.
+	require.NoError(t, lim.Reset(ctx, pool, "l", "k"))
+	_, err = lim.LimitN(ctx, pool, "l", "k", 1, nil)
+	require.NoError(t, err)
+	taker, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	r, err := lim.LimitN(ctx, taker, "l", "k", 1, nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	done := make(chan ratelimit.Result, 1)
+	go func() {
+		r, err := lim.LimitN(ctx, pool, "l", "k", 1, nil)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- r
+	}()
+	time.Sleep(200 * time.Millisecond) // let it read the row and queue on the lock
+	require.NoError(t, taker.Commit(ctx))
+	before, _ = testdb.RowVersion(t, pool, "l", "k", 0)
+	r = <-done
+	require.False(t, r.OK, "the waiting decision must see the committed consumption")
+	after, _ := testdb.RowVersion(t, pool, "l", "k", 0)
+	require.Equal(t, before, after, "a locked denial wrote the row")
+
+	// An all-or-nothing denial creates no row for the limits that would have been granted.
+	m, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "fresh", Key: "k"}, {Name: "l", Key: "k"}}, nil)
+	require.NoError(t, err)
+	require.False(t, m.OK)
+	_, found = testdb.RowVersion(t, pool, "fresh", "k", 0)
+	require.False(t, found, "a denied LimitMany created a row")
+}
+
+// SPEC §7: inside a transaction the limit commits or rolls back with the caller's work.
+func TestRollbackRestoresState(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	clock := &testClock{t: t0}
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"l": {Rate: 10, Period: time.Minute},
+		"m": {Rate: 4, Period: time.Minute, Shards: 2},
+	}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = lim.LimitN(ctx, pool, "l", "k", 3, nil)
+	require.NoError(t, err)
+	version, _ := testdb.RowVersion(t, pool, "l", "k", 0)
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	r, err := lim.LimitN(ctx, tx, "l", "k", 7, nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	m, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "m", Key: "k", Count: 3}, {Name: "l", Key: "other"}}, nil)
+	require.NoError(t, err)
+	require.True(t, m.OK)
+	inside, err := lim.Value(ctx, tx, "l", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 0.0, inside.Value, "the transaction sees its own consumption")
+	require.NoError(t, tx.Rollback(ctx))
+
+	st, err := lim.Value(ctx, pool, "l", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 7.0, st.Value)
+	after, _ := testdb.RowVersion(t, pool, "l", "k", 0)
+	require.Equal(t, version, after)
+	require.Equal(t, 1, testdb.CountRows(t, pool), "rows created in the transaction are gone")
+}
+
+// countingTracer counts the statements a connection sends.
+type countingTracer struct{ n atomic.Int64 }
+
+func (c *countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// SPEC §7: one decision = one SQL round trip. The documented exception: a call that involves two
+// or more rows and finds some missing first creates them full, then decides (two statements).
+func TestOneRoundTripPerDecision(t *testing.T) {
+	t.Parallel()
+	tracer := &countingTracer{}
+	pool := testdb.Pool(t, &testdb.Options{Tracer: tracer})
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"a": {Rate: 2, Period: time.Hour},
+		"b": {Rate: 5, Period: time.Hour, Shards: 4},
+		"w": {Kind: ratelimit.FixedWindow, Rate: 3, Period: time.Hour},
+	}})
+	require.NoError(t, err)
+	ratelimit.SetShardPicker(lim, func(int) (int, int) { return 0, 1 })
+	ctx := context.Background()
+	type call struct {
+		what string
+		n    int64
+		call func(db ratelimit.Executor) error
+	}
+	limit := func(name, key string, opts *ratelimit.LimitOpts) func(db ratelimit.Executor) error {
+		return func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, name, key, opts); return err }
+	}
+	many := func(reqs ...ratelimit.Request) func(db ratelimit.Executor) error {
+		return func(db ratelimit.Executor) error { _, err := lim.LimitMany(ctx, db, reqs, nil); return err }
+	}
+	onExisting := []call{
+		{"limit on an existing row", 1, limit("a", "k", nil)},
+		{"denial", 1, limit("a", "k", nil)},
+		{"reservation", 1, limit("a", "k", &ratelimit.LimitOpts{Reserve: true})},
+		{"check", 1, func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }},
+		{"fixed window", 1, limit("w", "k", nil)},
+		{"sharded, rows exist", 1, limit("b", "k", nil)},
+		{"many, rows exist", 1, many(ratelimit.Request{Name: "a", Key: "k", Reserve: true}, ratelimit.Request{Name: "w", Key: "k"})},
+		{"credit", 1, func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }},
+		{"value", 1, func(db ratelimit.Executor) error { _, err := lim.Value(ctx, db, "b", "k", nil); return err }},
+	}
+	calls := append([]call{
+		{"limit on a missing row", 1, limit("a", "k", nil)},
+		{"fixed window on a missing row", 1, limit("w", "k", nil)},
+		{"sharded, first use (documented exception)", 2, limit("b", "k", nil)},
+		{"many, a missing row (documented exception)", 2, many(ratelimit.Request{Name: "a", Key: "k"}, ratelimit.Request{Name: "w", Key: "new"})},
+	}, onExisting...)
+	calls = append(calls, call{"reset", 1, func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "b", "k") }})
+	for _, c := range calls {
+		before := tracer.n.Load()
+		require.NoError(t, c.call(pool), c.what)
+		require.Equal(t, c.n, tracer.n.Load()-before, "%s: statements on the pool", c.what)
+	}
+	// The same inside a transaction (BEGIN and COMMIT are the caller's).
+	require.NoError(t, lim.Reset(ctx, pool, "a", "k"))
+	_, err = lim.Limit(ctx, pool, "b", "k", nil)
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for _, c := range onExisting {
+			before := tracer.n.Load()
+			require.NoError(t, c.call(tx), c.what)
+			require.Equal(t, c.n, tracer.n.Load()-before, "%s: statements in a transaction", c.what)
+		}
+		return nil
+	}))
+}
