@@ -45,8 +45,8 @@
 // A call that involves a single row (one unsharded limit) inserts it if it is missing; if a
 // concurrent caller created it first, the statement writes nothing and the Limiter runs it again at
 // once (a second round trip, only in that race). A call that involves two or more rows (a sharded
-// limit, LimitMany) and finds some missing takes no lock: it creates the missing rows full, which is
-// the same as missing, in the global order, and runs again. So the first call on fresh rows of a
+// limit, LimitMany) and finds some missing takes no lock: it creates the missing rows full, stamped
+// so that they evaluate exactly as missing rows at any instant, in the global order, and runs again. So the first call on fresh rows of a
 // multi-row decision costs two statements, and every multi-row decision locks rows that all exist,
 // in one global order: concurrent calls never deadlock and no race leaves part of it written.
 //

@@ -143,9 +143,10 @@ w AS MATERIALIZED (
 ),
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT sn.name, sn.key, sn.shard, e.lv, 'epoch'::timestamptz + e.ts_us * interval '1 microsecond'
+    SELECT sn.name, sn.key, sn.shard, r.cap,
+           'epoch'::timestamptz + (CASE WHEN r.kind = 0 THEN 0 ELSE r.anchor_us END) * interval '1 microsecond'
     FROM snap sn
-    JOIN ev e ON e.idx = sn.idx AND e.slot = sn.slot
+    JOIN req r ON r.idx = sn.idx
     WHERE sn.value IS NULL AND (SELECT prefill FROM gate)
     ORDER BY sn.name, sn.key, sn.shard
     ON CONFLICT DO NOTHING
@@ -243,13 +244,16 @@ type DecideRow struct {
 //     whose row is missing inserts it ON CONFLICT DO NOTHING instead; if a concurrent caller
 //     created it meanwhile, nothing is written and the status asks for a re-run (status 3).
 //  5. A call that involves two or more rows, some of them missing, locks nothing: it only
-//     creates the missing rows full (the same as missing), in the global order, and asks for a
+//     creates the missing rows full (evaluating exactly as missing), in the global order, and asks for a
 //     re-run (status 3). Locking existing rows and then inserting others would break the global
 //     lock order across concurrent calls (and deadlock); this way every multi-row decision locks
 //     rows that all exist, in one order, and no race can leave part of it written.
 //
 // Status: 0 granted and written, 1 denied, 2 decided without writing (dry run or fast denial),
 // 3 re-run needed.
+// A full row stamped at the epoch (token bucket) or at the grid's anchor (fixed window) evaluates
+// exactly like a missing row at any later instant: it holds cap, and ts' is now or the start of
+// the current window.
 func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]DecideRow, error) {
 	rows, err := db.Query(ctx, decide,
 		arg.Now,

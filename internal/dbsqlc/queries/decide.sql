@@ -12,7 +12,7 @@
 --      whose row is missing inserts it ON CONFLICT DO NOTHING instead; if a concurrent caller
 --      created it meanwhile, nothing is written and the status asks for a re-run (status 3).
 --   5. A call that involves two or more rows, some of them missing, locks nothing: it only
---      creates the missing rows full (the same as missing), in the global order, and asks for a
+--      creates the missing rows full (evaluating exactly as missing), in the global order, and asks for a
 --      re-run (status 3). Locking existing rows and then inserting others would break the global
 --      lock order across concurrent calls (and deadlock); this way every multi-row decision locks
 --      rows that all exist, in one order, and no race can leave part of it written.
@@ -147,11 +147,15 @@ w AS MATERIALIZED (
              AND ((e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3)))
     WHERE (SELECT locking AND granted AND NOT vanished FROM verdict)
 ),
+-- A full row stamped at the epoch (token bucket) or at the grid's anchor (fixed window) evaluates
+-- exactly like a missing row at any later instant: it holds cap, and ts' is now or the start of
+-- the current window.
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT sn.name, sn.key, sn.shard, e.lv, 'epoch'::timestamptz + e.ts_us * interval '1 microsecond'
+    SELECT sn.name, sn.key, sn.shard, r.cap,
+           'epoch'::timestamptz + (CASE WHEN r.kind = 0 THEN 0 ELSE r.anchor_us END) * interval '1 microsecond'
     FROM snap sn
-    JOIN ev e ON e.idx = sn.idx AND e.slot = sn.slot
+    JOIN req r ON r.idx = sn.idx
     WHERE sn.value IS NULL AND (SELECT prefill FROM gate)
     ORDER BY sn.name, sn.key, sn.shard
     ON CONFLICT DO NOTHING
