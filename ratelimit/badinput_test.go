@@ -1,0 +1,118 @@
+package ratelimit_test
+
+import (
+	"context"
+	"errors"
+	"math"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// SPEC §5: bad input gets a clear, typed error naming what is wrong, and nothing is written.
+func TestBadInputs(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	ctx := context.Background()
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"ok":      {Rate: 10, Period: time.Second},
+		"bounded": {Rate: 10, Period: time.Second, MaxReserved: 5},
+		"sharded": {Rate: 8, Period: time.Second, Shards: 4}, // two shards hold 4 together
+	}})
+	require.NoError(t, err)
+	cfg := func(c ratelimit.Config) *ratelimit.LimitOpts { return &ratelimit.LimitOpts{Config: &c} }
+	limitN := func(name, key string, n float64, opts *ratelimit.LimitOpts) func() error {
+		return func() error { _, err := lim.LimitN(ctx, pool, name, key, n, opts); return err }
+	}
+	var nilPool *pgxpool.Pool
+
+	type badInput struct {
+		what string
+		call func() error
+		// want is the error type and the words it must contain (the field or argument named).
+		wantConfig, wantArg, wantUnknown bool
+		contains                         string
+	}
+	cases := []badInput{
+		{what: "count NaN", call: limitN("ok", "k", math.NaN(), nil), wantArg: true, contains: "count must be finite"},
+		{what: "count +Inf", call: limitN("ok", "k", math.Inf(1), nil), wantArg: true, contains: "count must be finite"},
+		{what: "count -Inf", call: limitN("ok", "k", math.Inf(-1), nil), wantArg: true, contains: "count must be finite"},
+		{what: "count negative", call: limitN("ok", "k", -1, nil), wantArg: true, contains: "count must be > 0"},
+		{what: "count zero", call: limitN("ok", "k", 0, nil), wantArg: true, contains: "count must be > 0"},
+		{what: "count above MaxAmount", call: limitN("ok", "k", 1e16, &ratelimit.LimitOpts{Reserve: true}), wantArg: true, contains: "MaxAmount"},
+		{what: "count above capacity without reserve", call: limitN("ok", "k", 11, nil), wantArg: true, contains: "could never be granted"},
+		{what: "count above capacity + MaxReserved", call: limitN("bounded", "k", 15.5, &ratelimit.LimitOpts{Reserve: true}), wantArg: true, contains: "plus MaxReserved"},
+		{what: "count above two shards", call: limitN("sharded", "k", 4.5, nil), wantArg: true, contains: "two shards"},
+		{what: "check count above capacity", call: func() error { _, err := lim.CheckN(ctx, pool, "ok", "k", 20, nil); return err }, wantArg: true, contains: "could never be granted"},
+		{what: "empty name", call: limitN("", "k", 1, nil), wantArg: true, contains: "name must not be empty"},
+		{what: "over-long name", call: limitN(strings.Repeat("n", ratelimit.MaxNameLen+1), "k", 1, nil), wantArg: true, contains: "MaxNameLen"},
+		{what: "name with NUL", call: limitN("o\x00k", "k", 1, nil), wantArg: true, contains: "NUL"},
+		{what: "name not UTF-8", call: limitN("ok\xff", "k", 1, nil), wantArg: true, contains: "UTF-8"},
+		{what: "over-long key", call: limitN("ok", strings.Repeat("k", ratelimit.MaxKeyLen+1), 1, nil), wantArg: true, contains: "MaxKeyLen"},
+		{what: "key with NUL", call: limitN("ok", "a\x00b", 1, nil), wantArg: true, contains: "NUL"},
+		{what: "key not UTF-8", call: limitN("ok", "\xc3\x28", 1, nil), wantArg: true, contains: "UTF-8"},
+		{what: "unknown name", call: limitN("nope", "k", 1, nil), wantUnknown: true, contains: `"nope"`},
+		{what: "rate zero", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Period: time.Second})), wantConfig: true, contains: "Config.Rate must be > 0"},
+		{what: "rate negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: -1, Period: time.Second})), wantConfig: true, contains: "Config.Rate must not be negative"},
+		{what: "rate NaN", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: math.NaN(), Period: time.Second})), wantConfig: true, contains: "Config.Rate must be finite"},
+		{what: "rate +Inf", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: math.Inf(1), Period: time.Second})), wantConfig: true, contains: "Config.Rate must be finite"},
+		{what: "period zero", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1})), wantConfig: true, contains: "Config.Period must be > 0"},
+		{what: "period negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: -time.Second})), wantConfig: true, contains: "Config.Period must be > 0"},
+		{what: "period below a microsecond", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: 1500 * time.Nanosecond})), wantConfig: true, contains: "whole number of microseconds"},
+		{what: "capacity negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: -2})), wantConfig: true, contains: "Config.Capacity"},
+		{what: "capacity NaN", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: math.NaN()})), wantConfig: true, contains: "Config.Capacity"},
+		{what: "maxReserved negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: -1})), wantConfig: true, contains: "Config.MaxReserved"},
+		{what: "maxReserved +Inf", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: math.Inf(1)})), wantConfig: true, contains: "Config.MaxReserved"},
+		{what: "shards negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Shards: -1})), wantConfig: true, contains: "Config.Shards"},
+		{what: "shards too many", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Shards: ratelimit.MaxShards + 1})), wantConfig: true, contains: "Config.Shards"},
+		{what: "unknown kind", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Kind: 7, Rate: 1, Period: time.Second})), wantConfig: true, contains: "Config.Kind"},
+		{what: "Start on a token bucket", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Start: t0})), wantConfig: true, contains: "Config.Start"},
+		{what: "nil executor", call: func() error { _, err := lim.Limit(ctx, nil, "ok", "k", nil); return err }, wantArg: true, contains: "db is nil"},
+		{what: "typed nil pool", call: func() error { _, err := lim.Limit(ctx, nilPool, "ok", "k", nil); return err }, wantArg: true, contains: "nil *pgxpool.Pool"},
+		{what: "many: no requests", call: func() error { _, err := lim.LimitMany(ctx, pool, nil, nil); return err }, wantArg: true, contains: "requests must not be empty"},
+		{what: "many: the same limit twice", call: func() error {
+			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}, {Name: "ok", Key: "k"}}, nil)
+			return err
+		}, wantArg: true, contains: "appears twice"},
+		{what: "many: negative count", call: func() error {
+			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}, {Name: "bounded", Key: "k", Count: -3}}, nil)
+			return err
+		}, wantArg: true, contains: "count must be > 0"},
+		{what: "credit NaN", call: func() error { _, err := lim.Credit(ctx, pool, "ok", "k", math.NaN(), nil); return err }, wantArg: true, contains: "count must be finite"},
+		{what: "credit zero", call: func() error { _, err := lim.Credit(ctx, pool, "ok", "k", 0, nil); return err }, wantArg: true, contains: "count must be > 0"},
+		{what: "value of an unknown name", call: func() error { _, err := lim.Value(ctx, pool, "nope", "k", nil); return err }, wantUnknown: true, contains: `"nope"`},
+		{what: "reset with an over-long key", call: func() error { return lim.Reset(ctx, pool, "ok", strings.Repeat("x", 2000)) }, wantArg: true, contains: "MaxKeyLen"},
+		{what: "New with a bad config", call: func() error {
+			_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"x": {Rate: 1}}})
+			return err
+		}, wantConfig: true, contains: `limit "x": Config.Period`},
+		{what: "New with an empty name", call: func() error {
+			_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"": {Rate: 1, Period: time.Second}}})
+			return err
+		}, wantArg: true, contains: "name must not be empty"},
+	}
+	require.GreaterOrEqual(t, len(cases), 20)
+	for _, c := range cases {
+		err := c.call()
+		require.Error(t, err, c.what)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid, "%s: %v", c.what, err)
+		var (
+			ce *ratelimit.ConfigError
+			ae *ratelimit.ArgumentError
+			ue *ratelimit.UnknownLimitError
+		)
+		require.Equal(t, c.wantConfig, errorsAs(err, &ce), "%s: %T %v", c.what, err, err)
+		require.Equal(t, c.wantArg, errorsAs(err, &ae), "%s: %T %v", c.what, err, err)
+		require.Equal(t, c.wantUnknown, errorsAs(err, &ue), "%s: %T %v", c.what, err, err)
+		require.Contains(t, err.Error(), c.contains, c.what)
+		require.Zero(t, testdb.CountRows(t, pool), "%s wrote a row", c.what)
+	}
+}
+
+func errorsAs[T error](err error, target *T) bool { return errors.As(err, target) }
