@@ -192,3 +192,41 @@ func NewSchema(tb testing.TB) string {
 	})
 	return schema
 }
+
+// ForExample is Pool for runnable examples, which have no testing.TB: it returns a pool on a
+// fresh migrated schema and a function that closes it and drops the schema. It panics when no
+// database can be found, with the same message a test would fail with.
+func ForExample() (*pgxpool.Pool, func()) {
+	dsnOnce.Do(func() { dsn, dsnFrom, dsnErr = find() })
+	if dsnErr != nil {
+		panic(dsnErr)
+	}
+	ctx := context.Background()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	schema := "txlimit_example_" + hex.EncodeToString(b[:])
+	admin, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		panic(err)
+	}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		panic(err)
+	}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		panic(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		panic(err)
+	}
+	if err := migrations.Up(ctx, pool); err != nil {
+		panic(err)
+	}
+	return pool, func() {
+		pool.Close()
+		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
+		_ = admin.Close(ctx)
+	}
+}
