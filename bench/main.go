@@ -1,0 +1,212 @@
+// Command bench measures txlimit side by side with a Redis Lua token bucket, a naive SERIALIZABLE
+// read-modify-write in Postgres and golang.org/x/time/rate in memory, in one run on one machine, and
+// writes docs/bench.md and docs/bench.svg.
+//
+//	cd bench && go run . -quick   # make bench: under 2 minutes
+//	cd bench && go run .          # make bench-full: under 15 minutes
+//
+// Postgres: BENCH_DATABASE_URL, else TEST_DATABASE_URL, else
+// postgres://postgres@localhost:5432/test?sslmode=disable. The run creates schema txlimit_bench,
+// migrates it and drops it at the end. Redis: BENCH_REDIS_ADDR, else 127.0.0.1:6379; when it does not
+// answer, the Redis contender is skipped. Each contender is one contender_*.go file.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Mode is a set of durations.
+type Mode struct {
+	Name string
+	// Cell is how long each throughput cell runs after its warm-up.
+	Cell time.Duration
+	// Shard is how long each run of the 1-vs-16-shards SERIALIZABLE comparison lasts.
+	Shard time.Duration
+	// OverGrant is the over-grant test's window: seed 003's 3 s in every mode.
+	OverGrant time.Duration
+}
+
+var (
+	quickMode = Mode{Name: "quick", Cell: 500 * time.Millisecond, Shard: 2 * time.Second, OverGrant: 3 * time.Second}
+	fullMode  = Mode{Name: "full", Cell: 3 * time.Second, Shard: 10 * time.Second, OverGrant: 3 * time.Second}
+)
+
+// Bounds that keep every loop finite whatever the speed of the contender.
+const (
+	maxPerCaller = 20_000_000
+	// overGrantCallers is seed 003's goroutine count.
+	overGrantCallers = 64
+)
+
+var callerCounts = []int{1, 16, 64}
+
+func main() {
+	quick := flag.Bool("quick", false, "quick mode (make bench): shorter cells, under 2 minutes")
+	mdPath := flag.String("md", filepath.Join("..", "docs", "bench.md"), "markdown report to write")
+	svgPath := flag.String("svg", filepath.Join("..", "docs", "bench.svg"), "picture to write")
+	only := flag.String("contenders", "", "comma-separated contender IDs to run (default: all)")
+	cell := flag.Duration("cell", 0, "override the duration of each throughput cell")
+	flag.Parse()
+
+	mode := fullMode
+	if *quick {
+		mode = quickMode
+	}
+	if *cell > 0 {
+		mode.Cell = *cell
+		mode.Name += fmt.Sprintf(", cells of %s", *cell)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, mode, *only, *mdPath, *svgPath); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+// Report is everything a run measured.
+type Report struct {
+	Mode      Mode
+	Command   string
+	Started   time.Time
+	WallTime  time.Duration
+	Machine   []string
+	Defs      []*Def
+	Skipped   map[string]string // contender ID -> why
+	Results   []*Result
+	Shards    []*Result // the 1-vs-16-shard SERIALIZABLE comparison
+	OverGrant []*OverGrant
+}
+
+func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
+	rep := &Report{Mode: mode, Started: time.Now(), Skipped: map[string]string{}}
+	rep.Command = "cd bench && go run ."
+	if mode.Name == quickMode.Name {
+		rep.Command = "cd bench && go run . -quick"
+	}
+	env, closeEnv, err := OpenEnv(ctx, EnvOpts{Schema: "txlimit_bench"})
+	if err != nil {
+		return err
+	}
+	defer closeEnv()
+	rep.Machine = machine(ctx, env)
+
+	var wanted []string
+	if only != "" {
+		wanted = strings.Split(only, ",")
+	}
+	contenders := map[string]Contender{}
+	for _, def := range Defs() {
+		if wanted != nil && !slices.Contains(wanted, def.ID) {
+			continue
+		}
+		c, err := def.New(ctx, env)
+		var skip *SkipError
+		switch {
+		case errors.As(err, &skip):
+			rep.Skipped[def.ID] = skip.Reason
+			fmt.Fprintf(os.Stderr, "SKIP %s: %s\n", def.Name, skip.Reason)
+			continue
+		case err != nil:
+			return fmt.Errorf("%s: %w", def.Name, err)
+		}
+		defer c.Close()
+		contenders[def.ID] = c
+		rep.Defs = append(rep.Defs, def)
+	}
+	if len(rep.Defs) == 0 {
+		return errors.New("no contender to run")
+	}
+
+	var cells []Cell
+	for _, lim := range []Limit{limitAllow, limitDeny} {
+		for _, sc := range []Scenario{HotKey, PerUser} {
+			for _, n := range callerCounts {
+				cells = append(cells, Cell{Scenario: sc, Limit: lim, Callers: n})
+			}
+		}
+	}
+	total, done := len(cells)*len(rep.Defs), 0
+	for ci, cell := range cells {
+		for _, def := range rep.Defs {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			done++
+			r := RunCell(ctx, env, def, contenders[def.ID], cell, RunOpts{
+				Duration: mode.Cell, MaxPerCaller: maxPerCaller, Tag: fmt.Sprintf("c%d-%s", ci, def.ID),
+			})
+			rep.Results = append(rep.Results, r)
+			progress(fmt.Sprintf("[%d/%d]", done, total), r)
+		}
+	}
+
+	// Issue 3: one hot limit, 64 callers, each decision in its own SERIALIZABLE transaction.
+	for i, id := range []string{"txlimit-ser", "txlimit-16-ser"} {
+		def := findDef(rep.Defs, id)
+		if def == nil {
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		cell := Cell{Scenario: HotKey, Limit: limitAllow, Callers: 64}
+		r := RunCell(ctx, env, def, contenders[id], cell, RunOpts{
+			Duration: mode.Shard, MaxPerCaller: maxPerCaller, Tag: fmt.Sprintf("shards%d", i),
+		})
+		rep.Shards = append(rep.Shards, r)
+		progress("[shards]", r)
+	}
+
+	for _, def := range rep.Defs {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		o := RunOverGrant(ctx, contenders[def.ID], def, limitOverGrant, "overgrant/"+def.ID, overGrantCallers, mode.OverGrant)
+		rep.OverGrant = append(rep.OverGrant, o)
+		fmt.Fprintf(os.Stderr, "[over-grant] %-38s decisions %7d allowed %3d max %3d (span %s) errors %d\n",
+			def.Name, o.Decisions, o.Allowed, o.Max, o.Span.Round(time.Millisecond), o.Errors)
+	}
+
+	rep.WallTime = time.Since(rep.Started)
+	if err := os.WriteFile(mdPath, []byte(rep.Markdown()), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(svgPath, []byte(rep.SVG()), 0o644); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "wrote %s and %s in %s\n", mdPath, svgPath, rep.WallTime.Round(time.Second))
+	return nil
+}
+
+func findDef(defs []*Def, id string) *Def {
+	for _, d := range defs {
+		if d.ID == id {
+			return d
+		}
+	}
+	return nil
+}
+
+func progress(prefix string, r *Result) {
+	line := fmt.Sprintf("%s %-8s %-11s %2d callers  %-38s %10s/s  p50 %8s  p99 %8s",
+		prefix, r.Cell.Scenario, r.Cell.Mix(), r.Cell.Callers, r.Def.Name,
+		fmtRate(r.PerSecond()), fmtDur(r.P50), fmtDur(r.P99))
+	if r.Retries > 0 {
+		line += fmt.Sprintf("  retries/dec %.2f", r.perDecision(r.Retries))
+	}
+	if r.Errors > 0 {
+		line += fmt.Sprintf("  errors %d (first: %v)", r.Errors, r.FirstErr)
+	}
+	fmt.Fprintln(os.Stderr, line)
+}

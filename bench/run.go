@@ -1,0 +1,340 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"sync"
+	"time"
+)
+
+// Scenario is where the callers' keys fall.
+type Scenario string
+
+const (
+	HotKey  Scenario = "hot key"  // every caller uses one key: the most contention
+	PerUser Scenario = "per user" // each caller has its own key: no contention
+)
+
+// Cell is one measurement: a contender, a scenario, a limit (the mix) and a number of callers.
+type Cell struct {
+	Scenario Scenario
+	Limit    Limit
+	Callers  int
+}
+
+// Mix names the cell's decision mix.
+func (c Cell) Mix() string {
+	if c.Limit.Name == limitAllow.Name {
+		return "allow-heavy"
+	}
+	return "deny-heavy"
+}
+
+// Result holds the figures of one cell for one contender.
+type Result struct {
+	Def  *Def
+	Cell Cell
+	// Decisions counts the decisions that returned (granted or denied); Errors those that failed.
+	Decisions, Allowed, Errors, Retries int64
+	// Abandoned counts decisions given up between two attempts when the window closed.
+	Abandoned int64
+	FirstErr  error
+	Elapsed   time.Duration
+	P50, P99  time.Duration
+	// Trips counts round trips (Postgres statements or Redis commands); -1 when not applicable.
+	Trips int64
+	// WAL is the bytes of WAL Postgres wrote while the cell ran; -1 when not measured.
+	WAL int64
+}
+
+// PerSecond is the throughput in decisions per second.
+func (r *Result) PerSecond() float64 {
+	if r.Elapsed <= 0 {
+		return 0
+	}
+	return float64(r.Decisions) / r.Elapsed.Seconds()
+}
+
+func (r *Result) perDecision(n int64) float64 {
+	if r.Decisions == 0 {
+		return math.NaN()
+	}
+	return float64(n) / float64(r.Decisions)
+}
+
+// RunOpts bound a cell.
+type RunOpts struct {
+	// Duration is how long callers keep issuing decisions after the warm-up.
+	Duration time.Duration
+	// MaxPerCaller bounds the decisions of each caller.
+	MaxPerCaller int
+	// Tag makes the cell's keys unique in the run.
+	Tag string
+}
+
+// keysFor returns the key each caller uses.
+func keysFor(cell Cell, tag string) []string {
+	keys := make([]string, cell.Callers)
+	for i := range keys {
+		if cell.Scenario == HotKey {
+			keys[i] = tag + "/hot"
+		} else {
+			keys[i] = fmt.Sprintf("%s/user-%d", tag, i)
+		}
+	}
+	return keys
+}
+
+// RunCell measures one contender in one cell. Every caller first makes one decision (warm-up: rows
+// created, statements prepared, connections opened), then all decide in a loop until the duration
+// or their count is up. Counters and WAL cover the timed loop only.
+func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, opts RunOpts) *Result {
+	res := &Result{Def: def, Cell: cell, Trips: -1, WAL: -1}
+	keys := keysFor(cell, opts.Tag)
+	ctx, cancel := context.WithTimeout(ctx, opts.Duration+time.Minute)
+	defer cancel()
+
+	var wg sync.WaitGroup
+	for i := range keys {
+		wg.Go(func() { _, _ = c.Decide(ctx, cell.Limit.Name, keys[i]) })
+	}
+	wg.Wait()
+
+	var lsn0 string
+	if def.Family.OnPostgres() {
+		if l, err := walLSN(ctx, env.Pool); err == nil {
+			lsn0 = l
+		}
+	}
+	trips := func() int64 {
+		switch {
+		case def.Family.OnPostgres():
+			return env.PGTrips.Load()
+		case def.Family == FamilyRedis:
+			return env.RedisTrips.Load()
+		}
+		return 0
+	}
+	trips0 := trips()
+
+	type tally struct {
+		decisions, allowed, errors, retries, abandoned int64
+		firstErr                                       error
+		h                                              histogram
+	}
+	tallies := make([]tally, len(keys))
+	start := time.Now()
+	deadline := start.Add(opts.Duration)
+	stopCtx := WithStop(ctx, deadline)
+	for i := range keys {
+		wg.Go(func() {
+			t := &tallies[i]
+			for n := 0; n < opts.MaxPerCaller && ctx.Err() == nil; n++ {
+				t0 := time.Now()
+				if !t0.Before(deadline) {
+					return
+				}
+				d, err := c.Decide(stopCtx, cell.Limit.Name, keys[i])
+				if errors.Is(err, ErrStopped) {
+					t.abandoned++
+					continue
+				}
+				t.retries += int64(d.Retries)
+				if err != nil {
+					t.errors++
+					if t.firstErr == nil {
+						t.firstErr = err
+					}
+					continue
+				}
+				t.h.add(time.Since(t0))
+				t.decisions++
+				if d.Allowed {
+					t.allowed++
+				}
+			}
+		})
+	}
+	wg.Wait()
+	res.Elapsed = time.Since(start)
+
+	if def.Family.OnPostgres() || def.Family == FamilyRedis {
+		res.Trips = trips() - trips0
+	}
+	if lsn0 != "" {
+		if lsn1, err := walLSN(ctx, env.Pool); err == nil {
+			if n, err := walDiff(ctx, env.Pool, lsn0, lsn1); err == nil {
+				res.WAL = n
+			}
+		}
+	}
+	var h histogram
+	for i := range tallies {
+		t := &tallies[i]
+		res.Decisions += t.decisions
+		res.Allowed += t.allowed
+		res.Errors += t.errors
+		res.Retries += t.retries
+		res.Abandoned += t.abandoned
+		if res.FirstErr == nil {
+			res.FirstErr = t.firstErr
+		}
+		h.merge(&t.h)
+	}
+	res.P50, res.P99 = h.quantile(0.50), h.quantile(0.99)
+	return res
+}
+
+// OverGrant is the outcome of seed 003's correctness test for one contender.
+type OverGrant struct {
+	Def                        *Def
+	Decisions, Allowed, Errors int64
+	Retries, Abandoned         int64
+	FirstErr                   error
+	Window                     time.Duration // how long callers issued decisions
+	Span                       time.Duration // first to last decision time, on the decider's clock
+	Max                        int64         // Burst + Rate·Span, rounded down
+	Nominal                    int64         // Burst + Rate·Window: 40 for seed 003's 3 s
+	firstAt, lastAt            time.Time
+}
+
+// OverGrantPct is (allowed - max)/max in percent: > 0 is over-grant, < 0 under-grant.
+func (o *OverGrant) OverGrantPct() float64 {
+	if o.Max == 0 {
+		return math.NaN()
+	}
+	return 100 * float64(o.Allowed-o.Max) / float64(o.Max)
+}
+
+// RunOverGrant hammers one fresh key of limit with callers goroutines for window and counts grants.
+// A bucket that starts full can grant at most Burst + Rate·t within any t after its first
+// decision, so the bound is taken over Span: the first to the last decision time on the decider's
+// own clock. Callers stop issuing at window; a decision still in flight then (e.g. in a
+// serialization-retry backoff) can make Span a little longer than window, and Max then says so.
+func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key string, callers int, window time.Duration) *OverGrant {
+	ctx, cancel := context.WithTimeout(ctx, window+time.Minute)
+	defer cancel()
+	type tally struct {
+		decisions, allowed, errors, retries, abandoned int64
+		firstErr                                       error
+		first, last                                    time.Time
+	}
+	tallies := make([]tally, callers)
+	var wg sync.WaitGroup
+	start := time.Now()
+	deadline := start.Add(window)
+	ctx = WithStop(ctx, deadline)
+	for i := range tallies {
+		wg.Go(func() {
+			t := &tallies[i]
+			for n := 0; n < 50_000_000 && ctx.Err() == nil && time.Now().Before(deadline); n++ {
+				d, err := c.Decide(ctx, limit.Name, key)
+				if errors.Is(err, ErrStopped) {
+					t.abandoned++
+					continue
+				}
+				t.retries += int64(d.Retries)
+				if err != nil {
+					t.errors++
+					if t.firstErr == nil {
+						t.firstErr = err
+					}
+					continue
+				}
+				t.decisions++
+				if d.Allowed {
+					t.allowed++
+				}
+				if t.first.IsZero() || d.At.Before(t.first) {
+					t.first = d.At
+				}
+				if d.At.After(t.last) {
+					t.last = d.At
+				}
+			}
+		})
+	}
+	wg.Wait()
+	o := &OverGrant{Def: def, Window: window}
+	for i := range tallies {
+		t := &tallies[i]
+		o.Decisions += t.decisions
+		o.Allowed += t.allowed
+		o.Errors += t.errors
+		o.Retries += t.retries
+		o.Abandoned += t.abandoned
+		if o.FirstErr == nil {
+			o.FirstErr = t.firstErr
+		}
+		if !t.first.IsZero() && (o.firstAt.IsZero() || t.first.Before(o.firstAt)) {
+			o.firstAt = t.first
+		}
+		if t.last.After(o.lastAt) {
+			o.lastAt = t.last
+		}
+	}
+	if !o.firstAt.IsZero() {
+		o.Span = o.lastAt.Sub(o.firstAt)
+	}
+	// The small epsilon absorbs float rounding in Rate·Span; it never adds a whole token.
+	o.Max = int64(math.Floor(limit.Burst + limit.PerSecond()*o.Span.Seconds() + 1e-9))
+	o.Nominal = int64(math.Floor(limit.Burst + limit.PerSecond()*window.Seconds() + 1e-9))
+	return o
+}
+
+// histogram records durations in buckets 1/32 of a power of two wide (about 3% precision).
+type histogram struct {
+	counts [40 * 32]uint64
+	n      uint64
+}
+
+func bucketOf(ns uint64) int {
+	if ns < 64 {
+		return int(ns)
+	}
+	e := bits.Len64(ns) - 6 // ns>>e is in [32, 64)
+	return (e+1)*32 + int(ns>>e) - 32
+}
+
+func bucketMid(i int) uint64 {
+	if i < 64 {
+		return uint64(i)
+	}
+	e := i/32 - 1
+	lo := uint64(i%32+32) << e
+	return lo + (uint64(1)<<e)/2
+}
+
+func (h *histogram) add(d time.Duration) {
+	i := bucketOf(uint64(max(d, 0)))
+	if i >= len(h.counts) {
+		i = len(h.counts) - 1
+	}
+	h.counts[i]++
+	h.n++
+}
+
+func (h *histogram) merge(o *histogram) {
+	for i, c := range o.counts {
+		h.counts[i] += c
+	}
+	h.n += o.n
+}
+
+func (h *histogram) quantile(q float64) time.Duration {
+	if h.n == 0 {
+		return 0
+	}
+	rank := uint64(math.Ceil(q * float64(h.n)))
+	var seen uint64
+	for i, c := range h.counts {
+		seen += c
+		if seen >= rank && c > 0 {
+			return time.Duration(bucketMid(i))
+		}
+	}
+	return 0
+}
