@@ -23,7 +23,7 @@ func TestReadmeQuotesTheQuickstartExample(t *testing.T) {
 	}
 	_, body, _ := strings.Cut(string(example), "func Example_quickstart() {\n")
 	body, _, _ = strings.Cut(body, "\n}\n")
-	if !strings.Contains(body, quote) {
+	if !strings.Contains(body, strings.TrimSuffix(quote, "\n")) {
 		t.Fatalf("README.md's quickstart is not a verbatim part of Example_quickstart; update the README from ratelimit/example_test.go.\nREADME quote:\n%s", quote)
 	}
 }
