@@ -18,8 +18,8 @@ demo: ## Run the runnable examples (migrates; needs Postgres, see README).
 	$(GO) run ./examples/demo
 
 .PHONY: test
-test: ## Run every test with the race detector (needs Postgres, see README).
-	$(GO) test -race -count=1 -timeout 15m ./...
+test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).
+	$(GO) test -race -count=1 -p 1 -timeout 15m ./...
 
 .PHONY: lint
 lint: ## gofmt and go vet over every module.

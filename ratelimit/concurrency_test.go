@@ -39,7 +39,9 @@ func overGrantRunWindow(t *testing.T, decide func(ctx context.Context) (ok bool,
 			for time.Now().Before(deadline) {
 				ok, at, err := decide(ctx)
 				if err != nil {
-					atomic.AddInt64(&errs, 1)
+					if atomic.AddInt64(&errs, 1) == 1 {
+						t.Logf("first error: %v", err)
+					}
 					continue
 				}
 				mu.Lock()
@@ -68,7 +70,7 @@ func overGrantRunWindow(t *testing.T, decide func(ctx context.Context) (ok bool,
 }
 
 func overGrantLimiter(t *testing.T) (*pgxpool.Pool, *ratelimit.Limiter) {
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 32})
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16})
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		"hot":    {Rate: 10, Period: time.Second, Capacity: 10},
 		"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},

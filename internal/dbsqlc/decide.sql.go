@@ -17,19 +17,20 @@ WITH clock AS MATERIALIZED (
 ),
 req AS MATERIALIZED (
     SELECT i::bigint AS idx,
-           ($2::text[])[i] AS name,
-           ($3::text[])[i] AS key,
-           ($4::double precision[])[i] AS count,
-           ($5::smallint[])[i] AS kind,
-           ($6::double precision[])[i] AS rate,
-           ($7::bigint[])[i] AS period_us,
-           ($8::double precision[])[i] AS cap,
-           ($9::double precision[])[i] AS max_reserved,
-           ($10::boolean[])[i] AS reserve,
-           ($11::bigint[])[i] AS anchor_us,
-           ($12::integer[])[i] AS shard_a,
-           ($13::integer[])[i] AS shard_b
-    FROM generate_subscripts($2::text[], 1) AS i
+           name,
+           ($2::text[])[i] AS key,
+           ($3::double precision[])[i] AS count,
+           ($4::smallint[])[i] AS kind,
+           ($5::double precision[])[i] AS rate,
+           ($6::bigint[])[i] AS period_us,
+           ($7::double precision[])[i] AS cap,
+           ($8::double precision[])[i] AS max_reserved,
+           ($9::boolean[])[i] AS reserve,
+           ($10::bigint[])[i] AS anchor_us,
+           ($11::integer[])[i] AS shard_a,
+           ($12::integer[])[i] AS shard_b
+    -- unnest's row estimate is small (10), so the planner looks rows up by primary key.
+    FROM unnest($13::text[]) WITH ORDINALITY AS n(name, i)
 ),
 cand AS MATERIALIZED (
     SELECT req.idx, 0 AS slot, req.name, req.key, req.shard_a AS shard FROM req
@@ -201,7 +202,6 @@ ORDER BY p.idx
 
 type DecideParams struct {
 	Now         pgtype.Timestamptz
-	Names       []string
 	Keys        []string
 	Counts      []float64
 	Kinds       []int16
@@ -213,6 +213,7 @@ type DecideParams struct {
 	AnchorsUs   []int64
 	ShardsA     []int32
 	ShardsB     []int32
+	Names       []string
 	Dry         bool
 }
 
@@ -257,7 +258,6 @@ type DecideRow struct {
 func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]DecideRow, error) {
 	rows, err := db.Query(ctx, decide,
 		arg.Now,
-		arg.Names,
 		arg.Keys,
 		arg.Counts,
 		arg.Kinds,
@@ -269,6 +269,7 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 		arg.AnchorsUs,
 		arg.ShardsA,
 		arg.ShardsB,
+		arg.Names,
 		arg.Dry,
 	)
 	if err != nil {

@@ -23,7 +23,7 @@ WITH clock AS MATERIALIZED (
 ),
 req AS MATERIALIZED (
     SELECT i::bigint AS idx,
-           (sqlc.arg('names')::text[])[i] AS name,
+           name,
            (sqlc.arg('keys')::text[])[i] AS key,
            (sqlc.arg('counts')::double precision[])[i] AS count,
            (sqlc.arg('kinds')::smallint[])[i] AS kind,
@@ -35,7 +35,8 @@ req AS MATERIALIZED (
            (sqlc.arg('anchors_us')::bigint[])[i] AS anchor_us,
            (sqlc.arg('shards_a')::integer[])[i] AS shard_a,
            (sqlc.arg('shards_b')::integer[])[i] AS shard_b
-    FROM generate_subscripts(sqlc.arg('names')::text[], 1) AS i
+    -- unnest's row estimate is small (10), so the planner looks rows up by primary key.
+    FROM unnest(sqlc.arg('names')::text[]) WITH ORDINALITY AS n(name, i)
 ),
 cand AS MATERIALIZED (
     SELECT req.idx, 0 AS slot, req.name, req.key, req.shard_a AS shard FROM req
