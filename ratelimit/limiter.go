@@ -339,6 +339,10 @@ func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Reque
 		}
 	}
 
+	// Fail closed: a decision that granted every request must have written it (or be a dry run).
+	if !dry && rows[0].Status != statusWritten && allGranted(rows) {
+		return ManyResult{}, fmt.Errorf("ratelimit: %s: internal error: granted but not written (status %d)", op, rows[0].Status)
+	}
 	out := ManyResult{OK: rows[0].Status == statusWritten || (dry && allGranted(rows)), Results: make([]Result, len(rows))}
 	for i, row := range rows {
 		r := toResult(specs[i], row, int(p.ShardsA[i]), int(p.ShardsB[i]))
