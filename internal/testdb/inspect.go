@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Querier is what the inspection helpers need: a pool, conn or tx.
@@ -50,4 +51,37 @@ func LockRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
 	if err != nil {
 		tb.Fatalf("testdb: lock row: %v", err)
 	}
+}
+
+// UpdateCounts returns how many row updates of txlimit_state (in the connection's schema) this
+// database has counted, and how many of them were HOT (heap-only: no index entry written). It
+// first flushes the statistics of the connection it runs on (Postgres 15+), so call it on the
+// connection that made the updates.
+func UpdateCounts(tb testing.TB, conn *pgx.Conn) (updates, hot int64) {
+	tb.Helper()
+	ctx := context.Background()
+	if _, err := conn.Exec(ctx, "SELECT pg_stat_force_next_flush()"); err != nil {
+		tb.Fatalf("testdb: flush stats: %v", err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT 1"); err != nil { // the flush happens after a statement
+		tb.Fatalf("testdb: flush stats: %v", err)
+	}
+	err := conn.QueryRow(ctx, `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
+		WHERE relid = 'txlimit_state'::regclass`).Scan(&updates, &hot)
+	if err != nil {
+		tb.Fatalf("testdb: read update counts: %v", err)
+	}
+	return updates, hot
+}
+
+// Conn opens a single connection whose search_path is the schema of pool, closed when the test
+// ends.
+func Conn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) *pgx.Conn {
+	tb.Helper()
+	conn, err := pgx.ConnectConfig(context.Background(), pool.Config().ConnConfig.Copy())
+	if err != nil {
+		tb.Fatalf("testdb: connect: %v", err)
+	}
+	tb.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
 }
