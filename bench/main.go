@@ -86,6 +86,7 @@ type Report struct {
 	Results   []*Result
 	Shards    []*Result // the 1-vs-16-shard SERIALIZABLE comparison
 	OverGrant []*OverGrant
+	PredLocks string // what predicateLocks found
 }
 
 func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
@@ -168,6 +169,15 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 		progress("[shards]", r)
 	}
 
+	if len(rep.Shards) > 0 {
+		if msg, err := predicateLocks(ctx, env); err != nil {
+			rep.PredLocks = "predicate-lock probe failed: " + err.Error()
+		} else {
+			rep.PredLocks = msg
+		}
+		fmt.Fprintln(os.Stderr, "[shards]", rep.PredLocks)
+	}
+
 	for _, def := range rep.Defs {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -202,6 +212,10 @@ func progress(prefix string, r *Result) {
 	line := fmt.Sprintf("%s %-8s %-11s %2d callers  %-38s %10s/s  p50 %8s  p99 %8s",
 		prefix, r.Cell.Scenario, r.Cell.Mix(), r.Cell.Callers, r.Def.Name,
 		fmtRate(r.PerSecond()), fmtDur(r.P50), fmtDur(r.P99))
+	line += fmt.Sprintf("  (%d in %s)", r.Decisions, r.Elapsed.Round(time.Millisecond))
+	if r.Abandoned > 0 {
+		line += fmt.Sprintf("  abandoned %d", r.Abandoned)
+	}
 	if r.Retries > 0 {
 		line += fmt.Sprintf("  retries/dec %.2f", r.perDecision(r.Retries))
 	}

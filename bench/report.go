@@ -3,12 +3,17 @@ package main
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"os"
 	"runtime"
 	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // machine describes where the run happens.
@@ -131,10 +136,13 @@ func (rep *Report) Markdown() string {
 			}
 			w("\n16 shards / 1 shard: **%.1f×** decisions/s (the target is ≥ 10×: this run %s it).\n", ratio, verdict)
 		}
+		if rep.PredLocks != "" {
+			w("\nPredicate locks: %s. A relation-level SIRead lock makes every concurrent SERIALIZABLE writer of the table a read/write conflict, whichever key or shard it touches.\n", rep.PredLocks)
+		}
 	}
 
 	w("\n## All cells\n\n")
-	w("Columns: decisions/s counts decisions that returned (granted or denied) over the cell's wall time; **vs Redis** is that divided by Redis Lua's in the same cell; granted is the share of decisions granted; p50/p99 are per-decision latencies including retries; round trips are Postgres statements (BEGIN and COMMIT count) or Redis commands per decision; retries are failed SERIALIZABLE attempts per decision; WAL is bytes of Postgres WAL per decision (pg_current_wal_lsn before and after the cell: it includes whatever else the server did meanwhile); errors are decisions that failed (e.g. retries exhausted).\n")
+	w("Columns: decisions/s counts decisions that returned (granted or denied) over the cell's wall time; **vs Redis** is that divided by Redis Lua's in the same cell; granted is the share of decisions granted; p50/p99 are per-decision latencies including retries; round trips are Postgres statements (BEGIN, COMMIT and ROLLBACK count, failed attempts too) or Redis commands sent in the cell, per decision that returned; retries are failed SERIALIZABLE attempts per decision; WAL is bytes of Postgres WAL per decision (pg_current_wal_lsn before and after the cell: it includes whatever else the server did meanwhile); errors are decisions that failed (e.g. retries exhausted).\n")
 	for _, lim := range []Limit{limitAllow, limitDeny} {
 		for _, sc := range []Scenario{HotKey, PerUser} {
 			desc := "limit 10⁹/s, burst 10⁹: practically every decision is granted"
@@ -269,6 +277,23 @@ func fmtPct(n, of int64) string {
 	return fmt.Sprintf("%.1f%%", p)
 }
 
+// errSummary keeps what matters of an error for a table cell: retries exhausted, and the
+// Postgres SQLSTATE and message of the cause.
+func errSummary(err error) string {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return fmt.Sprint(err)
+	}
+	s := fmt.Sprintf("SQLSTATE %s %s", pgErr.Code, pgErr.Message)
+	var ex *ratelimit.RetriesExhaustedError
+	if errors.As(err, &ex) {
+		s = fmt.Sprintf("retries exhausted after %d attempts, last: %s", ex.Attempts, s)
+	} else if strings.Contains(err.Error(), "gave up after") {
+		s = "retries exhausted, last: " + s
+	}
+	return s
+}
+
 // errText describes failed decisions and, when abandoned > 0, those given up at the window's end.
 func errText(n, abandoned int64, first error) string {
 	if abandoned > 0 {
@@ -277,9 +302,9 @@ func errText(n, abandoned int64, first error) string {
 	if n == 0 {
 		return "0"
 	}
-	msg := strings.ReplaceAll(fmt.Sprint(first), "|", "\\|")
-	if len(msg) > 120 {
-		msg = msg[:120] + "…"
+	msg := strings.ReplaceAll(errSummary(first), "|", "\\|")
+	if len(msg) > 160 {
+		msg = msg[:160] + "…"
 	}
 	return fmt.Sprintf("%s (first: %s)", fmtInt(n), msg)
 }

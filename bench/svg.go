@@ -22,10 +22,10 @@ var palette = map[int]string{
 // one line per contender, log scales on both axes.
 func (rep *Report) SVG() string {
 	const (
-		width, height = 980, 560
+		width, height = 980, 580
 		panelW        = 400
 		panelH        = 330
-		top           = 70
+		top           = 86
 		left1, left2  = 80, 560
 	)
 	lo, hi := math.Inf(1), math.Inf(-1)
