@@ -1,0 +1,985 @@
+package ratelimit_test
+
+// FuzzModel replays random request sequences against Postgres (through the library) and against
+// the reference model (model_test.go), requiring identical answers, bit for bit.
+//
+//	go test ./ratelimit -run FuzzModel                          # the committed seed corpus
+//	go test ./ratelimit -run '^$' -fuzz FuzzModel -fuzztime 60s # explore
+//
+// An input is a header of three limit configs and a base time, then operations of five bytes each
+// (see fzDecode). One database schema serves a whole FuzzModel run (one per fuzz worker process);
+// each input starts by resetting every (name, key) the previous input touched, so inputs are
+// isolated and a failing input replays the same way.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// Tables the input bytes index into. Values are chosen to hit the interesting algebra: capacity
+// above and below rate, fractional counts that are not exact in binary, periods from 1µs to a
+// day, unbounded and bounded reservations.
+var (
+	fzRates   = []float64{1, 2, 3, 10, 0.5, 7, 100, 2.5}
+	fzPeriods = []time.Duration{time.Second, time.Millisecond, time.Minute, time.Hour, 1500 * time.Millisecond,
+		7 * time.Microsecond, 10 * time.Second, 250 * time.Millisecond, 3 * time.Second, 100 * time.Millisecond,
+		time.Microsecond, 24 * time.Hour, 2 * time.Second, 45 * time.Second, 333 * time.Microsecond, 5 * time.Second}
+	fzCaps   = []float64{0, 1, 2, 5, 20, 0.5, 100, 3.3, 10, 1.5, 7, 0, 4, 12, 0.75, 50} // 0: unset (Rate)
+	fzMaxRes = []float64{0, 0, 0, 0, 1, 5, 0.5, 100, 2, 10, 0, 3, 0.25, 20, 1.5, 1e6}   // 0: unset (no bound)
+	fzCounts = []float64{1, 1, 2, 0.5, 3, 0.1, 0.3, 5, 10, 2.5, 1.5, 7, 0.25, 4, 20, 0,
+		-1, math.NaN(), math.Inf(1), 1e16, 1e-7, 0.7, 33, 100, 6, 8, 9, 12, 1.0 / 3, 2.0 / 3, 15, 50}
+	// Time steps in µs, applied before each operation: forward and backward.
+	fzSteps = []int64{0, 0, 1, 2, 7, 10, 999, 1000, 1001, 33333, 100000, 250000, 333333, 499999, 500000, 500001,
+		999999, 1000000, 1000001, 1500000, 2000000, 3000000, 5000000, 10000000, 30000000, 45000000, 60000000,
+		3600000000, 86400000000, 123456, 654321, 100,
+		-1, -2, -999, -1000, -100000, -250000, -500000, -1000000, -1500000, -3000000, -60000000, -3600000000,
+		200, 300, 1234, 20000, 50000, 75000, 400000, 600000, 700000, 800000, 900000, 1200000, 2500000,
+		4000000, 7000000, 20000000, 0, 1}
+	fzNames = []string{"a", "b", "c", "x"} // "x" is not registered: it needs an inline config
+	fzKeys  = []string{"", "k1", "ü-key"}
+	// Keys that must be rejected (SPEC §5): too long, a NUL byte, not UTF-8.
+	fzBadKeys = []string{strings.Repeat("k", ratelimit.MaxKeyLen+1), "a\x00b", "\xff\xfe"}
+	// Configs that must be rejected, each for one field (SPEC §5).
+	fzBadConfigs = []ratelimit.Config{
+		{Rate: 0, Period: time.Second},
+		{Rate: math.NaN(), Period: time.Second},
+		{Rate: 1, Period: 0},
+		{Rate: 1, Period: 1500 * time.Nanosecond},
+		{Rate: 1, Period: time.Second, Capacity: -1},
+		{Rate: 1, Period: time.Second, MaxReserved: math.Inf(1)},
+		{Rate: 1, Period: time.Second, Shards: ratelimit.MaxShards + 1},
+		{Rate: 1, Period: time.Second, Start: time.Unix(5, 0)}, // Start on a token bucket
+	}
+	// fzBase is the time of the first operation before the header's offset.
+	fzBase = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC).UnixMicro()
+)
+
+// Known library deviations from the documented contract, found by this fuzz target and reported.
+// Each is tolerated only while its flag is true, narrowly; set it to false once fixed.
+const (
+	// CreditResult.Time is documented as "the instant the credit was evaluated at", but Credit
+	// leaves it zero when (name, key) has no rows in its configured shards (the Credit query
+	// returns no row to carry the clock).
+	fzBugCreditTimeZeroWithoutRows = true
+
+	// Result.RetryAt can be one microsecond (token bucket) or one window (fixed window) later
+	// than the earliest instant at which the debt is paid: the library rounds
+	// float64(debt*Period/Rate) up and only corrects upwards (when the refill falls one ulp
+	// short), never downwards when the float product lands just above the integer that already
+	// pays the debt. Seed retryat_overshoot: a 1/24h bucket at -19 asked for 1 token 200µs later
+	// must wait until exactly 20 days after the reservation (-19 + 20 - 1 = 0, as the database
+	// computes it too), the library says one microsecond later.
+	fzBugRetryAtOvershoot = true
+)
+
+// Operation codes (low four bits of an operation's first byte).
+const (
+	fzOpLimit        = 0 // LimitN (also 1, 2, 14); Reserve from the request byte
+	fzOpReserve      = 3 // LimitN with Reserve
+	fzOpCheck        = 4 // CheckN
+	fzOpCheckReserve = 5 // CheckN with Reserve
+	fzOpCredit       = 6 // Credit
+	fzOpValue        = 7 // Value (also 15)
+	fzOpResetCredit  = 8 // Reset when bit 4 is set, else Credit
+	fzOpMany         = 9 // LimitMany of 2 requests, 3 when bit 4 is set (also 10)
+	fzOpCheckMany    = 11
+	fzOpLimit1       = 12 // Limit (count 1)
+	fzOpThrow        = 13 // LimitN with Throw
+	fzBit4           = 16
+)
+
+const (
+	fzHeaderLen = 3*4 + 2
+	fzOpLen     = 5
+	fzReqLen    = 3
+	fzMaxOps    = 48
+)
+
+// fzReq is one request as decoded: indexes into the tables plus flags.
+type fzReq struct {
+	name, key int // key 3: a bad key (fzBadKeys[pickB%3]) when bad is 7, else "k1"
+	bad       int // 0..7, selects the bad config
+	inline    bool
+	badConfig bool // with inline: fzBadConfigs[bad]
+	throw     bool
+	reserve   bool
+	count     float64
+	pickA     int
+	pickB     int
+}
+
+type fzOp struct {
+	code byte
+	dt   int64
+	reqs []fzReq
+}
+
+type fzScenario struct {
+	cfgs [3]ratelimit.Config
+	base int64
+	ops  []fzOp
+}
+
+// fzDecodeConfig reads one limit config from four bytes:
+// b0: bit 0 kind, bits 1-3 rate, bits 4-7 period; b1: low nibble capacity, high nibble
+// MaxReserved; b2: bits 0-1 shards-1, bits 2-3 Start mode (2: Start at the base plus b3 seconds,
+// 3: Start b3·7 µs after the epoch; else the hashed phase); b3: Start offset.
+func fzDecodeConfig(b []byte) ratelimit.Config {
+	c := ratelimit.Config{
+		Kind:        ratelimit.Kind(b[0] & 1),
+		Rate:        fzRates[(b[0]>>1)&7],
+		Period:      fzPeriods[b[0]>>4],
+		Capacity:    fzCaps[b[1]&15],
+		MaxReserved: fzMaxRes[b[1]>>4],
+		Shards:      int(b[2]&3) + 1,
+	}
+	if c.Kind == ratelimit.FixedWindow {
+		switch (b[2] >> 2) & 3 {
+		case 2:
+			c.Start = time.UnixMicro(fzBase).Add(time.Duration(b[3]) * time.Second).UTC()
+		case 3:
+			c.Start = time.UnixMicro(int64(b[3]) * 7).UTC()
+		}
+	}
+	if c.Shards == 1 && b[2]&16 != 0 {
+		c.Shards = 0 // the default, 1
+	}
+	return c
+}
+
+func fzDecodeReq(b []byte) fzReq {
+	return fzReq{
+		name:      int(b[0] & 3),
+		key:       int((b[0] >> 2) & 3),
+		inline:    b[0]&16 != 0,
+		badConfig: b[0]&0x30 == 0x30 && b[2]&15 == 15, // rare: inline, bit 5 and pick nibble 15
+		throw:     b[0]&64 != 0,
+		reserve:   b[0]&128 != 0,
+		count:     fzCounts[b[1]&31],
+		bad:       int(b[1] >> 5),
+		pickA:     int(b[2] & 15),
+		pickB:     int(b[2] >> 4),
+	}
+}
+
+// fzDecode turns fuzz bytes into a scenario. Short inputs give fewer operations, never an error.
+func fzDecode(data []byte) fzScenario {
+	var s fzScenario
+	var h [fzHeaderLen]byte
+	copy(h[:], data)
+	for i := range s.cfgs {
+		s.cfgs[i] = fzDecodeConfig(h[4*i : 4*i+4])
+	}
+	s.base = fzBase + int64(uint16(h[12])|uint16(h[13])<<8)*12_345_677
+	rest := data[min(len(data), fzHeaderLen):]
+	for len(rest) >= fzOpLen && len(s.ops) < fzMaxOps {
+		op := fzOp{code: rest[0], dt: fzSteps[int(rest[1])%len(fzSteps)]}
+		op.reqs = append(op.reqs, fzDecodeReq(rest[2:5]))
+		rest = rest[fzOpLen:]
+		if c := op.code & 15; c == fzOpMany || c == fzOpMany+1 || c == fzOpCheckMany {
+			n := 2
+			if op.code&fzBit4 != 0 {
+				n = 3
+			}
+			for len(op.reqs) < n && len(rest) >= fzReqLen {
+				op.reqs = append(op.reqs, fzDecodeReq(rest[:fzReqLen]))
+				rest = rest[fzReqLen:]
+			}
+		}
+		s.ops = append(s.ops, op)
+	}
+	return s
+}
+
+// fzRunner executes one scenario against the library and the model.
+type fzRunner struct {
+	t       *testing.T
+	ctx     context.Context
+	pool    *pgxpool.Pool
+	sc      fzScenario
+	lim     *ratelimit.Limiter
+	md      *model
+	now     int64
+	picks   [][2]int
+	picked  int
+	touched map[[2]string]bool
+	trace   []string
+	// strict disables the known-bug tolerances; skip, when set, turns a disagreement into a skip.
+	strict bool
+	skip   string
+	// overshoots counts RetryAts accepted only through fzBugRetryAtOvershoot.
+	overshoots int
+}
+
+func (r *fzRunner) fail(format string, args ...any) {
+	r.t.Helper()
+	if r.skip != "" {
+		r.t.Skipf("%s: %s", r.skip, fmt.Sprintf(format, args...))
+	}
+	r.t.Fatalf("model and library disagree at operation %d: %s\nconfigs: a=%+v\n b=%+v\n c=%+v\ntrace:\n%s",
+		len(r.trace), fmt.Sprintf(format, args...), r.sc.cfgs[0], r.sc.cfgs[1], r.sc.cfgs[2], strings.Join(r.trace, "\n"))
+}
+
+func (r *fzRunner) logf(format string, args ...any) {
+	r.trace = append(r.trace, fmt.Sprintf("  %3d t=%+dµs ", len(r.trace)+1, r.now-r.sc.base)+fmt.Sprintf(format, args...))
+}
+
+// target resolves a request's name, key and config as the caller passes them.
+func (r *fzRunner) target(q fzReq) (name, key string, inline *ratelimit.Config, modelCfg *ratelimit.Config) {
+	name = fzNames[q.name]
+	switch {
+	case q.key < len(fzKeys):
+		key = fzKeys[q.key]
+	case q.bad == 7:
+		key = fzBadKeys[q.pickB%len(fzBadKeys)]
+	default:
+		key = fzKeys[1]
+	}
+	var registered *ratelimit.Config
+	if q.name < 3 {
+		c := r.sc.cfgs[q.name]
+		registered = &c
+	}
+	if q.inline {
+		var c ratelimit.Config
+		switch {
+		case q.badConfig:
+			c = fzBadConfigs[q.bad]
+		case q.name < 3:
+			c = r.sc.cfgs[q.name]
+		default:
+			c = r.sc.cfgs[0] // "x" always uses the first config
+		}
+		return name, key, &c, &c
+	}
+	return name, key, nil, registered
+}
+
+// pick turns a request's pick bytes into two distinct shards of n, as the test's shard picker.
+func fzPick(q fzReq, n int) (int, int) {
+	a := q.pickA % n
+	b := (a + 1 + q.pickB%(n-1)) % n
+	return a, b
+}
+
+func (r *fzRunner) picker(n int) (int, int) {
+	if r.picked >= len(r.picks) {
+		r.t.Errorf("shard picker called more often than expected (n=%d)", n)
+		return 0, 1
+	}
+	p := r.picks[r.picked]
+	r.picked++
+	if p[0] >= n || p[1] >= n {
+		r.t.Errorf("shard picker: picks %v do not fit n=%d", p, n)
+		return 0, 1
+	}
+	return p[0], p[1]
+}
+
+// errClass names the class of an error: one of the model's errors, "limited", "nil" or "other".
+func errClass(err error) string {
+	var ce *ratelimit.ConfigError
+	var ae *ratelimit.ArgumentError
+	var ue *ratelimit.UnknownLimitError
+	var le *ratelimit.LimitedError
+	switch {
+	case err == nil:
+		return "nil"
+	case errors.As(err, &ce), errors.Is(err, errModelConfig):
+		return "config"
+	case errors.As(err, &ae), errors.Is(err, errModelArgument):
+		return "argument"
+	case errors.As(err, &ue), errors.Is(err, errModelUnknown):
+		return "unknown"
+	case errors.As(err, &le):
+		return "limited"
+	}
+	return "other: " + err.Error()
+}
+
+func sameFloat(a, b float64) bool { return math.Float64bits(a) == math.Float64bits(b) }
+
+// sameTime compares a library time with a model time in µs (< 0: the zero time).
+func sameTime(got time.Time, want int64) bool {
+	if want < 0 {
+		return got.IsZero()
+	}
+	return !got.IsZero() && got.Equal(time.UnixMicro(want))
+}
+
+func fmtTime(base int64, got time.Time) string {
+	if got.IsZero() {
+		return "zero"
+	}
+	return fmt.Sprintf("%+dµs", got.Sub(time.UnixMicro(base)).Microseconds())
+}
+
+func fmtModelTime(base, want int64) string {
+	if want < 0 {
+		return "zero"
+	}
+	return fmt.Sprintf("%+dµs", want-base)
+}
+
+// sameRetry compares a RetryAt, tolerating only the known overshoot (fzBugRetryAtOvershoot).
+func (r *fzRunner) sameRetry(got time.Time, want modelResult) bool {
+	if sameTime(got, want.RetryAt) {
+		return true
+	}
+	if fzBugRetryAtOvershoot && !r.strict && want.RetryAt >= 0 && sameTime(got, want.RetryAt+want.retryStep) {
+		r.overshoots++
+		return true
+	}
+	return false
+}
+
+func (r *fzRunner) compareResult(what string, got ratelimit.Result, want modelResult) {
+	r.t.Helper()
+	sameShards := len(got.Shards) == len(want.Shards)
+	for i := 0; sameShards && i < len(got.Shards); i++ {
+		sameShards = got.Shards[i] == want.Shards[i]
+	}
+	if got.Name != want.Name || got.Key != want.Key || got.OK != want.OK || got.Reserved != want.Reserved ||
+		!r.sameRetry(got.RetryAt, want) || !sameFloat(got.Value, want.Value) || !sameShards ||
+		!sameTime(got.Time, want.Time) {
+		b := r.sc.base
+		r.fail("%s:\n got  ok=%v reserved=%v retryAt=%s value=%v (%#x) shards=%v time=%s\n want ok=%v reserved=%v retryAt=%s value=%v (%#x) shards=%v time=%s",
+			what, got.OK, got.Reserved, fmtTime(b, got.RetryAt), got.Value, math.Float64bits(got.Value), got.Shards, fmtTime(b, got.Time),
+			want.OK, want.Reserved, fmtModelTime(b, want.RetryAt), want.Value, math.Float64bits(want.Value), want.Shards, fmtModelTime(b, want.Time))
+	}
+}
+
+// compareLimited checks a *LimitedError against the denied model results: it names the first
+// denial and carries the latest RetryAt of the denied limits (errors.go).
+func (r *fzRunner) compareLimited(err error, results []modelResult) {
+	r.t.Helper()
+	var le *ratelimit.LimitedError
+	if !errors.As(err, &le) {
+		r.fail("want a *LimitedError, got %v", err)
+		return
+	}
+	var denied []modelResult
+	for _, m := range results {
+		if !m.OK {
+			denied = append(denied, m)
+		}
+	}
+	if len(le.Denied) != len(denied) {
+		r.fail("LimitedError: got %d denied, want %d", len(le.Denied), len(denied))
+	}
+	for i := range le.Denied {
+		r.compareResult(fmt.Sprintf("LimitedError.Denied[%d]", i), le.Denied[i], denied[i])
+	}
+	// The denied RetryAts are checked against the model above; the error carries their latest.
+	at := int64(-1)
+	for _, d := range le.Denied {
+		at = max(at, d.RetryAt.UnixMicro())
+	}
+	if le.Name != denied[0].Name || le.Key != denied[0].Key || !sameTime(le.RetryAt, at) {
+		r.fail("LimitedError: got %q/%q retryAt=%s denied=%d; want %q/%q retryAt=%s denied=%d",
+			le.Name, le.Key, fmtTime(r.sc.base, le.RetryAt), len(le.Denied), denied[0].Name, denied[0].Key,
+			fmtModelTime(r.sc.base, at), len(denied))
+	}
+}
+
+func (r *fzRunner) expectErr(what string, got error, want error) bool {
+	r.t.Helper()
+	if g, w := errClass(got), errClass(want); g != w {
+		r.fail("%s: got error %s (%v), want %s", what, g, got, w)
+	}
+	return want != nil
+}
+
+// single runs LimitN/CheckN/Limit.
+func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, countOne bool) {
+	name, key, inline, cfg := r.target(q)
+	count := q.count
+	if countOne {
+		count = 1
+	}
+	opts := &ratelimit.LimitOpts{Config: inline, Reserve: q.reserve || forceReserve, Throw: q.throw || forceThrow}
+	r.logf("%s(%q, %q, %v, reserve=%v throw=%v inline=%v) picks=%d/%d", op, name, key, count, opts.Reserve, opts.Throw, inline != nil, q.pickA, q.pickB)
+
+	// The model's verdict on the arguments, in the library's order: count, then name, key, config,
+	// then count against what the limit could ever grant.
+	wantErr := modelCheckCount(count)
+	var m modelLimit
+	if wantErr == nil {
+		m, wantErr = modelResolve(name, key, cfg)
+	}
+	if wantErr == nil && count > m.maxGrant(opts.Reserve) {
+		wantErr = errModelArgument
+	}
+	r.picks, r.picked = nil, 0
+	req := modelReq{count: count, reserve: opts.Reserve, a: 0, b: -1}
+	if wantErr == nil {
+		req.lim = m
+		if m.shards >= 2 {
+			req.a, req.b = fzPick(q, m.shards)
+			r.picks = append(r.picks, [2]int{req.a, req.b})
+		}
+		if !dry {
+			r.touched[[2]string{name, key}] = true
+		}
+	}
+
+	var got ratelimit.Result
+	var err error
+	switch {
+	case countOne && dry:
+		got, err = r.lim.Check(r.ctx, r.pool, name, key, opts)
+	case countOne:
+		got, err = r.lim.Limit(r.ctx, r.pool, name, key, opts)
+	case dry:
+		got, err = r.lim.CheckN(r.ctx, r.pool, name, key, count, opts)
+	default:
+		got, err = r.lim.LimitN(r.ctx, r.pool, name, key, count, opts)
+	}
+	if wantErr != nil {
+		r.expectErr(op, err, wantErr)
+		return
+	}
+	want := r.md.decide(r.now, []modelReq{req}, dry).Results[0]
+	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> ok=%v reserved=%v value=%v retryAt=%s shards=%v",
+		want.OK, want.Reserved, want.Value, fmtModelTime(r.sc.base, want.RetryAt), want.Shards)
+	if r.picked != len(r.picks) {
+		r.fail("%s: shard picker called %d times, want %d", op, r.picked, len(r.picks))
+	}
+	if opts.Throw && !want.OK {
+		r.compareLimited(err, []modelResult{want})
+	} else if err != nil {
+		r.fail("%s: unexpected error %v", op, err)
+	}
+	r.compareResult(op, got, want)
+}
+
+// many runs LimitMany/CheckMany.
+func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
+	var reqs []ratelimit.Request
+	var mreqs []modelReq
+	var wantErr error
+	seen := map[[2]string]bool{}
+	r.picks, r.picked = nil, 0
+	var desc []string
+	for _, q := range qs {
+		name, key, inline, cfg := r.target(q)
+		reqs = append(reqs, ratelimit.Request{Name: name, Key: key, Count: q.count, Config: inline, Reserve: q.reserve})
+		desc = append(desc, fmt.Sprintf("{%q %q %v reserve=%v inline=%v picks=%d/%d}", name, key, q.count, q.reserve, inline != nil, q.pickA, q.pickB))
+		if wantErr != nil {
+			continue
+		}
+		m, err := modelResolve(name, key, cfg)
+		count := q.count
+		if count == 0 {
+			count = 1 // Request.Count defaults to 1
+		}
+		switch {
+		case err != nil:
+			wantErr = err
+		case seen[[2]string{name, key}]:
+			wantErr = errModelArgument // a (name, key) may appear only once
+		case modelCheckCount(count) != nil, count > m.maxGrant(q.reserve):
+			wantErr = errModelArgument
+		}
+		seen[[2]string{name, key}] = true
+		mr := modelReq{lim: m, count: count, reserve: q.reserve, a: 0, b: -1}
+		if m.shards >= 2 {
+			mr.a, mr.b = fzPick(q, m.shards)
+		}
+		mreqs = append(mreqs, mr)
+	}
+	throw := qs[0].throw
+	r.logf("%s(%s, throw=%v)", op, strings.Join(desc, ", "), throw)
+	if wantErr == nil {
+		for _, mr := range mreqs {
+			if mr.b >= 0 {
+				r.picks = append(r.picks, [2]int{mr.a, mr.b})
+			}
+			if !dry {
+				r.touched[[2]string{mr.lim.name, mr.lim.key}] = true
+			}
+		}
+	}
+	var got ratelimit.ManyResult
+	var err error
+	if dry {
+		got, err = r.lim.CheckMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{Throw: throw})
+	} else {
+		got, err = r.lim.LimitMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{Throw: throw})
+	}
+	if wantErr != nil {
+		r.expectErr(op, err, wantErr)
+		return
+	}
+	want := r.md.decide(r.now, mreqs, dry)
+	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> ok=%v retryAt=%s", want.OK, fmtModelTime(r.sc.base, want.RetryAt))
+	if r.picked != len(r.picks) {
+		r.fail("%s: shard picker called %d times, want %d", op, r.picked, len(r.picks))
+	}
+	if throw && !want.OK {
+		r.compareLimited(err, want.Results)
+	} else if err != nil {
+		r.fail("%s: unexpected error %v", op, err)
+	}
+	if got.OK != want.OK || len(got.Results) != len(want.Results) {
+		r.fail("%s: got ok=%v results=%d; want ok=%v results=%d", op, got.OK, len(got.Results), want.OK, len(want.Results))
+	}
+	for i := range want.Results {
+		r.compareResult(fmt.Sprintf("%s result %d", op, i), got.Results[i], want.Results[i])
+	}
+	// ManyResult.RetryAt is the latest RetryAt of the results (each checked against the model).
+	wantAt := want.RetryAt
+	if r.overshoots > 0 {
+		wantAt = -1
+		for _, g := range got.Results {
+			if !g.RetryAt.IsZero() {
+				wantAt = max(wantAt, g.RetryAt.UnixMicro())
+			}
+		}
+	}
+	if !sameTime(got.RetryAt, wantAt) {
+		r.fail("%s: got retryAt=%s, want %s", op, fmtTime(r.sc.base, got.RetryAt), fmtModelTime(r.sc.base, wantAt))
+	}
+}
+
+func (r *fzRunner) credit(q fzReq) {
+	name, key, inline, cfg := r.target(q)
+	r.logf("Credit(%q, %q, %v, inline=%v)", name, key, q.count, inline != nil)
+	m, wantErr := modelResolve(name, key, cfg)
+	if wantErr == nil {
+		wantErr = modelCheckCount(q.count)
+	}
+	if wantErr == nil {
+		r.touched[[2]string{name, key}] = true
+	}
+	got, err := r.lim.Credit(r.ctx, r.pool, name, key, q.count, &ratelimit.ValueOpts{Config: inline})
+	if r.expectErr("Credit", err, wantErr) {
+		return
+	}
+	hasRows := false
+	for sh := 0; sh < m.shards; sh++ {
+		_, ok := r.md.rows[modelRowKey{name, key, sh}]
+		hasRows = hasRows || ok
+	}
+	want := r.md.credit(r.now, m, q.count)
+	if fzBugCreditTimeZeroWithoutRows && !r.strict && !hasRows && got.Time.IsZero() {
+		want.Time = -1
+	}
+	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> credited=%v value=%v", want.Credited, want.Value)
+	if got.Name != name || got.Key != key || !sameFloat(got.Credited, want.Credited) || !sameFloat(got.Value, want.Value) ||
+		!sameTime(got.Time, want.Time) {
+		r.fail("Credit: got credited=%v value=%v time=%s; want credited=%v value=%v time=%s",
+			got.Credited, got.Value, fmtTime(r.sc.base, got.Time), want.Credited, want.Value, fmtModelTime(r.sc.base, want.Time))
+	}
+}
+
+func (r *fzRunner) value(what string, name, key string, inline, cfg *ratelimit.Config) {
+	r.t.Helper()
+	m, wantErr := modelResolve(name, key, cfg)
+	got, err := r.lim.Value(r.ctx, r.pool, name, key, &ratelimit.ValueOpts{Config: inline})
+	if r.expectErr(what, err, wantErr) {
+		return
+	}
+	want := r.md.value(r.now, m)
+	same := sameFloat(got.Value, want.Value) && len(got.Shards) == len(want.Shards) && sameTime(got.TS, want.TS) &&
+		sameTime(got.Time, want.Time) && got.Name == name && got.Key == key && got.Config == *cfg
+	for i := 0; same && i < len(got.Shards); i++ {
+		same = sameFloat(got.Shards[i], want.Shards[i])
+	}
+	if !same {
+		r.fail("%s(%q, %q): got value=%v shards=%v ts=%s time=%s; want value=%v shards=%v ts=%s time=%s", what, name, key,
+			got.Value, got.Shards, fmtTime(r.sc.base, got.TS), fmtTime(r.sc.base, got.Time),
+			want.Value, want.Shards, fmtModelTime(r.sc.base, want.TS), fmtModelTime(r.sc.base, want.Time))
+	}
+}
+
+func (r *fzRunner) run() {
+	for _, op := range r.sc.ops {
+		r.now += op.dt
+		q := op.reqs[0]
+		switch c := op.code & 15; {
+		case c == fzOpReserve:
+			r.single("LimitN", q, false, true, false, false)
+		case c == fzOpCheck:
+			r.single("CheckN", q, true, false, false, false)
+		case c == fzOpCheckReserve:
+			r.single("CheckN", q, true, true, false, false)
+		case c == fzOpCredit, c == fzOpResetCredit && op.code&fzBit4 == 0:
+			r.credit(q)
+		case c == fzOpResetCredit:
+			name, key, _, _ := r.target(q)
+			r.logf("Reset(%q, %q)", name, key)
+			var wantErr error
+			if err := modelCheckText(name, ratelimit.MaxNameLen, false); err != nil {
+				wantErr = err
+			} else if err := modelCheckText(key, ratelimit.MaxKeyLen, true); err != nil {
+				wantErr = err
+			}
+			if !r.expectErr("Reset", r.lim.Reset(r.ctx, r.pool, name, key), wantErr) {
+				r.md.reset(name, key)
+			}
+		case c == fzOpValue, c == 15:
+			name, key, inline, cfg := r.target(q)
+			r.logf("Value(%q, %q, inline=%v)", name, key, inline != nil)
+			r.value("Value", name, key, inline, cfg)
+		case c == fzOpMany, c == fzOpMany+1:
+			r.many("LimitMany", op.reqs, false)
+		case c == fzOpCheckMany:
+			r.many("CheckMany", op.reqs, true)
+		case c == fzOpLimit1:
+			r.single("Limit", q, false, false, false, true)
+		case c == fzOpThrow:
+			r.single("LimitN", q, false, false, true, false)
+		default:
+			r.single("LimitN", q, false, false, false, false)
+		}
+		if r.t.Failed() {
+			r.fail("stopping after the first failure")
+		}
+	}
+	// Every stored state must agree, evaluated at the final time.
+	for nk := range r.touched {
+		name, key := nk[0], nk[1]
+		cfg := r.sc.cfgs[0]
+		for i := 0; i < 3; i++ {
+			if fzNames[i] == name {
+				cfg = r.sc.cfgs[i]
+			}
+		}
+		r.value("final Value", name, key, &cfg, &cfg)
+	}
+}
+
+// fzRun runs one input on a fresh limiter.
+// strictSkip, when set, turns the known-bug tolerances off and a disagreement into a skip.
+func fzRun(t *testing.T, pool *pgxpool.Pool, data []byte, touched map[[2]string]bool, strictSkip string) *fzRunner {
+	r := &fzRunner{t: t, ctx: context.Background(), pool: pool, sc: fzDecode(data), md: newModel(), touched: touched,
+		strict: strictSkip != "", skip: strictSkip}
+	r.now = r.sc.base
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": r.sc.cfgs[0], "b": r.sc.cfgs[1], "c": r.sc.cfgs[2]},
+		Now:    func() time.Time { return time.UnixMicro(r.now).UTC() },
+	})
+	if err != nil {
+		t.Fatalf("New: %v (the decoder must only produce valid registered configs)", err)
+	}
+	ratelimit.SetShardPicker(lim, r.picker)
+	r.lim = lim
+	r.run()
+	return r
+}
+
+// TestFuzzModelKnownBugs runs the seeds of the known library deviations with no tolerance. While
+// a deviation is present its test is skipped, naming the bug; once the library is fixed the test
+// fails, asking for the flag to be set to false (which turns the tolerance in FuzzModel off).
+func TestFuzzModelKnownBugs(t *testing.T) {
+	for _, tc := range []struct {
+		seed string
+		bug  bool
+		flag string
+	}{
+		{"retryat_overshoot", fzBugRetryAtOvershoot, "fzBugRetryAtOvershoot"},
+		{"credit_without_rows", fzBugCreditTimeZeroWithoutRows, "fzBugCreditTimeZeroWithoutRows"},
+	} {
+		t.Run(tc.seed, func(t *testing.T) {
+			var data []byte
+			for _, s := range fzSeeds() {
+				if s.name == tc.seed {
+					data = s.data
+				}
+			}
+			skip := ""
+			if tc.bug {
+				skip = "known library bug " + tc.flag + " (see its comment in fuzz_test.go)"
+			}
+			fzRun(t, testdb.Pool(t, &testdb.Options{MaxConns: 2}), data, map[[2]string]bool{}, skip)
+			if tc.bug {
+				t.Errorf("%s no longer reproduces: the library is fixed, set %s to false", tc.seed, tc.flag)
+			}
+		})
+	}
+}
+
+func FuzzModel(f *testing.F) {
+	for _, s := range fzSeeds() {
+		f.Add(s.data)
+	}
+	pool := testdb.Pool(f, &testdb.Options{MaxConns: 2})
+	resetter, err := ratelimit.New(nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	touched := map[[2]string]bool{} // by the previous input, in this process
+	f.Fuzz(func(t *testing.T, data []byte) {
+		ctx := context.Background()
+		for nk := range touched {
+			if err := resetter.Reset(ctx, pool, nk[0], nk[1]); err != nil {
+				t.Fatalf("reset %q/%q: %v", nk[0], nk[1], err)
+			}
+			delete(touched, nk)
+		}
+		fzRun(t, pool, data, touched, "")
+	})
+}
+
+// The seed corpus: each seed is a scenario written with the encoder below, so that it reads as
+// what it tests. The same seeds are committed under testdata/fuzz/FuzzModel (TestFuzzModelCorpus
+// keeps the files in step; run it with TXLIMIT_WRITE_FUZZ_CORPUS=1 to rewrite them).
+
+type fzSeed struct {
+	name string
+	data []byte
+}
+
+func fzIndex[T comparable](table []T, v T) int {
+	for i, x := range table {
+		if x == v {
+			return i
+		}
+	}
+	panic(fmt.Sprintf("fuzz seed: %v is not in the table", v))
+}
+
+// fzC encodes a config. start: 0 hashed phase, 2 Start at the base plus param seconds, 3 Start
+// param·7µs after the epoch (fixed window only).
+func fzC(kind ratelimit.Kind, rate float64, period time.Duration, capacity, maxRes float64, shards int, start, param byte) [4]byte {
+	return [4]byte{
+		byte(kind) | byte(fzIndex(fzRates, rate))<<1 | byte(fzIndex(fzPeriods, period))<<4,
+		byte(fzIndex(fzCaps, capacity)) | byte(fzIndex(fzMaxRes, maxRes))<<4,
+		byte(shards-1) | start<<2,
+		param,
+	}
+}
+
+type fzQOpt func(q *[3]byte)
+
+func fzReserve(q *[3]byte) { q[0] |= 128 }
+func fzThrow(q *[3]byte)   { q[0] |= 64 }
+func fzInline(q *[3]byte)  { q[0] |= 16 }
+
+// fzPicks makes the shard picker choose a then b of n shards.
+func fzPicks(n, a, b int) fzQOpt {
+	return func(q *[3]byte) { q[2] = byte(a) | byte((b-a-1+n)%n)<<4 }
+}
+
+// fzBadConfig passes fzBadConfigs[i] inline.
+func fzBadConfig(i int) fzQOpt {
+	return func(q *[3]byte) { q[0] |= 0x30; q[1] = q[1]&31 | byte(i)<<5; q[2] |= 15 }
+}
+
+// fzBadKey uses fzBadKeys[i] as the key.
+func fzBadKey(i int) fzQOpt {
+	return func(q *[3]byte) { q[0] |= 3 << 2; q[1] |= 7 << 5; q[2] = q[2]&15 | byte(i)<<4 }
+}
+
+// fzQ encodes a request on limit name ("a", "b", "c", "x") and key index.
+func fzQ(name string, key int, count float64, opts ...fzQOpt) [3]byte {
+	q := [3]byte{byte(fzIndex(fzNames, name)) | byte(key)<<2, 17} // 17: NaN, which equals nothing
+	if !math.IsNaN(count) {
+		q[1] = byte(fzIndex(fzCounts, count))
+	}
+	for _, o := range opts {
+		o(&q)
+	}
+	return q
+}
+
+type fzSeedBuilder struct{ b []byte }
+
+func fzNewSeed(base uint16, cfgs ...[4]byte) *fzSeedBuilder {
+	s := &fzSeedBuilder{}
+	for i := 0; i < 3; i++ {
+		c := fzC(ratelimit.TokenBucket, 1, time.Second, 0, 0, 1, 0, 0)
+		if i < len(cfgs) {
+			c = cfgs[i]
+		}
+		s.b = append(s.b, c[:]...)
+	}
+	s.b = append(s.b, byte(base), byte(base>>8))
+	return s
+}
+
+// op appends an operation after a time step of dt µs.
+func (s *fzSeedBuilder) op(code byte, dt int64, reqs ...[3]byte) *fzSeedBuilder {
+	s.b = append(s.b, code, byte(fzIndex(fzSteps, dt)))
+	for _, q := range reqs {
+		s.b = append(s.b, q[:]...)
+	}
+	return s
+}
+
+func fzSeeds() []fzSeed {
+	const (
+		tb = ratelimit.TokenBucket
+		fw = ratelimit.FixedWindow
+		s  = 1000000
+	)
+	sec, minute := time.Second, time.Minute
+	return []fzSeed{
+		{"refill_with_cap", fzNewSeed(0, fzC(tb, 2, sec, 5, 0, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 5)).          // SPEC §3: 5 of cap 5
+			op(fzOpLimit, 0, fzQ("a", 0, 1)).          // denied, RetryAt +0.5s
+			op(fzOpLimit, 500000, fzQ("a", 0, 1)).     // exactly refilled
+			op(fzOpValue, 3600000000, fzQ("a", 0, 1)). // capped at 5, not 7200
+			op(fzOpLimit, 0, fzQ("a", 0, 5)).          // all of it again
+			op(fzOpCheck, 999999, fzQ("a", 0, 2)).     // 1.999998: denied
+			op(fzOpCheck, 1, fzQ("a", 0, 2)).          // 2: granted
+			op(fzOpLimit, 10000000, fzQ("a", 0, 6)).   // above capacity: argument error
+			op(fzOpValue, 0, fzQ("a", 0, 1)).b},
+		{"partial_consumption", fzNewSeed(7, fzC(tb, 3, minute, 2, 0, 1, 0, 0), fzC(tb, 0.5, 1500*time.Millisecond, 0.75, 0, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 1, 0.1)).
+			op(fzOpLimit, 1, fzQ("a", 1, 0.3)).
+			op(fzOpLimit, 7, fzQ("a", 1, 1.0/3)).
+			op(fzOpLimit, 999, fzQ("a", 1, 2.0/3)).
+			op(fzOpLimit, 1000, fzQ("a", 1, 0.7)).
+			op(fzOpCheck, 0, fzQ("a", 1, 0.25)).
+			op(fzOpLimit, 333333, fzQ("b", 2, 0.25)).
+			op(fzOpLimit, 0, fzQ("b", 2, 0.5)).
+			op(fzOpLimit, 100000, fzQ("b", 2, 1e-7)).
+			op(fzOpValue, 123456, fzQ("a", 1, 1)).
+			op(fzOpValue, 0, fzQ("b", 2, 1)).b},
+		{"fixed_window_rollover", fzNewSeed(3, fzC(fw, 3, 10*sec, 5, 0, 1, 0, 0), fzC(fw, 2, sec, 0, 0, 1, 2, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 5)). // SPEC §4: at most cap per window
+			op(fzOpLimit, 1000000, fzQ("a", 0, 1)).
+			op(fzOpLimit, 10000000, fzQ("a", 0, 3)). // one window later: min(0+3, 5)
+			op(fzOpLimit, 0, fzQ("a", 0, 0.5)).
+			op(fzOpValue, 30000000, fzQ("a", 0, 1)). // three more: capped at 5
+			op(fzOpLimit, 0, fzQ("b", 1, 2)).        // grid anchored at Start
+			op(fzOpLimit, 999999, fzQ("b", 1, 1)).
+			op(fzOpLimit, 1, fzQ("b", 1, 1)).
+			op(fzOpLimit, 1000000, fzQ("b", 1, 2)).
+			op(fzOpCheck, 999999, fzQ("b", 1, 1)).b},
+		{"reservations", fzNewSeed(11, fzC(tb, 1, sec, 0, 0, 1, 0, 0), fzC(tb, 2, sec, 0, 3, 1, 0, 0), fzC(fw, 10, minute, 0, 5, 1, 0, 0)).
+			op(fzOpReserve, 0, fzQ("a", 0, 3)).     // unbounded: -2, RetryAt +2s
+			op(fzOpReserve, 0, fzQ("a", 0, 20)).    // -22, RetryAt +22s
+			op(fzOpCheck, 1000000, fzQ("a", 0, 1)). // still in debt
+			op(fzOpReserve, 0, fzQ("b", 0, 5)).     // bounded by 3: -3 granted
+			op(fzOpReserve, 0, fzQ("b", 0, 0.5)).   // -3.5: denied
+			op(fzOpReserve, 0, fzQ("b", 0, 6)).     // above cap+MaxReserved: argument error
+			op(fzOpReserve, 250000, fzQ("b", 0, 0.5)).
+			op(fzOpReserve, 0, fzQ("c", 2, 12)).  // fixed window: RetryAt one window on
+			op(fzOpReserve, 0, fzQ("c", 2, 3)).   // debt 5: RetryAt one window on
+			op(fzOpReserve, 0, fzQ("c", 2, 0.1)). // debt 5.1: denied
+			op(fzOpValue, 60000000, fzQ("c", 2, 1)).b},
+		{"time_backwards", fzNewSeed(5, fzC(tb, 10, sec, 0, 0, 1, 0, 0), fzC(fw, 2, sec, 0, 0, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 10)).
+			op(fzOpLimit, -500000, fzQ("a", 0, 1)). // SPEC §2: evaluated at ts, no refill
+			op(fzOpReserve, -1000000, fzQ("a", 0, 2)).
+			op(fzOpLimit, 3000000, fzQ("a", 0, 1)).
+			op(fzOpLimit, 0, fzQ("b", 1, 2)).
+			op(fzOpLimit, -3600000000, fzQ("b", 1, 1)). // the window does not move back
+			op(fzOpCredit, -1, fzQ("b", 1, 0.5)).
+			op(fzOpValue, 0, fzQ("b", 1, 1)).
+			op(fzOpValue, 3600000000, fzQ("a", 0, 1)).b},
+		{"sharded_combine", fzNewSeed(9, fzC(tb, 10, sec, 0, 0, 2, 0, 0), fzC(tb, 10, sec, 20, 0, 4, 0, 0), fzC(fw, 100, sec, 0, 0, 3, 3, 5)).
+			op(fzOpLimit, 0, fzQ("a", 0, 4, fzPicks(2, 0, 1))). // shard 0 to 1
+			op(fzOpLimit, 0, fzQ("a", 0, 7, fzPicks(2, 1, 0))). // SPEC §8: both, ending at (5+1-7)/2
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzPicks(2, 0, 1))).
+			op(fzOpReserve, 100000, fzQ("a", 0, 3, fzPicks(2, 1, 0))).
+			op(fzOpValue, 0, fzQ("a", 0, 1)).
+			op(fzOpLimit, 0, fzQ("b", 1, 5, fzPicks(4, 3, 1))).
+			op(fzOpLimit, 0, fzQ("b", 1, 5, fzPicks(4, 2, 3))).
+			op(fzOpLimit, 0, fzQ("b", 1, 8, fzPicks(4, 3, 2))).
+			op(fzOpCheck, 0, fzQ("b", 1, 10, fzPicks(4, 3, 0))). // denied, |5-0| > ... one shard alone
+			op(fzOpLimit, 0, fzQ("c", 2, 50, fzPicks(3, 2, 0))).
+			op(fzOpLimit, 0, fzQ("c", 2, 50, fzPicks(3, 2, 1))).
+			op(fzOpLimit, 500000, fzQ("c", 2, 20, fzPicks(3, 0, 2))).
+			op(fzOpCredit, 0, fzQ("b", 1, 7)).
+			op(fzOpValue, 1000000, fzQ("b", 1, 1)).b},
+		{"multi_limit_denial", fzNewSeed(13, fzC(tb, 1, sec, 0, 0, 1, 0, 0), fzC(fw, 2, 10*sec, 0, 0, 2, 0, 0), fzC(tb, 3, sec, 0, 0, 1, 0, 0)).
+			op(fzOpMany, 0, fzQ("a", 0, 1), fzQ("b", 0, 1, fzPicks(2, 0, 1))).
+			op(fzOpMany, 0, fzQ("a", 0, 0.5), fzQ("b", 0, 1, fzPicks(2, 1, 0))). // a denied: nothing written
+			op(fzOpMany|fzBit4, 250000, fzQ("c", 1, 1), fzQ("b", 0, 0.5, fzPicks(2, 1, 0)), fzQ("a", 0, 0.5)).
+			op(fzOpCheckMany, 0, fzQ("a", 0, 0.5), fzQ("c", 1, 1)).
+			op(fzOpMany, 0, fzQ("a", 0, 1, fzThrow), fzQ("c", 1, 3)). // throws, names both
+			op(fzOpMany, 0, fzQ("a", 0, 1), fzQ("a", 0, 1)).          // duplicate: argument error
+			op(fzOpMany, 1000000, fzQ("c", 1, 2, fzReserve), fzQ("a", 0, 2, fzReserve)).
+			op(fzOpValue, 0, fzQ("a", 0, 1)).
+			op(fzOpValue, 0, fzQ("c", 1, 1)).b},
+		{"credit_after_reservation", fzNewSeed(17, fzC(tb, 2, sec, 5, 10, 1, 0, 0), fzC(tb, 10, minute, 0, 0, 3, 0, 0), fzC(fw, 7, 3*sec, 0, 0, 1, 0, 0)).
+			op(fzOpReserve, 0, fzQ("a", 0, 12)). // -7
+			op(fzOpCredit, 0, fzQ("a", 0, 3)).   // LLM settle: -4
+			op(fzOpCredit, 0, fzQ("a", 0, 20)).  // never above cap: 5
+			op(fzOpReserve, 250000, fzQ("a", 0, 15)).
+			op(fzOpCredit, 0, fzQ("a", 0, 0.1)).
+			op(fzOpReserve, 0, fzQ("b", 1, 5, fzPicks(3, 0, 1))).
+			op(fzOpReserve, 0, fzQ("b", 1, 5, fzPicks(3, 0, 2))).
+			op(fzOpCredit, 0, fzQ("b", 1, 4)). // emptiest shard first; shard 1 is missing: full
+			op(fzOpCredit, 0, fzQ("b", 1, 2)).
+			op(fzOpReserve, 0, fzQ("c", 2, 10)).
+			op(fzOpCredit, 1000000, fzQ("c", 2, 2.5)).
+			op(fzOpValue, 0, fzQ("c", 2, 1)).
+			op(fzOpCredit, 0, fzQ("x", 0, 1)). // unknown name without config
+			op(fzOpValue, 0, fzQ("b", 1, 1)).b},
+		{"invalid_inputs", fzNewSeed(19, fzC(tb, 1, sec, 0, 0, 1, 0, 0), fzC(tb, 1, sec, 0, 0, 2, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, -1)).
+			op(fzOpLimit, 0, fzQ("a", 0, math.NaN())).
+			op(fzOpLimit, 0, fzQ("a", 0, math.Inf(1))).
+			op(fzOpLimit, 0, fzQ("a", 0, 1e16)).
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzBadKey(0))).
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzBadKey(1))).
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzBadKey(2))).
+			op(fzOpLimit, 0, fzQ("x", 0, 1)).
+			op(fzOpLimit, 0, fzQ("x", 0, 1, fzInline)).
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzBadConfig(0))).
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzBadConfig(3))).
+			op(fzOpLimit, 0, fzQ("a", 0, 1, fzBadConfig(7))).
+			op(fzOpCredit, 0, fzQ("a", 0, 0)).
+			op(fzOpLimit, 0, fzQ("b", 0, 1.5, fzPicks(2, 0, 1))). // two shards hold 1 together: 1.5 is an error
+			op(fzOpResetCredit|fzBit4, 0, fzQ("x", 0, 1)).
+			op(fzOpLimit1, 0, fzQ("a", 0, 1)).
+			op(fzOpThrow, 0, fzQ("a", 0, 1)).
+			op(fzOpValue, 0, fzQ("a", 0, 1)).b},
+		{"retryat_overshoot", fzNewSeed(0, fzC(tb, 1, 24*time.Hour, 0, 0, 1, 0, 0)).
+			op(fzOpReserve, 50000, fzQ("a", 0, 20)). // -19
+			op(fzOpLimit, 200, fzQ("a", 0, 1)).b},   // paid when -19 + 20 days·(1/day) - 1 = 0
+		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, 0, 2, 0, 0)).
+			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
+		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, 0, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, 0, 1, 0, 0)).
+			op(fzOpMany|fzBit4, 0, fzQ("a", 0, 3, fzPicks(4, 0, 1)), fzQ("a", 1, 1.5, fzPicks(4, 2, 3)), fzQ("b", 0, 7)).
+			op(fzOpResetCredit|fzBit4, 1, fzQ("a", 0, 1)).
+			op(fzOpValue, 1, fzQ("a", 0, 1)).
+			op(fzOpLimit, 2, fzQ("b", 0, 7)).
+			op(fzOpLimit, 7, fzQ("b", 0, 2.5)).
+			op(fzOpReserve, 1, fzQ("b", 0, 100)).
+			op(fzOpLimit, 250000, fzQ("a", 1, 1.5, fzPicks(4, 3, 2))).b},
+	}
+}
+
+// TestFuzzModelCorpus keeps testdata/fuzz/FuzzModel in step with fzSeeds.
+func TestFuzzModelCorpus(t *testing.T) {
+	dir := filepath.Join("testdata", "fuzz", "FuzzModel")
+	write := os.Getenv("TXLIMIT_WRITE_FUZZ_CORPUS") != ""
+	if write {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, s := range fzSeeds() {
+		want := fmt.Sprintf("go test fuzz v1\n[]byte(%q)\n", s.data)
+		path := filepath.Join(dir, s.name)
+		if write {
+			if err := os.WriteFile(path, []byte(want), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		got, err := os.ReadFile(path)
+		if err != nil || string(got) != want {
+			t.Errorf("%s is missing or stale (err %v): run TXLIMIT_WRITE_FUZZ_CORPUS=1 go test ./ratelimit -run TestFuzzModelCorpus", path, err)
+		}
+	}
+}

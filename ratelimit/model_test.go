@@ -1,0 +1,606 @@
+package ratelimit_test
+
+// A reference model of txlimit, written from SPEC.md and the package doc, not from the library's
+// code: an in-memory map of (name, key, shard) -> (value, ts). FuzzModel (fuzz_test.go) replays
+// random request sequences against it and against Postgres and requires identical answers.
+//
+// Floats: the model performs the same float8 operations in the same order as the SQL
+// (txlimit_level, the decision and credit queries), so its results are bit-identical. Products
+// are wrapped in float64(...) conversions, which the Go spec says must round, so the compiler
+// cannot fuse a multiply and an add into one FMA.
+//
+// RetryAt (SPEC §3/§4) is the earliest microsecond (window) at which the row, refilled from what
+// the call left it at, is out of debt as float8 arithmetic sees it; see modelLimit.retryAt.
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/big"
+	"sort"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// modelRowKey identifies one row of txlimit_state.
+type modelRowKey struct {
+	name, key string
+	shard     int
+}
+
+// modelRow is one row: the two numbers of SPEC §1, ts in microseconds since the Unix epoch.
+type modelRow struct {
+	value float64
+	ts    int64
+}
+
+// model is the whole state: a missing row is a full, untouched limit.
+type model struct {
+	rows map[modelRowKey]modelRow
+}
+
+func newModel() *model { return &model{rows: map[modelRowKey]modelRow{}} }
+
+// modelLimit is a validated config resolved for one (name, key), in per-shard numbers (SPEC §8).
+type modelLimit struct {
+	name, key string
+	fixed     bool    // FixedWindow
+	shards    int     // N >= 1
+	rate      float64 // Rate/N
+	cap       float64 // Capacity/N (Capacity defaults to Rate)
+	maxRes    float64 // MaxReserved/N; < 0 when MaxReserved is unset (0): no bound
+	periodUs  int64
+	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs
+}
+
+// Model errors: the classes of typed error the library must return (SPEC §5).
+var (
+	errModelConfig   = errors.New("model: config error")   // *ratelimit.ConfigError
+	errModelArgument = errors.New("model: argument error") // *ratelimit.ArgumentError
+	errModelUnknown  = errors.New("model: unknown limit")  // *ratelimit.UnknownLimitError
+)
+
+// modelValidate checks a config against SPEC §5 and the documented bounds.
+func modelValidate(c ratelimit.Config) error {
+	amount := func(v float64, zeroOK bool) bool {
+		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || v > ratelimit.MaxAmount {
+			return false
+		}
+		return v > 0 || zeroOK
+	}
+	switch {
+	case c.Kind != ratelimit.TokenBucket && c.Kind != ratelimit.FixedWindow,
+		!amount(c.Rate, false),
+		c.Period <= 0, c.Period%time.Microsecond != 0, c.Period > ratelimit.MaxPeriod,
+		!amount(c.Capacity, true),
+		!amount(c.MaxReserved, true),
+		c.Shards < 0, c.Shards > ratelimit.MaxShards,
+		!c.Start.IsZero() && c.Kind != ratelimit.FixedWindow:
+		return errModelConfig
+	}
+	return nil
+}
+
+// modelCheckText checks a name or key: valid UTF-8, no NUL, at most maxLen bytes.
+func modelCheckText(s string, maxLen int, emptyOK bool) error {
+	if (s == "" && !emptyOK) || len(s) > maxLen || !utf8.ValidString(s) {
+		return errModelArgument
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return errModelArgument
+		}
+	}
+	return nil
+}
+
+// modelCheckCount checks a count: finite, > 0, at most MaxAmount.
+func modelCheckCount(n float64) error {
+	if math.IsNaN(n) || math.IsInf(n, 0) || n <= 0 || n > ratelimit.MaxAmount {
+		return errModelArgument
+	}
+	return nil
+}
+
+// fnv1a is the 64-bit FNV-1a hash (offset basis 14695981039346656037, prime 1099511628211).
+func fnv1a(parts ...[]byte) uint64 {
+	h := uint64(14695981039346656037)
+	for _, p := range parts {
+		for _, c := range p {
+			h ^= uint64(c)
+			h *= 1099511628211
+		}
+	}
+	return h
+}
+
+// modelResolve validates name, key and config and resolves them (doc.go "Fixed window grid").
+func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
+	if err := modelCheckText(name, ratelimit.MaxNameLen, false); err != nil {
+		return modelLimit{}, err
+	}
+	if err := modelCheckText(key, ratelimit.MaxKeyLen, true); err != nil {
+		return modelLimit{}, err
+	}
+	if cfg == nil {
+		return modelLimit{}, errModelUnknown
+	}
+	if err := modelValidate(*cfg); err != nil {
+		return modelLimit{}, err
+	}
+	n := cfg.Shards
+	if n == 0 {
+		n = 1
+	}
+	capacity := cfg.Capacity
+	if capacity == 0 {
+		capacity = cfg.Rate
+	}
+	m := modelLimit{
+		name: name, key: key,
+		fixed:    cfg.Kind == ratelimit.FixedWindow,
+		shards:   n,
+		rate:     cfg.Rate / float64(n),
+		cap:      capacity / float64(n),
+		maxRes:   -1,
+		periodUs: int64(cfg.Period / time.Microsecond),
+	}
+	if cfg.MaxReserved > 0 {
+		m.maxRes = cfg.MaxReserved / float64(n)
+	}
+	if m.fixed {
+		if !cfg.Start.IsZero() {
+			m.anchorUs = floorMod(cfg.Start.UnixMicro(), m.periodUs)
+		} else {
+			m.anchorUs = int64(fnv1a([]byte(name), []byte{0}, []byte(key)) % uint64(m.periodUs))
+		}
+	}
+	return m, nil
+}
+
+func floorMod(a, m int64) int64 {
+	r := a % m
+	if r < 0 {
+		r += m
+	}
+	return r
+}
+
+// maxGrant is the largest count one call could ever be granted (SPEC §5): a shard's capacity, or
+// what two shards hold together, plus the bounded debt when reserving; +Inf when reserving
+// without a bound.
+func (m modelLimit) maxGrant(reserve bool) float64 {
+	per := m.cap
+	if reserve {
+		if m.maxRes < 0 {
+			return math.Inf(1)
+		}
+		per += m.maxRes
+	}
+	if m.shards >= 2 {
+		return 2 * per
+	}
+	return per
+}
+
+// level evaluates a stored row at now: the tokens it holds and the ts it moves to (SPEC §2-§4).
+// Same float8 operations, in the same order, as txlimit_level and txlimit_next_ts.
+func (m modelLimit) level(r modelRow, now int64) (float64, int64) {
+	el := now - r.ts
+	if el < 0 {
+		el = 0 // time never runs backwards for a row (SPEC §2)
+	}
+	var v float64
+	var ts int64
+	if m.fixed {
+		n := el / m.periodUs
+		v = r.value + float64(m.rate*float64(n))
+		ts = r.ts + n*m.periodUs
+	} else {
+		v = r.value + float64(float64(el)*m.rate)/float64(m.periodUs)
+		ts = max(r.ts, now)
+	}
+	if v > m.cap {
+		v = m.cap
+	}
+	return v, ts
+}
+
+// missing is how a missing row looks at now: full, with ts now (token bucket) or the start of
+// the window holding now (fixed window).
+func (m modelLimit) missing(now int64) (float64, int64) {
+	if !m.fixed {
+		return m.cap, now
+	}
+	return m.cap, m.anchorUs + floorDiv(now-m.anchorUs, m.periodUs)*m.periodUs
+}
+
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if (a%b != 0) && ((a < 0) != (b < 0)) {
+		q--
+	}
+	return q
+}
+
+// retryAt is when a row left at end (< 0) at ts has refilled to zero (SPEC §3/§4, doc.go): the
+// first microsecond ts + w (token bucket) or first window ts + n·Period (fixed window) at which
+// the refill, evaluated as the SQL evaluates a row (end + (w·Rate)/Period, end + Rate·n), is no
+// longer below zero. In real arithmetic that is ts + ceil(debt·Period/Rate) µs and
+// ts + Period·ceil(debt/Rate); the search starts there (computed exactly) and moves by one
+// µs/window while float8 rounding says otherwise, in either direction, so it is the earliest
+// instant at which the debt is paid as the database will see it.
+func (m modelLimit) retryAt(end float64, ts int64) int64 {
+	if end >= 0 {
+		return ts
+	}
+	debt := new(big.Rat).SetFloat64(-end)
+	rate := new(big.Rat).SetFloat64(m.rate)
+	if m.fixed {
+		paid := func(n int64) bool { return end+float64(m.rate*float64(n)) >= 0 }
+		n := ratCeil(new(big.Rat).Quo(debt, rate))
+		for !paid(n) {
+			n++
+		}
+		for n > 1 && paid(n-1) {
+			n--
+		}
+		return ts + n*m.periodUs
+	}
+	paid := func(w int64) bool { return end+float64(float64(w)*m.rate)/float64(m.periodUs) >= 0 }
+	w := ratCeil(new(big.Rat).Quo(new(big.Rat).Mul(debt, new(big.Rat).SetInt64(m.periodUs)), rate))
+	for !paid(w) {
+		w++
+	}
+	for w > 1 && paid(w-1) {
+		w--
+	}
+	return ts + w
+}
+
+// ratCeil rounds a non-negative rational up to an integer (it must fit an int64).
+func ratCeil(r *big.Rat) int64 {
+	q, rem := new(big.Int).QuoRem(r.Num(), r.Denom(), new(big.Int))
+	if rem.Sign() > 0 {
+		q.Add(q, big.NewInt(1))
+	}
+	if !q.IsInt64() {
+		panic(fmt.Sprintf("model: wait %v does not fit int64", q))
+	}
+	return q.Int64()
+}
+
+// modelReq is one request of a decision; a and b are the candidate shards (b < 0 unsharded).
+type modelReq struct {
+	lim     modelLimit
+	count   float64
+	reserve bool
+	a, b    int
+}
+
+// modelResult mirrors ratelimit.Result. RetryAt < 0 means the zero time.
+type modelResult struct {
+	Name, Key string
+	OK        bool
+	Reserved  bool
+	RetryAt   int64
+	Value     float64
+	Shards    []int
+	Time      int64
+	okNow     bool
+	retryStep int64 // 1µs, or the period of a fixed window
+}
+
+// modelMany mirrors ratelimit.ManyResult.
+type modelMany struct {
+	OK      bool
+	RetryAt int64 // < 0: zero time
+	Results []modelResult
+}
+
+// decide runs one decision over reqs (1 for LimitN/CheckN), all-or-nothing (SPEC §3, §4, §6, §8).
+// dry: Check/CheckMany, no write.
+func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
+	type slot struct {
+		lv  float64
+		ts  int64
+		end float64
+	}
+	type plan struct {
+		a, b            slot
+		two             bool
+		chargeA, charge bool // charge: b charged
+		okNow, reserved bool
+	}
+	plans := make([]plan, len(reqs))
+	granted := true
+	for i, r := range reqs {
+		p := &plans[i]
+		eval := func(shard int) slot {
+			if row, ok := md.rows[modelRowKey{r.lim.name, r.lim.key, shard}]; ok {
+				lv, ts := r.lim.level(row, now)
+				return slot{lv: lv, ts: ts}
+			}
+			lv, ts := r.lim.missing(now)
+			return slot{lv: lv, ts: ts}
+		}
+		p.a = eval(r.a)
+		p.two = r.b >= 0
+		c := r.count
+		var low float64
+		if !p.two {
+			p.chargeA = true
+			p.a.end = p.a.lv - c
+			low = p.a.end
+		} else {
+			p.b = eval(r.b)
+			la, lb := p.a.lv, p.b.lv
+			switch {
+			case max(la, lb) >= c, math.Abs(la-lb) > c:
+				// one shard: the one with more tokens, a on a tie
+				if la >= lb {
+					p.chargeA = true
+					p.a.end, p.b.end = la-c, lb
+					low = p.a.end
+				} else {
+					p.charge = true
+					p.a.end, p.b.end = la, lb-c
+					low = p.b.end
+				}
+			default:
+				// both, ending equal
+				e := (la + lb - c) / 2
+				p.chargeA, p.charge = true, true
+				p.a.end, p.b.end = e, e
+				low = e
+			}
+		}
+		p.okNow = low >= 0
+		p.reserved = !p.okNow && r.reserve && (r.lim.maxRes < 0 || -low <= r.lim.maxRes)
+		if !p.okNow && !p.reserved {
+			granted = false
+		}
+	}
+	out := modelMany{RetryAt: -1, Results: make([]modelResult, len(reqs))}
+	if dry {
+		out.OK = granted
+	} else if granted {
+		out.OK = true
+		for i, r := range reqs {
+			p := plans[i]
+			if p.chargeA {
+				md.rows[modelRowKey{r.lim.name, r.lim.key, r.a}] = modelRow{p.a.end, p.a.ts}
+			}
+			if p.charge {
+				md.rows[modelRowKey{r.lim.name, r.lim.key, r.b}] = modelRow{p.b.end, p.b.ts}
+			}
+		}
+	}
+	for i, r := range reqs {
+		p := plans[i]
+		res := modelResult{Name: r.lim.name, Key: r.lim.key, OK: p.okNow || p.reserved, Reserved: p.reserved,
+			RetryAt: -1, Time: now, okNow: p.okNow, retryStep: 1}
+		if r.lim.fixed {
+			res.retryStep = r.lim.periodUs
+		}
+		if res.OK {
+			res.Value = p.a.end
+			if p.two {
+				res.Value += p.b.end
+			}
+			if out.OK || dry {
+				if p.chargeA {
+					res.Shards = append(res.Shards, r.a)
+				}
+				if p.charge {
+					res.Shards = append(res.Shards, r.b)
+				}
+			}
+		} else {
+			res.Value = p.a.lv
+			if p.two {
+				res.Value += p.b.lv
+			}
+		}
+		if !p.okNow {
+			at := int64(math.MinInt64)
+			if p.chargeA {
+				at = max(at, r.lim.retryAt(p.a.end, p.a.ts))
+			}
+			if p.charge {
+				at = max(at, r.lim.retryAt(p.b.end, p.b.ts))
+			}
+			res.RetryAt = at
+		}
+		out.Results[i] = res
+		if res.RetryAt > out.RetryAt {
+			out.RetryAt = res.RetryAt
+		}
+	}
+	return out
+}
+
+// modelState mirrors ratelimit.State.
+type modelState struct {
+	Value  float64
+	TS     int64 // < 0: zero time (no row)
+	Shards []float64
+	Time   int64
+}
+
+// value is Limiter.Value: every configured shard evaluated at now, missing ones full, summed in
+// shard order (SPEC §6).
+func (md *model) value(now int64, m modelLimit) modelState {
+	st := modelState{TS: -1, Time: now, Shards: make([]float64, m.shards)}
+	for s := range st.Shards {
+		st.Shards[s] = m.cap
+		if row, ok := md.rows[modelRowKey{m.name, m.key, s}]; ok {
+			st.Shards[s], _ = m.level(row, now)
+			st.TS = max(st.TS, row.ts)
+		}
+	}
+	for _, v := range st.Shards {
+		st.Value += v
+	}
+	return st
+}
+
+// modelCredit mirrors ratelimit.CreditResult.
+type modelCredit struct {
+	Credited, Value float64
+	Time            int64
+}
+
+// credit is Limiter.Credit (SPEC §6): count tokens go back to the existing shard rows, emptiest
+// first (ties by shard), each up to the per-shard capacity; missing rows are full, take nothing
+// and are not created.
+func (md *model) credit(now int64, m modelLimit, count float64) modelCredit {
+	type row struct {
+		shard         int
+		before, after float64
+		ts            int64
+	}
+	var rows []row
+	for s := 0; s < m.shards; s++ {
+		if r, ok := md.rows[modelRowKey{m.name, m.key, s}]; ok {
+			lv, ts := m.level(r, now)
+			rows = append(rows, row{shard: s, before: lv, ts: ts})
+		}
+	}
+	order := make([]int, len(rows))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(i, j int) bool {
+		ri, rj := rows[order[i]], rows[order[j]]
+		if ri.before != rj.before {
+			return ri.before < rj.before
+		}
+		return ri.shard < rj.shard
+	})
+	// Each row takes what the emptier rows before it could not: count minus their room.
+	var room float64
+	for k, i := range order {
+		r := &rows[i]
+		prior := 0.0
+		if k > 0 {
+			prior = room
+		}
+		r.after = min(r.before+max(count-prior, 0), m.cap)
+		if k == 0 {
+			room = m.cap - r.before
+		} else {
+			room += m.cap - r.before
+		}
+	}
+	res := modelCredit{Value: float64(m.shards-len(rows)) * m.cap, Time: now}
+	for _, r := range rows {
+		res.Credited += r.after - r.before
+		res.Value += r.after
+		if r.after > r.before {
+			md.rows[modelRowKey{m.name, m.key, r.shard}] = modelRow{r.after, r.ts}
+		}
+	}
+	return res
+}
+
+// reset is Limiter.Reset: every shard row of (name, key) goes.
+func (md *model) reset(name, key string) {
+	for k := range md.rows {
+		if k.name == name && k.key == key {
+			delete(md.rows, k)
+		}
+	}
+}
+
+// TestModelSpecNumbers pins the model to the exact numbers the SPEC's algebra gives, so that the
+// fuzz target compares the library with something that is itself right.
+func TestModelSpecNumbers(t *testing.T) {
+	const s = int64(time.Second / time.Microsecond)
+	base := int64(1_767_225_600) * s // 2026-01-01T00:00:00Z
+	lim := func(cfg ratelimit.Config, key string) modelLimit {
+		t.Helper()
+		m, err := modelResolve("m", key, &cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	one := func(md *model, now int64, m modelLimit, count float64, reserve bool, dry bool) modelResult {
+		return md.decide(now, []modelReq{{lim: m, count: count, reserve: reserve, a: 0, b: -1}}, dry).Results[0]
+	}
+	expect := func(what string, r modelResult, ok, reserved bool, retryAt int64, value float64) {
+		t.Helper()
+		if r.OK != ok || r.Reserved != reserved || r.RetryAt != retryAt || r.Value != value {
+			t.Errorf("%s: got ok=%v reserved=%v retryAt=%d value=%v; want ok=%v reserved=%v retryAt=%d value=%v",
+				what, r.OK, r.Reserved, r.RetryAt-base, r.Value, ok, reserved, retryAt-base, value)
+		}
+	}
+
+	// SPEC §3: 10/min, cap 10, holding 0.5 after 9.5 taken: a call for 1 waits (1-0.5)/(10/60s) = 3s.
+	tb := lim(ratelimit.Config{Rate: 10, Period: time.Minute}, "k")
+	md := newModel()
+	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, -1, 0.5)
+	expect("deny 1", one(md, base, tb, 1, false, false), false, false, base+3*s, 0.5)
+	// Refill with cap (SPEC §3 min(.., cap)): an hour later the bucket holds 10, not 600.5.
+	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, -1, 9)
+	// Reservation without MaxReserved: 10 + 5 leaves -5, paid after 5/(10/60s) = 30s.
+	expect("reserve", one(md, base+3600*s, tb, 15, true, false), true, true, base+3630*s, -5)
+	// Time going backwards (SPEC §2): evaluated at ts, so no refill: still -5.
+	expect("backwards", one(md, base+3000*s, tb, 1, false, true), false, false, base+3636*s, -5)
+	// Credit after the reservation (SPEC §6): -5 + 20 is capped at 10.
+	if c := md.credit(base+3600*s, tb, 20); c.Credited != 15 || c.Value != 10 {
+		t.Errorf("credit: got %+v, want credited 15 value 10", c)
+	}
+
+	// SPEC §4: fixed window 5 per 10s, cap 5, grid at base: 5 taken, the 6th waits for the next
+	// window; three windows later the value is min(0 + 3·5, 5) = 5.
+	fw := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: time.UnixMicro(base)}, "k")
+	md = newModel()
+	expect("fw take 5", one(md, base+4*s, fw, 5, false, false), true, false, -1, 0)
+	expect("fw deny", one(md, base+9*s, fw, 1, false, false), false, false, base+10*s, 0)
+	expect("fw rollover", one(md, base+30*s, fw, 1, false, false), true, false, -1, 4)
+	// MaxReserved 3: a debt of 3 is granted, RetryAt = ts' + 10s·ceil(3/5); a debt of 4 is not.
+	fwr := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, MaxReserved: 3, Start: time.UnixMicro(base)}, "r")
+	md = newModel()
+	expect("fw reserve 8", one(md, base+1*s, fwr, 8, true, false), true, true, base+10*s, -3)
+	expect("fw deny reserve 1", one(md, base+2*s, fwr, 1, true, false), false, false, base+10*s, -3)
+
+	// SPEC §8: 2 shards of 10/s cap 10 are 5/s cap 5 each. Shard 0 at 4, shard 1 at 1; a call for
+	// 5: neither alone, difference 3 <= 5, so both end at (4+1-5)/2 = 0.
+	sh := lim(ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2}, "s")
+	md = newModel()
+	md.rows[modelRowKey{"m", "s", 0}] = modelRow{4, base}
+	md.rows[modelRowKey{"m", "s", 1}] = modelRow{1, base}
+	r := md.decide(base, []modelReq{{lim: sh, count: 5, a: 1, b: 0}}, false).Results[0]
+	if !r.OK || r.Value != 0 || len(r.Shards) != 2 || md.rows[modelRowKey{"m", "s", 0}].value != 0 {
+		t.Errorf("sharded combine: got %+v", r)
+	}
+	if st := md.value(base+100_000, sh); st.Value != 1 || st.Shards[0] != 0.5 {
+		t.Errorf("sharded value: got %+v, want 0.5+0.5", st)
+	}
+
+	// Multi-limit denial (SPEC §6): nothing written, the denial named, the latest RetryAt.
+	md = newModel()
+	m1 := lim(ratelimit.Config{Rate: 1, Period: time.Second}, "a")
+	m2 := lim(ratelimit.Config{Rate: 2, Period: time.Second}, "b")
+	many := md.decide(base, []modelReq{{lim: m1, count: 1, a: 0, b: -1}, {lim: m2, count: 1, a: 0, b: -1}}, false)
+	if !many.OK || len(md.rows) != 2 {
+		t.Fatalf("many: %+v", many)
+	}
+	// m1 holds 0 and denies 0.5 until 0.5s later; m2 holds 1 and would grant 0.5.
+	many = md.decide(base, []modelReq{{lim: m1, count: 0.5, a: 0, b: -1}, {lim: m2, count: 0.5, a: 0, b: -1}}, false)
+	if many.OK || many.Results[0].OK || !many.Results[1].OK || many.RetryAt != base+s/2 ||
+		md.rows[modelRowKey{"m", "a", 0}].value != 0 || md.rows[modelRowKey{"m", "b", 0}].value != 1 {
+		t.Errorf("many denial: %+v", many)
+	}
+
+	// Fixed window phase from FNV-1a of "m\x00k" (doc.go): the known vector of FNV-1a("a") pins
+	// the hash itself.
+	if h := fnv1a([]byte("a")); h != 0xaf63dc4c8601ec8c {
+		t.Errorf("fnv1a(a) = %#x", h)
+	}
+}
