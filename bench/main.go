@@ -189,6 +189,11 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 	}
 
 	rep.WallTime = time.Since(rep.Started)
+	for _, p := range []string{mdPath, svgPath} {
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return err
+		}
+	}
 	if err := os.WriteFile(mdPath, []byte(rep.Markdown()), 0o644); err != nil {
 		return err
 	}
