@@ -186,6 +186,122 @@ func (q *Queries) Levels(ctx context.Context, db DBTX, arg LevelsParams) ([]Leve
 	return items, nil
 }
 
+const pruneCandidates = `-- name: PruneCandidates :many
+WITH clock AS MATERIALIZED (
+    SELECT (extract(epoch FROM coalesce($10::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+)
+SELECT s.key, s.shard, (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+FROM txlimit_state s CROSS JOIN clock k
+WHERE s.name = $1::text
+  AND (s.key, s.shard) > ($2::text, $3::integer)
+  AND s.shard < $4::integer
+  AND txlimit_level($5::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
+                    $6::double precision, $7::bigint,
+                    $8::double precision) >= $8::double precision
+ORDER BY s.key, s.shard
+LIMIT $9::integer
+`
+
+type PruneCandidatesParams struct {
+	Name       string
+	AfterKey   string
+	AfterShard int32
+	Shards     int32
+	Kind       int16
+	Rate       float64
+	PeriodUs   int64
+	Cap        float64
+	Batch      int32
+	Now        pgtype.Timestamptz
+}
+
+type PruneCandidatesRow struct {
+	Key   string
+	Shard int32
+	TsUs  int64
+}
+
+// PruneCandidates lists, in key order after (after_key, after_shard), up to batch rows of a limit's
+// configured shards that are full at the clock: they evaluate as a missing row would. Fixed-window
+// rows must also lie on their key's window grid, which the caller checks.
+func (q *Queries) PruneCandidates(ctx context.Context, db DBTX, arg PruneCandidatesParams) ([]PruneCandidatesRow, error) {
+	rows, err := db.Query(ctx, pruneCandidates,
+		arg.Name,
+		arg.AfterKey,
+		arg.AfterShard,
+		arg.Shards,
+		arg.Kind,
+		arg.Rate,
+		arg.PeriodUs,
+		arg.Cap,
+		arg.Batch,
+		arg.Now,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []PruneCandidatesRow
+	for rows.Next() {
+		var i PruneCandidatesRow
+		if err := rows.Scan(&i.Key, &i.Shard, &i.TsUs); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const pruneDelete = `-- name: PruneDelete :execrows
+WITH clock AS MATERIALIZED (
+    SELECT (extract(epoch FROM coalesce($6::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+),
+doomed AS (
+    SELECT d.key, ($7::integer[])[d.i] AS shard
+    FROM unnest($8::text[]) WITH ORDINALITY AS d(key, i)
+)
+DELETE FROM txlimit_state s
+USING clock k, doomed d
+WHERE s.name = $1::text AND s.key = d.key AND s.shard = d.shard
+  AND txlimit_level($2::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
+                    $3::double precision, $4::bigint,
+                    $5::double precision) >= $5::double precision
+`
+
+type PruneDeleteParams struct {
+	Name      string
+	Kind      int16
+	Rate      float64
+	PeriodUs  int64
+	Cap       float64
+	Now       pgtype.Timestamptz
+	ShardList []int32
+	Keys      []string
+}
+
+// PruneDelete deletes the listed rows (keys[i], shards[i]) of a limit that are still full at the
+// clock. Under concurrency DELETE re-checks the latest version of each row, so a row charged
+// since it was listed stays.
+func (q *Queries) PruneDelete(ctx context.Context, db DBTX, arg PruneDeleteParams) (int64, error) {
+	result, err := db.Exec(ctx, pruneDelete,
+		arg.Name,
+		arg.Kind,
+		arg.Rate,
+		arg.PeriodUs,
+		arg.Cap,
+		arg.Now,
+		arg.ShardList,
+		arg.Keys,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const reset = `-- name: Reset :execrows
 DELETE FROM txlimit_state WHERE name = $1::text AND key = $2::text
 `

@@ -66,3 +66,39 @@ ORDER BY s.shard;
 -- name: Reset :execrows
 -- Reset deletes every shard row of (name, key): the limit is full again.
 DELETE FROM txlimit_state WHERE name = sqlc.arg('name')::text AND key = sqlc.arg('key')::text;
+
+-- name: PruneCandidates :many
+-- PruneCandidates lists, in key order after (after_key, after_shard), up to batch rows of a limit's
+-- configured shards that are full at the clock: they evaluate as a missing row would. Fixed-window
+-- rows must also lie on their key's window grid, which the caller checks.
+WITH clock AS MATERIALIZED (
+    SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+)
+SELECT s.key, s.shard, (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+FROM txlimit_state s CROSS JOIN clock k
+WHERE s.name = sqlc.arg('name')::text
+  AND (s.key, s.shard) > (sqlc.arg('after_key')::text, sqlc.arg('after_shard')::integer)
+  AND s.shard < sqlc.arg('shards')::integer
+  AND txlimit_level(sqlc.arg('kind')::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
+                    sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
+                    sqlc.arg('cap')::double precision) >= sqlc.arg('cap')::double precision
+ORDER BY s.key, s.shard
+LIMIT sqlc.arg('batch')::integer;
+
+-- name: PruneDelete :execrows
+-- PruneDelete deletes the listed rows (keys[i], shards[i]) of a limit that are still full at the
+-- clock. Under concurrency DELETE re-checks the latest version of each row, so a row charged
+-- since it was listed stays.
+WITH clock AS MATERIALIZED (
+    SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+),
+doomed AS (
+    SELECT d.key, (sqlc.arg('shard_list')::integer[])[d.i] AS shard
+    FROM unnest(sqlc.arg('keys')::text[]) WITH ORDINALITY AS d(key, i)
+)
+DELETE FROM txlimit_state s
+USING clock k, doomed d
+WHERE s.name = sqlc.arg('name')::text AND s.key = d.key AND s.shard = d.shard
+  AND txlimit_level(sqlc.arg('kind')::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
+                    sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
+                    sqlc.arg('cap')::double precision) >= sqlc.arg('cap')::double precision;

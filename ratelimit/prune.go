@@ -1,0 +1,85 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
+)
+
+// PruneOpts are the options of Prune. A nil *PruneOpts is the zero value.
+type PruneOpts struct {
+	// BatchSize is how many rows each round of Prune reads and deletes. Defaults to 1000.
+	BatchSize int
+
+	// Config, when set, is used instead of the limit registered under the name. Defaults to nil.
+	Config *Config
+}
+
+// Prune deletes the rows of limit name that are provably equivalent to missing rows, so that a
+// table of per-user limits does not grow with every user ever seen. A row goes only if, at the
+// clock, it holds its full (per-shard) capacity and, for a fixed window, lies on its key's window
+// grid: then every later decision evaluates it exactly as a missing row, so pruning never changes a
+// future decision. Rows charged meanwhile are re-checked and kept. Rows of shards beyond
+// Config.Shards are left to Reset. It returns how many rows were deleted.
+//
+// Prune works in rounds of two statements (list, delete) over BatchSize rows in key order; run it
+// from a periodic job, on a pool rather than inside a long transaction.
+func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *PruneOpts) (int64, error) {
+	const op = "Prune"
+	if opts == nil {
+		opts = &PruneOpts{}
+	}
+	batch := opts.BatchSize
+	if batch <= 0 {
+		batch = 1000
+	}
+	s, err := l.prepare(op, db, name, "", &ValueOpts{Config: opts.Config})
+	if err != nil {
+		return 0, err
+	}
+	q := dbsqlc.New()
+	var (
+		deleted    int64
+		afterKey   string
+		afterShard int32 = -1
+	)
+	for {
+		now := l.clock()
+		rows, err := q.PruneCandidates(ctx, db, dbsqlc.PruneCandidatesParams{
+			Now: now, Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
+			Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
+		})
+		if err != nil {
+			return deleted, fmt.Errorf("ratelimit: %s: %w", op, err)
+		}
+		if len(rows) == 0 {
+			return deleted, nil
+		}
+		del := dbsqlc.PruneDeleteParams{
+			Now: now, Name: name, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
+		}
+		for _, r := range rows {
+			if s.cfg.Kind == FixedWindow {
+				phase := windowPhase(name, r.Key, s.cfg.Start, s.periodUs)
+				if ((r.TsUs-phase)%s.periodUs+s.periodUs)%s.periodUs != 0 {
+					continue // off the grid (Period or Start changed): deleting would move its windows
+				}
+			}
+			del.Keys = append(del.Keys, r.Key)
+			del.ShardList = append(del.ShardList, r.Shard)
+		}
+		if len(del.Keys) > 0 {
+			n, err := q.PruneDelete(ctx, db, del)
+			if err != nil {
+				return deleted, fmt.Errorf("ratelimit: %s: %w", op, err)
+			}
+			deleted += n
+		}
+		last := rows[len(rows)-1]
+		afterKey, afterShard = last.Key, last.Shard
+		if len(rows) < batch {
+			return deleted, nil
+		}
+	}
+}

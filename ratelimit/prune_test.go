@@ -1,0 +1,95 @@
+package ratelimit_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// SPEC §10: pruning deletes only rows provably equivalent to a missing row, so every future
+// decision is the same with or without it.
+func TestPruneNeverChangesAFutureDecision(t *testing.T) {
+	t.Parallel()
+	fws := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0}
+	b := setup(t, map[string]ratelimit.Config{
+		"tb":  {Rate: 10, Period: time.Second},
+		"fw":  {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute},
+		"fws": fws,
+		"sh":  {Rate: 8, Period: time.Second, Shards: 4},
+	})
+	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 0, 1 })
+	take := func(at time.Time, name, key string, n float64, reserve bool) {
+		t.Helper()
+		b.clock.Set(at)
+		r, err := b.lim.LimitN(b.ctx, b.pool, name, key, n, &ratelimit.LimitOpts{Reserve: reserve})
+		require.NoError(t, err)
+		require.True(t, r.OK, "%s/%s", name, key)
+	}
+	pruneAt := t0.Add(time.Minute + 10*time.Second)
+	// Full by pruneAt, so pruned:
+	take(t0, "tb", "refilled", 3, false)
+	take(t0, "fw", "lastWindow", 5, false) // its window (phase from the key's hash) ended by t0+1m
+	take(t0, "fws", "a", 2, false)         // window [t0, t0+1m)
+	take(t0, "sh", "k", 3, false)          // charges shards 0 and 1 together
+	// Not full at pruneAt, so kept:
+	take(pruneAt.Add(-100*ms), "tb", "partial", 10, false) // 1 token at pruneAt
+	take(pruneAt, "tb", "debt", 30, true)                  // −20
+	take(t0.Add(time.Minute), "fws", "b", 1, false)        // window [t0+1m, t0+2m)
+	take(pruneAt.Add(-100*ms), "sh", "busy", 1.5, false)   // shard 0 holds 0.7; shard 1 was created full: pruned
+
+	type probe struct {
+		name, key string
+		cfg       *ratelimit.Config
+	}
+	probes := []probe{{"tb", "refilled", nil}, {"tb", "partial", nil}, {"tb", "debt", nil}, {"fw", "lastWindow", nil},
+		{"fws", "a", nil}, {"fws", "b", nil}, {"sh", "k", nil}, {"sh", "busy", nil}}
+	future := []time.Duration{0, 300 * ms, 50 * time.Second, time.Hour}
+	answers := func() []ratelimit.Result {
+		var out []ratelimit.Result
+		for _, p := range probes {
+			for _, d := range future {
+				b.clock.Set(pruneAt.Add(d))
+				for _, n := range []float64{1, 2.5} {
+					r, err := b.lim.CheckN(b.ctx, b.pool, p.name, p.key, n, &ratelimit.LimitOpts{Config: p.cfg, Reserve: true})
+					require.NoError(t, err)
+					out = append(out, r)
+				}
+			}
+		}
+		return out
+	}
+	before := answers()
+	rowsBefore := testdb.CountRows(t, b.pool)
+
+	b.clock.Set(pruneAt)
+	// fws with a different Start: its row is off the new grid, so it must stay.
+	shifted := fws
+	shifted.Start = t0.Add(10 * time.Second)
+	n, err := b.lim.Prune(b.ctx, b.pool, "fws", &ratelimit.PruneOpts{Config: &shifted})
+	require.NoError(t, err)
+	require.Zero(t, n, "an off-grid fixed window row was pruned")
+	_, found := testdb.RowVersion(t, b.pool, "fws", "a", 0)
+	require.True(t, found)
+
+	deleted := int64(0)
+	for _, name := range []string{"tb", "fw", "fws", "sh"} {
+		n, err := b.lim.Prune(b.ctx, b.pool, name, &ratelimit.PruneOpts{BatchSize: 1})
+		require.NoError(t, err)
+		deleted += n
+	}
+	// Pruned: tb/refilled, fw/lastWindow, fws/a, the two shard rows of sh/k and shard 1 of sh/busy.
+	require.Equal(t, int64(6), deleted)
+	require.Equal(t, rowsBefore-6, testdb.CountRows(t, b.pool))
+	for _, kept := range []struct {
+		name, key string
+		shard     int
+	}{{"tb", "partial", 0}, {"tb", "debt", 0}, {"fws", "b", 0}, {"sh", "busy", 0}} {
+		_, found := testdb.RowVersion(t, b.pool, kept.name, kept.key, kept.shard)
+		require.True(t, found, "%s/%s was pruned but is not full", kept.name, kept.key)
+	}
+	require.Equal(t, before, answers(), "pruning changed a future decision")
+}
