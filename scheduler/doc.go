@@ -1,0 +1,48 @@
+// Package scheduler runs rate-limited work with River, Postgres's transactional job queue.
+//
+// # Reserve and schedule
+//
+// A caller told "retry at T" may be gone by T. Scheduler.ReserveTx instead reserves the tokens
+// (ratelimit.LimitOpts.Reserve) and inserts a River job for T, both in the caller's pgx.Tx: the job
+// exists if and only if the reservation committed. When the tokens are there the job runs now; when
+// the limit would go past MaxReserved nothing is reserved, no job is inserted and the error is a
+// *ratelimit.LimitedError carrying RetryAt. ReserveManyTx does the same for several limits at once,
+// all or nothing.
+//
+// A reserved job was paid for when it was scheduled, so it runs without checking the limit again.
+// When its real cost is known it settles the reservation: Settlement, carried in the job's args,
+// credits back what was not used or charges the overrun.
+//
+// # Precise timing
+//
+// River promotes a job inserted with a future ScheduledAt from scheduled to available in a
+// maintenance pass that runs every 5 seconds, so on its own it starts such a job up to ~5 s late.
+// River fetches an available job as soon as its scheduled_at has passed, though, so PreciseHook
+// inserts the jobs of ReserveTx (and of any insert whose context went through WithPrecise) as
+// available with their future scheduled_at, the state River itself gives to short snoozes. A queue
+// configured with PreciseQueue polls every 50 ms and starts them within about that of their time.
+// docs/scheduler.md has the trade-offs and the measured lateness.
+//
+// # Rate-limited workers
+//
+// Gate is a River worker middleware that makes jobs pay a limit before they run. A job that cannot
+// take its tokens now reserves them and is snoozed (river.JobSnooze) until they are due, which does
+// not consume one of its attempts; when the limit is past MaxReserved it is snoozed until RetryAt
+// and tries again. Jobs so run at the limit's rate, in order, without failing or spinning.
+//
+// # Setup
+//
+// Migrate applies River's own migrations (rivermigrate) next to txlimit's (migrations.Up). The
+// River client needs PreciseHook among its Hooks, and a queue from PreciseQueue for the reserved
+// jobs:
+//
+//	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+//		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
+//		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+//		Workers: workers,
+//	})
+//	sched, err := scheduler.New(client, limiter, nil)
+//
+//	// In a request handler, inside the application's transaction:
+//	res, err := sched.ReserveTx(ctx, tx, "llm-tokens", orgID, estimate, CompletionArgs{...}, nil)
+package scheduler

@@ -1,0 +1,153 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// MaxSnooze is the longest single snooze a Gate asks for. River stores a snooze of up to its
+// scheduler interval (5 s) as available with a future scheduled_at, so a PreciseQueue fetches the
+// job on time; a longer snooze would be stored as scheduled and promoted up to 5 s late. A longer
+// wait is therefore split into snoozes of at most MaxSnooze; each wake-up of a job whose tokens are
+// already paid for only snoozes again.
+const MaxSnooze = 4500 * time.Millisecond
+
+// GateRequest names the limit a job pays to run.
+type GateRequest struct {
+	// Config, when set, is used instead of the limit registered under Name. Defaults to nil: the
+	// registered config.
+	Config *ratelimit.Config
+
+	// Count is the number of tokens the job takes. Must be finite and > 0 when set. Defaults to 1.
+	Count float64
+
+	// JitterKey makes the jitter of the job's snoozes deterministic (JitterFor). Defaults to "":
+	// uniformly random.
+	JitterKey string
+
+	// Key is the limit's key, e.g. the tenant the job works for. Defaults to "", the global
+	// instance.
+	Key string
+
+	// Name is the limit's name. Required.
+	Name string
+}
+
+// GateConfig configures a Gate.
+type GateConfig struct {
+	// DB runs the Gate's limit decisions, each a round trip of its own outside any job's
+	// transaction: usually the *pgxpool.Pool of the River client. Required.
+	DB ratelimit.Executor
+
+	// Jitter bounds a delay added to a denied job's snooze, in [0, Jitter), so that jobs denied
+	// together do not all come back together. Reserved jobs do not need it: their RetryAts are
+	// already spread at the limit's rate. Defaults to 0: no jitter.
+	Jitter time.Duration
+
+	// Limit maps a job to the limit it pays before it runs; false lets the job run without one.
+	// It is called for every job the middleware sees, so it should be quick, e.g. a switch on
+	// job.Kind. Required.
+	Limit func(job *rivertype.JobRow) (GateRequest, bool)
+
+	// Limiter decides the limits. Required.
+	Limiter *ratelimit.Limiter
+}
+
+// Gate is a River worker middleware that makes jobs pay a rate limit before they run. Install it
+// in river.Config.Middleware (it applies to the jobs GateConfig.Limit selects), or return it from
+// a worker's Middleware method for one kind.
+//
+// When the job's tokens are there, it takes them and runs the job. When they are not, it reserves
+// them (ratelimit.LimitOpts.Reserve), records the payment in the job's metadata (MetadataKey) and
+// snoozes the job until they are due; when the job comes back it runs without paying again. So
+// jobs start at the limit's rate, each one once, in the order they asked. When the reservation
+// would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
+// of the denial (plus Jitter), then tries again.
+//
+// River does not count a snooze as an attempt: it stores attempt-1, and the next fetch brings the
+// attempt number back to where it was, so a job can wait on a limit indefinitely without being
+// discarded; only its metadata's "snoozes" counter grows. A payment is good for the attempt that
+// made it: if the job then fails, its retry pays again. A job that is cancelled or deleted while
+// it waits does not give its tokens back (the limit errs on the side of granting less). A
+// database error from the decision fails the attempt (River retries it later); it never lets the
+// job through.
+//
+// Jobs inserted by Scheduler.ReserveTx carry a payment for their first attempt, so a Gate over
+// their kind lets that attempt through.
+type Gate struct {
+	river.MiddlewareDefaults
+
+	db      ratelimit.Executor
+	jitter  time.Duration
+	limit   func(job *rivertype.JobRow) (GateRequest, bool)
+	limiter *ratelimit.Limiter
+	now     func() time.Time // tests replace it
+}
+
+var _ rivertype.WorkerMiddleware = (*Gate)(nil)
+
+// NewGate returns a Gate. It returns an error naming the first missing field of config.
+func NewGate(config *GateConfig) (*Gate, error) {
+	switch {
+	case config == nil:
+		return nil, errors.New("scheduler: NewGate: config is nil: set DB, Limit and Limiter")
+	case config.DB == nil:
+		return nil, errors.New("scheduler: NewGate: GateConfig.DB is nil: set it to the *pgxpool.Pool of the River client")
+	case config.Limit == nil:
+		return nil, errors.New("scheduler: NewGate: GateConfig.Limit is nil: set it to a func that maps a job to its limit")
+	case config.Limiter == nil:
+		return nil, errors.New("scheduler: NewGate: GateConfig.Limiter is nil: set it to a *ratelimit.Limiter")
+	case config.Jitter < 0:
+		return nil, fmt.Errorf("scheduler: NewGate: GateConfig.Jitter must be >= 0, got %s", config.Jitter)
+	}
+	return &Gate{db: config.DB, jitter: config.Jitter, limit: config.Limit, limiter: config.Limiter, now: time.Now}, nil
+}
+
+// Work implements rivertype.WorkerMiddleware.
+func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
+	req, ok := g.limit(job)
+	if !ok {
+		return doInner(ctx)
+	}
+	if p, ok := paidFor(job); ok {
+		if wait := p.Due.Sub(g.now()); !p.Due.IsZero() && wait > 0 {
+			return river.JobSnooze(min(wait, MaxSnooze))
+		}
+		return g.run(ctx, doInner)
+	}
+	count := req.Count
+	if count == 0 {
+		count = 1
+	}
+	res, err := g.limiter.LimitN(ctx, g.db, req.Name, req.Key, count, &ratelimit.LimitOpts{Config: req.Config, Reserve: true})
+	if err != nil {
+		return fmt.Errorf("scheduler: Gate: job %d (%s): %w", job.ID, job.Kind, err)
+	}
+	switch {
+	case !res.OK: // past MaxReserved: nothing taken, try again when it could succeed
+		wait := res.RetryAfter() + jitter(req.JitterKey, g.jitter)
+		return river.JobSnooze(min(max(wait, time.Millisecond), MaxSnooze))
+	case !res.Reserved:
+		return g.run(ctx, doInner)
+	}
+	wait := res.RetryAfter()
+	if err := river.MetadataSet(ctx, MetadataKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
+		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, err)
+	}
+	return river.JobSnooze(min(wait, MaxSnooze))
+}
+
+// run clears the job's payment, so that a snooze from the worker itself pays again, and works it.
+func (g *Gate) run(ctx context.Context, doInner func(context.Context) error) error {
+	if err := river.MetadataSet(ctx, MetadataKey, nil); err != nil {
+		return fmt.Errorf("scheduler: Gate: %w", err)
+	}
+	return doInner(ctx)
+}

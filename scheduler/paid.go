@@ -1,0 +1,55 @@
+package scheduler
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/riverqueue/river/rivertype"
+)
+
+// MetadataKey is the key of job metadata under which a job records that one of its attempts has
+// already paid for its tokens: ReserveTx sets it for attempt 1, Gate for an attempt it reserved
+// and snoozed. Gate lets such an attempt run without taking tokens again, and clears the key when
+// it does. River UI shows it with the job's other metadata.
+const MetadataKey = "txlimit_paid"
+
+// paid is the value stored under MetadataKey.
+type paid struct {
+	// Attempt is the attempt the tokens were paid for. River keeps a job's attempt number across
+	// snoozes and increments it for a retry, so a retry pays again.
+	Attempt int `json:"attempt"`
+	// Due, when set, is when the reservation's tokens are due, on the clock of the process that
+	// reserved them (River schedules snoozes on the same clock).
+	Due time.Time `json:"due,omitzero"`
+}
+
+// paidFor returns the payment recorded on job for its current attempt, if any.
+func paidFor(job *rivertype.JobRow) (paid, bool) {
+	var m struct {
+		Paid *paid `json:"txlimit_paid"`
+	}
+	if len(job.Metadata) == 0 || json.Unmarshal(job.Metadata, &m) != nil || m.Paid == nil {
+		return paid{}, false
+	}
+	return *m.Paid, m.Paid.Attempt == job.Attempt
+}
+
+// withPaid returns metadata (a JSON object, or empty) with MetadataKey set to p.
+func withPaid(metadata []byte, p paid) ([]byte, error) {
+	m := map[string]json.RawMessage{} // raw values: the caller's numbers and nesting stay as they were
+	if len(metadata) > 0 {
+		if err := json.Unmarshal(metadata, &m); err != nil {
+			return nil, fmt.Errorf("InsertOpts.Metadata must be a JSON object: %w", err)
+		}
+		if m == nil { // "null"
+			m = map[string]json.RawMessage{}
+		}
+	}
+	v, err := json.Marshal(p)
+	if err != nil {
+		return nil, err
+	}
+	m[MetadataKey] = v
+	return json.Marshal(m)
+}

@@ -1,0 +1,214 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// Config configures a Scheduler. A nil *Config is the zero value.
+type Config struct {
+	// AllowImprecise accepts reserved jobs that River inserted as scheduled, which happens when the
+	// client lacks PreciseHook: River's scheduler then starts them up to ~5 s after their time.
+	// Defaults to false: ReserveTx returns an error saying to install PreciseHook, so that the
+	// mistake shows on the first call rather than as lateness in production.
+	AllowImprecise bool
+}
+
+// Scheduler reserves rate-limit tokens and schedules River jobs for when they are due, in the
+// caller's transaction. It holds no state of its own: it is safe for concurrent use, and one per
+// River client is enough.
+type Scheduler struct {
+	client         *river.Client[pgx.Tx]
+	limiter        *ratelimit.Limiter
+	allowImprecise bool
+}
+
+// New returns a Scheduler that inserts jobs with client and decides limits with limiter. The
+// client may be insert-only (no Queues). It should have PreciseHook among its Hooks (see
+// Config.AllowImprecise), and the queue of the reserved jobs should come from PreciseQueue.
+func New(client *river.Client[pgx.Tx], limiter *ratelimit.Limiter, config *Config) (*Scheduler, error) {
+	if client == nil {
+		return nil, errors.New("scheduler: New: client is nil: pass the *river.Client that inserts the jobs")
+	}
+	if limiter == nil {
+		return nil, errors.New("scheduler: New: limiter is nil: pass a *ratelimit.Limiter from ratelimit.New")
+	}
+	if config == nil {
+		config = &Config{}
+	}
+	return &Scheduler{client: client, limiter: limiter, allowImprecise: config.AllowImprecise}, nil
+}
+
+// ReserveOpts are the options of ReserveTx and ReserveManyTx. A nil *ReserveOpts is the zero value.
+type ReserveOpts struct {
+	// Config, when set, is used by ReserveTx instead of the limit registered under the name, as
+	// ratelimit.LimitOpts.Config. ReserveManyTx takes configs in its requests and ignores it.
+	// Defaults to nil: the registered config.
+	Config *ratelimit.Config
+
+	// InsertOpts are the job's River insert options. Their ScheduledAt is honoured when it is later
+	// than the reservation's; Metadata, when set, must be a JSON object and gets MetadataKey added.
+	// Defaults to nil: River's defaults and the args' own InsertOpts.
+	InsertOpts *river.InsertOpts
+
+	// Jitter bounds a delay added to the RetryAt of a job that has to wait, so that jobs reserved
+	// together do not all start together: the job is scheduled in [RetryAt, RetryAt+Jitter). A job
+	// that runs now gets none. Defaults to 0: no jitter, the job is scheduled at RetryAt.
+	Jitter time.Duration
+
+	// JitterKey makes the jitter deterministic: JitterFor(JitterKey, Jitter), the same for every
+	// reservation of that identity (a user, a tenant). Defaults to "": uniformly random.
+	JitterKey string
+}
+
+// Reservation is the outcome of ReserveTx or ReserveManyTx.
+type Reservation struct {
+	// Duplicate reports that River skipped the insert because an equivalent job exists under the
+	// job's UniqueOpts. The reserved tokens were credited back in the same transaction and Job is
+	// the existing job.
+	Duplicate bool
+
+	// Jitter is the delay added to RetryAt. Zero when the job runs now.
+	Jitter time.Duration
+
+	// Job is the inserted job. Its State is available even when it is due in the future (see
+	// PreciseHook).
+	Job *rivertype.JobRow
+
+	// Results are the limit decisions, one per limit in request order, all granted.
+	Results []ratelimit.Result
+
+	// RetryAt is when the reserved tokens will have accrued: the latest RetryAt of Results. Zero
+	// when they were all there and the job runs now.
+	RetryAt time.Time
+
+	// ScheduledAt is when the job is due: RetryAt plus Jitter (or InsertOpts.ScheduledAt when that
+	// is later). Zero when the job runs now.
+	ScheduledAt time.Time
+}
+
+// ReserveTx reserves count tokens of the limit name for key and inserts a River job with args, both
+// in tx, so that the job exists if and only if tx commits. When the tokens are there the job runs
+// now; otherwise it is scheduled for the reservation's RetryAt (plus opts.Jitter) and runs then,
+// without checking the limit again. Settle the reservation from the job with a Settlement.
+//
+// When the reservation would leave more than the limit's MaxReserved owed, nothing is reserved,
+// no job is inserted, tx is left as it was and the error is a *ratelimit.LimitedError (errors.As)
+// with the RetryAt at which the same call could succeed. Bad input is an error matching
+// ratelimit.ErrInvalid, also with nothing written. Any other error may leave the reservation
+// written in tx without its job: roll tx back.
+func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, count float64, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
+	const op = "ReserveTx"
+	if opts == nil {
+		opts = &ReserveOpts{}
+	}
+	if err := checkTx(op, tx, args); err != nil {
+		return nil, err
+	}
+	res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, Throw: true})
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+	}
+	credits := []credit{{name: name, key: key, count: count, config: opts.Config}}
+	return s.schedule(ctx, op, tx, []ratelimit.Result{res}, res.RetryAt, credits, args, opts)
+}
+
+// ReserveManyTx is ReserveTx for several limits at once: it reserves every request (each as with
+// Reserve set, whatever its Reserve field says) or none, in one round trip, and schedules the job
+// for the latest RetryAt. When any limit is past its MaxReserved nothing is reserved, no job is
+// inserted, and the *ratelimit.LimitedError names every such limit.
+func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelimit.Request, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
+	const op = "ReserveManyTx"
+	if opts == nil {
+		opts = &ReserveOpts{}
+	}
+	if err := checkTx(op, tx, args); err != nil {
+		return nil, err
+	}
+	reqs = append([]ratelimit.Request(nil), reqs...)
+	credits := make([]credit, len(reqs))
+	for i := range reqs {
+		reqs[i].Reserve = true
+		credits[i] = credit{name: reqs[i].Name, key: reqs[i].Key, count: reqs[i].Count, config: reqs[i].Config}
+		if credits[i].count == 0 {
+			credits[i].count = 1 // ratelimit.Request's default
+		}
+	}
+	res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{Throw: true})
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+	}
+	return s.schedule(ctx, op, tx, res.Results, res.RetryAt, credits, args, opts)
+}
+
+// credit is what schedule gives back when River skips the insert as a duplicate.
+type credit struct {
+	name, key string
+	count     float64
+	config    *ratelimit.Config
+}
+
+// schedule inserts the job of a granted reservation.
+func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results []ratelimit.Result, retryAt time.Time, credits []credit, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
+	r := &Reservation{Results: results}
+	var insertOpts river.InsertOpts
+	if opts.InsertOpts != nil {
+		insertOpts = *opts.InsertOpts
+	}
+	reserved := false
+	for _, res := range results {
+		reserved = reserved || res.Reserved
+	}
+	if reserved {
+		r.RetryAt = retryAt
+		r.Jitter = jitter(opts.JitterKey, opts.Jitter)
+		r.ScheduledAt = retryAt.Add(r.Jitter)
+	}
+	if insertOpts.ScheduledAt.After(r.ScheduledAt) {
+		r.ScheduledAt = insertOpts.ScheduledAt
+	}
+	insertOpts.ScheduledAt = r.ScheduledAt
+	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+	}
+	insertOpts.Metadata = md
+
+	ins, err := s.client.InsertTx(WithPrecise(ctx), tx, args, &insertOpts)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %s: insert job (the reservation was made in tx: roll it back): %w", op, err)
+	}
+	r.Job = ins.Job
+	if ins.UniqueSkippedAsDuplicate {
+		r.Duplicate = true
+		for _, c := range credits {
+			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.ValueOpts{Config: c.config}); err != nil {
+				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job (roll tx back): %w", op, err)
+			}
+		}
+		return r, nil
+	}
+	if !r.ScheduledAt.IsZero() && ins.Job.State == rivertype.JobStateScheduled && !s.allowImprecise {
+		return nil, fmt.Errorf("scheduler: %s: River inserted job %d as scheduled, so it would start up to ~5 s late: "+
+			"add &scheduler.PreciseHook{} to river.Config.Hooks of the client, or set scheduler.Config.AllowImprecise (roll tx back)", op, ins.Job.ID)
+	}
+	return r, nil
+}
+
+func checkTx(op string, tx pgx.Tx, args river.JobArgs) error {
+	if tx == nil {
+		return &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx the job and the reservation belong to"}
+	}
+	if args == nil {
+		return &ratelimit.ArgumentError{Op: op, Arg: "args", Reason: "is nil: pass the job's river.JobArgs"}
+	}
+	return nil
+}

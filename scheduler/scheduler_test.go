@@ -1,0 +1,314 @@
+package scheduler_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertest"
+	"github.com/riverqueue/river/rivertype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/scheduler"
+)
+
+// A 10-per-minute bucket: one token every 6 s.
+var perMinute10 = ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 20}
+
+func TestReserveTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+
+	// step 1: 10 tokens are there: the job runs now, nothing is scheduled.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 10, callArgs{N: 1}, nil)
+		require.NoError(t, err)
+		require.True(t, res.RetryAt.IsZero(), "RetryAt %s", res.RetryAt)
+		require.True(t, res.ScheduledAt.IsZero())
+		require.False(t, res.Results[0].Reserved)
+		require.Equal(t, rivertype.JobStateAvailable, res.Job.State)
+		return nil
+	}))
+
+	// step 2: empty: 5 tokens are due in 30 s; the job is inserted for then, in the transaction,
+	// available (PreciseHook), and paid for its first attempt.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 5, callArgs{N: 2}, nil)
+		require.NoError(t, err)
+		want := t0.Add(30 * time.Second)
+		require.Equal(t, want, res.RetryAt.UTC())
+		require.Equal(t, want, res.ScheduledAt.UTC())
+		require.True(t, res.Results[0].Reserved)
+		rows := rivertest.RequireManyInsertedTx[*riverpgxv5.Driver](ctx, t, tx, []rivertest.ExpectedJob{
+			{Args: &callArgs{}},
+			{Args: &callArgs{}, Opts: &rivertest.RequireInsertedOpts{ScheduledAt: want, State: rivertype.JobStateAvailable}},
+		})
+		require.Equal(t, res.Job.ID, rows[1].ID)
+		require.JSONEq(t, `{"n":2,"budget":{"name":"","reserved":0}}`, string(rows[1].EncodedArgs))
+		require.JSONEq(t, `{"attempt":1}`, string(metadataValue(t, rows[1].Metadata, scheduler.MetadataKey)))
+		return nil
+	}))
+	require.Equal(t, -5.0, value(t, b, "calls", "u1"))
+
+	// step 3: with deterministic jitter, the job goes JitterFor(key, Jitter) after RetryAt.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{N: 3}, &scheduler.ReserveOpts{Jitter: 10 * time.Second, JitterKey: "u1"})
+		require.NoError(t, err)
+		j := scheduler.JitterFor("u1", 10*time.Second)
+		require.Equal(t, j, res.Jitter)
+		require.Equal(t, t0.Add(36*time.Second), res.RetryAt.UTC())
+		require.Equal(t, t0.Add(36*time.Second+j), res.ScheduledAt.UTC())
+		require.Equal(t, t0.Add(36*time.Second+j), res.Job.ScheduledAt.UTC())
+		return nil
+	}))
+	require.Len(t, jobs(t, b.client), 3)
+}
+
+func TestReserveTxRollback(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+
+	for _, count := range []float64{3, 15} { // one that runs now, one that waits
+		err := inTx(t, b.pool, true, func(tx pgx.Tx) error {
+			_, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", count, callArgs{}, nil)
+			require.NoError(t, err)
+			rivertest.RequireInsertedTx[*riverpgxv5.Driver](ctx, t, tx, &callArgs{}, nil)
+			return nil
+		})
+		require.NoError(t, err)
+		rivertest.RequireNotInserted(ctx, t, riverpgxv5.New(b.pool), &callArgs{}, nil)
+		require.Equal(t, 10.0, value(t, b, "calls", "u1"), "count %g: the reservation was rolled back", count)
+	}
+}
+
+func TestReserveTxOverMaxReserved(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 25, callArgs{N: 1}, nil) // 15 owed of 20
+		return err
+	}))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 6, callArgs{N: 2}, nil) // 21 owed: denied
+		require.Nil(t, res)
+		var le *ratelimit.LimitedError
+		require.ErrorAs(t, err, &le)
+		require.True(t, ratelimit.IsLimited(err))
+		require.Equal(t, "calls", le.Name)
+		require.Equal(t, "u1", le.Key)
+		// The reservation fits once 1 token has accrued, 6 s after t0; ratelimit's RetryAt for a
+		// denial is when all 21 owed have accrued, 126 s after t0 (SPEC §3). Either is sound.
+		require.False(t, le.RetryAt.Before(t0.Add(6*time.Second)), "RetryAt %s", le.RetryAt)
+		require.False(t, le.RetryAt.After(t0.Add(126*time.Second)), "RetryAt %s", le.RetryAt)
+		// The transaction is untouched and still usable: the job of step 1 is the only one.
+		rivertest.RequireNotInsertedTx[*riverpgxv5.Driver](ctx, t, tx, &callArgs{N: 2}, &rivertest.RequireInsertedOpts{ScheduledAt: le.RetryAt})
+		return nil
+	}))
+	require.Len(t, jobs(t, b.client), 1)
+	require.Equal(t, -15.0, value(t, b, "calls", "u1"))
+}
+
+func TestReserveManyTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{
+		limits: map[string]ratelimit.Config{
+			"calls":  perMinute10,                                                          // one token per 6 s
+			"tokens": {Rate: 1000, Period: time.Minute, Capacity: 2000, MaxReserved: 1000}, // 1000 per minute
+		},
+		now: frozen(t0),
+	})
+	req := func(calls, tokens float64) []ratelimit.Request {
+		return []ratelimit.Request{{Name: "calls", Key: "org", Count: calls}, {Name: "tokens", Key: "org", Count: tokens}}
+	}
+
+	// step 1: calls has its token, tokens owes 500, due 30 s after t0: the job goes then.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.ReserveManyTx(ctx, tx, req(1, 2500), callArgs{N: 1}, nil)
+		require.NoError(t, err)
+		require.False(t, res.Results[0].Reserved)
+		require.True(t, res.Results[1].Reserved)
+		require.Equal(t, t0.Add(30*time.Second), res.RetryAt.UTC())
+		rivertest.RequireInsertedTx[*riverpgxv5.Driver](ctx, t, tx, &callArgs{}, &rivertest.RequireInsertedOpts{
+			ScheduledAt: t0.Add(30 * time.Second), State: rivertype.JobStateAvailable,
+		})
+		return nil
+	}))
+	require.Equal(t, 9.0, value(t, b, "calls", "org"))
+	require.Equal(t, -500.0, value(t, b, "tokens", "org"))
+
+	// step 2: both wait; the job goes at the later RetryAt: calls owes 1 (6 s), tokens 600 (36 s).
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.ReserveManyTx(ctx, tx, req(10, 100), callArgs{N: 2}, nil)
+		require.NoError(t, err)
+		require.Equal(t, t0.Add(6*time.Second), res.Results[0].RetryAt.UTC())
+		require.Equal(t, t0.Add(36*time.Second), res.Results[1].RetryAt.UTC())
+		require.Equal(t, t0.Add(36*time.Second), res.ScheduledAt.UTC())
+		return nil
+	}))
+
+	// step 3: tokens would owe 1100 > 1000: nothing is reserved on either limit, no job.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.ReserveManyTx(ctx, tx, req(1, 500), callArgs{N: 3}, nil)
+		var le *ratelimit.LimitedError
+		require.ErrorAs(t, err, &le)
+		require.Len(t, le.Denied, 1)
+		require.Equal(t, "tokens", le.Name)
+		return nil
+	}))
+	require.Equal(t, -1.0, value(t, b, "calls", "org"))
+	require.Equal(t, -600.0, value(t, b, "tokens", "org"))
+	require.Len(t, jobs(t, b.client), 2)
+
+	// step 4: rolled back, neither limit keeps the reservation.
+	require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
+		_, err := b.sched.ReserveManyTx(ctx, tx, req(1, 1), callArgs{N: 4}, nil)
+		return err
+	}))
+	require.Equal(t, -1.0, value(t, b, "calls", "org"))
+	require.Equal(t, -600.0, value(t, b, "tokens", "org"))
+	require.Len(t, jobs(t, b.client), 2)
+}
+
+func TestReserveTxNeedsPreciseHook(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	client := newClient(t, b.pool, &clientOpts{noHook: true})
+
+	strict, err := scheduler.New(client, b.limiter, nil)
+	require.NoError(t, err)
+	require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
+		_, err := strict.ReserveTx(ctx, tx, "calls", "u1", 15, callArgs{}, nil)
+		require.ErrorContains(t, err, "PreciseHook")
+		return nil
+	}))
+
+	lax, err := scheduler.New(client, b.limiter, &scheduler.Config{AllowImprecise: true})
+	require.NoError(t, err)
+	require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
+		res, err := lax.ReserveTx(ctx, tx, "calls", "u1", 15, callArgs{}, nil)
+		require.NoError(t, err)
+		require.Equal(t, rivertype.JobStateScheduled, res.Job.State)
+		return nil
+	}))
+}
+
+type uniqueArgs struct {
+	Doc string `json:"doc"`
+}
+
+func (uniqueArgs) Kind() string { return "txlimit_unique" }
+
+func (uniqueArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
+}
+
+func TestReserveTxDuplicateIsCreditedBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
+		Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger(), SkipUnknownJobCheck: true,
+	})
+	require.NoError(t, err)
+	sched, err := scheduler.New(client, b.limiter, nil)
+	require.NoError(t, err)
+
+	for i, want := range []bool{false, true} {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			res, err := sched.ReserveTx(ctx, tx, "calls", "u1", 12, uniqueArgs{Doc: "d1"}, nil)
+			require.NoError(t, err)
+			require.Equal(t, want, res.Duplicate, "insert %d", i)
+			return nil
+		}))
+		require.Equal(t, -2.0, value(t, b, "calls", "u1"), "insert %d", i)
+	}
+	require.Len(t, jobs(t, client), 1)
+}
+
+// TestReserveTxConcurrent: 64 goroutines reserve and schedule against one budget, rolling back at
+// random; exactly the committed reservations have jobs.
+func TestReserveTxConcurrent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const (
+		workers  = 64
+		attempts = 4
+		capacity = 50.0
+	)
+	cfg := ratelimit.Config{Rate: capacity, Period: time.Hour, MaxReserved: 100}
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": cfg}, now: frozen(t0), maxConns: 16})
+
+	var (
+		wg                                    sync.WaitGroup
+		mu                                    sync.Mutex
+		committed, rolledBack, denied, tokens int
+	)
+	for w := range workers {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), 1))
+			for range attempts {
+				count := 1 + rng.IntN(3)
+				rollback := rng.IntN(3) == 0
+				var limited bool
+				err := func() error {
+					tx, err := b.pool.Begin(ctx)
+					if err != nil {
+						return err
+					}
+					defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+					_, err = b.sched.ReserveTx(ctx, tx, "calls", "", float64(count), callArgs{N: count}, nil)
+					limited = ratelimit.IsLimited(err)
+					switch {
+					case err != nil && !limited:
+						return err
+					case rollback:
+						return errRollback
+					}
+					return tx.Commit(ctx)
+				}()
+				mu.Lock()
+				switch {
+				case errors.Is(err, errRollback):
+					rolledBack++
+				case err != nil:
+					t.Errorf("worker %d: %v", w, err)
+				case limited:
+					denied++
+				default:
+					committed++
+					tokens += count
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+
+	all := jobs(t, b.client)
+	jobTokens := 0
+	for _, j := range all {
+		var args callArgs
+		require.NoError(t, jsonUnmarshal(j.EncodedArgs, &args))
+		jobTokens += args.N
+	}
+	t.Logf("committed %d (%d tokens), rolled back %d, denied %d", committed, tokens, rolledBack, denied)
+	require.Greater(t, denied, 0, "the budget should run out")
+	require.Len(t, all, committed)
+	require.Equal(t, tokens, jobTokens)
+	require.Equal(t, capacity-float64(tokens), value(t, b, "calls", ""))
+}
+
+var errRollback = errors.New("rolled back on purpose")

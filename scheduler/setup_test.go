@@ -1,0 +1,169 @@
+package scheduler_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/scheduler"
+)
+
+// t0 is the frozen time of tests that inject the limiter's clock. It is in the past, so jobs
+// scheduled from it are due at once.
+var t0 = time.Date(2024, 1, 1, 12, 0, 0, 0, time.UTC)
+
+// callArgs is the job of most tests: a call that reserved Budget.
+type callArgs struct {
+	N      int                  `json:"n"`
+	Budget scheduler.Settlement `json:"budget"`
+}
+
+func (callArgs) Kind() string { return "txlimit_call" }
+
+type testBundle struct {
+	pool    *pgxpool.Pool
+	limiter *ratelimit.Limiter
+	client  *river.Client[pgx.Tx] // insert-only, with PreciseHook
+	sched   *scheduler.Scheduler
+}
+
+type setupOpts struct {
+	limits   map[string]ratelimit.Config
+	now      func() time.Time // the limiter's clock; nil: the database's
+	maxConns int32
+}
+
+// setup returns a migrated schema (txlimit and River), a limiter and an insert-only client.
+func setup(t *testing.T, opts *setupOpts) *testBundle {
+	t.Helper()
+	if opts == nil {
+		opts = &setupOpts{}
+	}
+	ctx := context.Background()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: max(opts.maxConns, 8)})
+	require.NoError(t, scheduler.Migrate(ctx, pool, nil))
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: opts.limits, Now: opts.now})
+	require.NoError(t, err)
+	client := newClient(t, pool, nil)
+	sched, err := scheduler.New(client, limiter, nil)
+	require.NoError(t, err)
+	return &testBundle{pool: pool, limiter: limiter, client: client, sched: sched}
+}
+
+// clientOpts configure newClient. Without queues, the client only inserts.
+type clientOpts struct {
+	queues     map[string]river.QueueConfig
+	middleware []rivertype.Middleware
+	work       func(ctx context.Context, job *river.Job[callArgs]) error
+	noHook     bool
+}
+
+func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
+	t.Helper()
+	if opts == nil {
+		opts = &clientOpts{}
+	}
+	work := opts.work
+	if work == nil {
+		work = func(context.Context, *river.Job[callArgs]) error { return nil }
+	}
+	workers := river.NewWorkers()
+	river.AddWorker(workers, river.WorkFunc(work))
+	cfg := &river.Config{
+		Logger:     quietLogger(),
+		Middleware: opts.middleware,
+		Queues:     opts.queues,
+		TestOnly:   true,
+		Workers:    workers,
+	}
+	if !opts.noHook {
+		cfg.Hooks = []rivertype.Hook{&scheduler.PreciseHook{}}
+	}
+	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
+	require.NoError(t, err)
+	return client
+}
+
+// startClient starts client and stops it when the test ends.
+func startClient(t *testing.T, client *river.Client[pgx.Tx]) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, client.Start(ctx))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = client.Stop(ctx)
+	})
+}
+
+// inTx runs fn in a transaction and commits it, or rolls it back when fn fails or rollback is set.
+// The deferred rollback also ends the transaction when fn stops the test, so that the schema can
+// be dropped.
+func inTx(t *testing.T, pool *pgxpool.Pool, rollback bool, fn func(tx pgx.Tx) error) error {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	if err := fn(tx); err != nil || rollback {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// jobs lists every job of the schema.
+func jobs(t *testing.T, client *river.Client[pgx.Tx]) []*rivertype.JobRow {
+	t.Helper()
+	res, err := client.JobList(context.Background(), river.NewJobListParams().First(10_000))
+	require.NoError(t, err)
+	return res.Jobs
+}
+
+func value(t *testing.T, b *testBundle, name, key string) float64 {
+	t.Helper()
+	st, err := b.limiter.Value(context.Background(), b.pool, name, key, nil)
+	require.NoError(t, err)
+	return st.Value
+}
+
+// frozen returns a clock that stays at t.
+func frozen(t time.Time) func() time.Time { return func() time.Time { return t } }
+
+// starts records when each job started working, by job ID.
+type starts struct {
+	mu sync.Mutex
+	at map[int64]time.Time
+	ch chan struct{}
+}
+
+func newStarts() *starts { return &starts{at: map[int64]time.Time{}, ch: make(chan struct{}, 10_000)} }
+
+func (s *starts) record(id int64, at time.Time) {
+	s.mu.Lock()
+	s.at[id] = at
+	s.mu.Unlock()
+	s.ch <- struct{}{}
+}
+
+// wait waits for n starts, failing after timeout.
+func (s *starts) wait(t testing.TB, n int, timeout time.Duration) {
+	t.Helper()
+	deadline := time.After(timeout)
+	for i := 0; i < n; i++ {
+		select {
+		case <-s.ch:
+		case <-deadline:
+			t.Fatalf("only %d of %d jobs started within %s", i, n, timeout)
+		}
+	}
+}
