@@ -6,8 +6,8 @@ import (
 	"time"
 )
 
-// JitterFor returns a delay in [0, max) that depends only on identity: an FNV-1a hash of identity
-// scaled to max and truncated to the microsecond (Postgres's precision). The same identity always
+// JitterFor returns a delay in [0, max) that depends only on identity: a 64-bit FNV-1a hash of
+// identity, mixed with MurmurHash3's finaliser so that short identities spread too, scaled to max and truncated to the microsecond (Postgres's precision). The same identity always
 // gets the same delay and different identities spread evenly over [0, max), so clients that were
 // limited together do not all come back together, yet each one's schedule is reproducible (as in
 // seed 001's deterministic per-identity Retry-After jitter). max <= 0 returns 0.
@@ -17,7 +17,13 @@ func JitterFor(identity string, max time.Duration) time.Duration {
 	}
 	h := fnv.New64a()
 	h.Write([]byte(identity))
-	frac := float64(h.Sum64()>>11) / (1 << 53) // in [0, 1)
+	x := h.Sum64()
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	x ^= x >> 33
+	frac := float64(x>>11) / (1 << 53) // in [0, 1)
 	return time.Duration(frac * float64(max)).Truncate(time.Microsecond)
 }
 

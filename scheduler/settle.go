@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 
@@ -85,9 +86,14 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 // and charge again with MaxReserved lifted.
 func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, name, key string, count float64, cfg *ratelimit.Config) error {
 	res, err := l.LimitN(ctx, db, name, key, count, &ratelimit.LimitOpts{Config: cfg, Reserve: true})
-	if err != nil || res.OK {
+	switch {
+	case err == nil && res.OK:
+		return nil
+	case err != nil && !errors.Is(err, ratelimit.ErrInvalid):
 		return err
 	}
+	// Denied past MaxReserved, or invalid: count exceeds capacity plus MaxReserved (a bad name or
+	// config fails again below).
 	if cfg == nil {
 		st, err := l.Value(ctx, db, name, key, nil)
 		if err != nil {
