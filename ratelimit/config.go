@@ -39,6 +39,10 @@ const (
 	// tokens stay exact to well below one token in float8.
 	MaxAmount = 1e15
 
+	// MinAmount is the smallest Rate, Capacity, MaxReserved or count accepted (when set): 10^-9
+	// tokens. Smaller values would underflow float8 arithmetic in the database.
+	MinAmount = 1e-9
+
 	// MaxKeyLen is the longest key accepted, in bytes of UTF-8.
 	MaxKeyLen = 1024
 
@@ -146,6 +150,8 @@ func (c Config) validate(name string) error {
 			return bad(field, v, "must not be negative")
 		case v == 0 && !zeroOK:
 			return bad(field, v, "must be > 0")
+		case v != 0 && v < MinAmount:
+			return bad(field, v, fmt.Sprintf("must be at least MinAmount (%g) when set", float64(MinAmount)))
 		case v > MaxAmount:
 			return bad(field, v, fmt.Sprintf("must be at most MaxAmount (%g)", float64(MaxAmount)))
 		}
@@ -220,6 +226,8 @@ func checkCount(op string, n float64) error {
 		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be > 0, got %g", n)}
 	case n > MaxAmount:
 		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at most MaxAmount (%g), got %g", float64(MaxAmount), n)}
+	case n < MinAmount:
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at least MinAmount (%g), got %g", float64(MinAmount), n)}
 	}
 	return nil
 }

@@ -72,7 +72,7 @@ const (
 	// CreditResult.Time is documented as "the instant the credit was evaluated at", but Credit
 	// leaves it zero when (name, key) has no rows in its configured shards (the Credit query
 	// returns no row to carry the clock).
-	fzBugCreditTimeZeroWithoutRows = true
+	fzBugCreditTimeZeroWithoutRows = false
 
 	// Result.RetryAt can be one microsecond (token bucket) or one window (fixed window) later
 	// than the earliest instant at which the debt is paid: the library rounds
@@ -81,7 +81,7 @@ const (
 	// pays the debt. Seed retryat_overshoot: a 1/24h bucket at -19 asked for 1 token 200µs later
 	// must wait until exactly 20 days after the reservation (-19 + 20 - 1 = 0, as the database
 	// computes it too), the library says one microsecond later.
-	fzBugRetryAtOvershoot = true
+	fzBugRetryAtOvershoot = false
 
 	// LimitedError.RetryAt is documented (errors.go) as "when the call could succeed: the latest
 	// RetryAt of all denied limits", but LimitMany with Throw sets it to ManyResult.RetryAt, the
@@ -89,7 +89,7 @@ const (
 	// reservation. Seed throw_many_with_reservation: a (1/s) would reserve 5 with RetryAt +4s,
 	// b (3/s, empty) is denied with RetryAt +1/3s; the call could succeed at +333334µs, the error
 	// says +4s.
-	fzBugLimitedRetryAtIncludesReservations = true
+	fzBugLimitedRetryAtIncludesReservations = false
 )
 
 // Operation codes (low four bits of an operation's first byte).

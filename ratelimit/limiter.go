@@ -110,10 +110,11 @@ type Result struct {
 	// should act at RetryAt, not now. Always false without LimitOpts.Reserve.
 	Reserved bool
 
-	// RetryAt is when the call can go ahead: for a reservation, when its tokens have accrued; for a
-	// denial, the earliest time the same call could be granted, all else equal. Zero when OK and not
-	// Reserved. For a 10/minute token bucket holding 0.5 tokens, a call for 1 is denied with RetryAt
-	// three seconds after the decision.
+	// RetryAt is when the call can go ahead: for a reservation, when its tokens have accrued and the
+	// caller should act; for a denial, when the tokens the call asked for will have accrued (SPEC
+	// §3: ts' + (−v)/r), so the same call without Reserve is granted then, all else equal. Zero when
+	// OK and not Reserved. Microsecond precision, rounded up. For a 10/minute token bucket holding
+	// 0.5 tokens, a call for 1 is denied with RetryAt three seconds after the decision.
 	RetryAt time.Time
 
 	// Value is the number of tokens left after the call (negative after a reservation). With
@@ -212,7 +213,9 @@ type ManyOpts struct {
 type ManyResult struct {
 	// OK reports whether every limit was granted, and so consumed. When false nothing was consumed.
 	OK bool
-	// RetryAt is the latest RetryAt of the results: when the whole call can go ahead.
+	// RetryAt is when the whole call can go ahead. When OK, the latest RetryAt of its
+	// reservations (zero when none had to wait); when denied, the latest RetryAt of the denied
+	// limits (a limit that would have been granted as a reservation does not count).
 	RetryAt time.Time
 	// Results has one element per request, in order. When OK is false, each says whether that
 	// limit alone would have been granted; none was consumed.
@@ -350,7 +353,8 @@ func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Reque
 			r.Shards = nil // nothing was consumed
 		}
 		out.Results[i] = r
-		if r.RetryAt.After(out.RetryAt) {
+		// Granted: act when the last reservation is due. Denied: retry when the last denial clears.
+		if (out.OK || !r.OK) && r.RetryAt.After(out.RetryAt) {
 			out.RetryAt = r.RetryAt
 		}
 	}
@@ -419,29 +423,38 @@ func toResult(s spec, row dbsqlc.DecideRow, a, b int) Result {
 // maxWaitUs bounds a computed wait so that RetryAt stays a valid time (about 100,000 years).
 const maxWaitUs = 1 << 61
 
-// retryAtUs returns when a shard row left at value end (at tsUs) has accrued back to zero.
+// retryAtUs returns when a shard row left at value end (at tsUs) has accrued back to zero: the
+// first microsecond (token bucket) or window start (fixed window) at which the row, evaluated as the
+// SQL evaluates it, holds >= 0. The exact ceiling is the starting guess; float rounding can put the
+// answer one step either side of it, so it is adjusted both ways.
 func retryAtUs(s spec, end float64, tsUs int64) int64 {
 	if end >= 0 {
 		return tsUs
 	}
-	deficit := -end
 	if s.kind == int16(TokenBucket) {
-		w := math.Ceil(deficit * float64(s.periodUs) / s.rate)
+		level := func(w float64) float64 { return end + w*s.rate/float64(s.periodUs) }
+		w := math.Ceil(-end * float64(s.periodUs) / s.rate)
 		if w >= maxWaitUs {
 			return tsUs + maxWaitUs
 		}
-		// Float rounding can leave the refill at w one ulp short of the deficit.
-		if end+float64(w)*s.rate/float64(s.periodUs) < 0 {
+		for w > 1 && level(w-1) >= 0 {
+			w--
+		}
+		for level(w) < 0 {
 			w++
 		}
 		return tsUs + int64(w)
 	}
-	n := math.Ceil(deficit / s.rate)
-	if end+float64(s.rate*n) < 0 {
-		n++
-	}
+	level := func(n float64) float64 { return end + float64(s.rate*n) }
+	n := math.Ceil(-end / s.rate)
 	if n*float64(s.periodUs) >= maxWaitUs {
 		return tsUs + maxWaitUs
+	}
+	for n > 1 && level(n-1) >= 0 {
+		n--
+	}
+	for level(n) < 0 {
+		n++
 	}
 	return tsUs + int64(n)*s.periodUs
 }

@@ -295,7 +295,7 @@ func TestValueResetCredit(t *testing.T) {
 	// A credit on a missing row changes nothing and creates nothing.
 	c, err = b.lim.Credit(b.ctx, b.pool, "tb", "other", 5, nil)
 	require.NoError(t, err)
-	require.Equal(t, ratelimit.CreditResult{Name: "tb", Key: "other", Credited: 0, Value: 20}, c)
+	require.Equal(t, ratelimit.CreditResult{Name: "tb", Key: "other", Credited: 0, Value: 20, Time: t0.Add(200 * ms)}, c)
 
 	require.NoError(t, b.lim.Reset(b.ctx, b.pool, "tb", "k"))
 	st, err = b.lim.Value(b.ctx, b.pool, "tb", "k", nil)

@@ -416,7 +416,8 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 			res.RetryAt = at
 		}
 		out.Results[i] = res
-		if res.RetryAt > out.RetryAt {
+		// Granted: when the last reservation is due; denied: when the last denial clears.
+		if (out.OK || !res.OK) && res.RetryAt > out.RetryAt {
 			out.RetryAt = res.RetryAt
 		}
 	}

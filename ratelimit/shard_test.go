@@ -619,7 +619,7 @@ func TestShardOverGrant(t *testing.T) {
 	if testing.Short() {
 		t.Skip("3 × 3 s of load")
 	}
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 32})
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16})
 	hot := ratelimit.Config{Rate: 10, Period: time.Second, Capacity: 10, Shards: 16}
 	quota := ratelimit.Config{Rate: 100, Period: time.Hour, Capacity: 100}
 	hot160 := ratelimit.Config{Rate: 160, Period: time.Second, Capacity: 160, Shards: 16}

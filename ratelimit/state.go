@@ -117,11 +117,19 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	if err != nil {
 		return CreditResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-	res := CreditResult{Name: name, Key: key, Value: float64(s.shards-len(rows)) * s.capacity}
+	existing := 0
 	for _, row := range rows {
-		res.Credited += row.After - row.Before
-		res.Value += row.After
+		if row.Shard >= 0 { // shard -1 is the clock-only row of a limit without rows
+			existing++
+		}
+	}
+	res := CreditResult{Name: name, Key: key, Value: float64(s.shards-existing) * s.capacity}
+	for _, row := range rows {
 		res.Time = usTime(row.NowUs)
+		if row.Shard >= 0 {
+			res.Credited += row.After - row.Before
+			res.Value += row.After
+		}
 	}
 	return res, nil
 }

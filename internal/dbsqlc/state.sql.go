@@ -45,12 +45,12 @@ upd AS (
       AND g.after > g.lv
     RETURNING s.shard
 )
-SELECT g.shard::integer AS shard,
-       g.lv::double precision AS before,
-       g.after::double precision AS after,
+SELECT coalesce(g.shard, -1)::integer AS shard,
+       coalesce(g.lv, 0)::double precision AS before,
+       coalesce(g.after, 0)::double precision AS after,
        k.now_us::bigint AS now_us,
        (SELECT count(*) FROM upd)::bigint AS updated
-FROM give g CROSS JOIN clock k
+FROM clock k LEFT JOIN give g ON true
 ORDER BY g.shard
 `
 
@@ -78,7 +78,7 @@ type CreditRow struct {
 // per-shard capacity). The rows are locked in shard order and the tokens go to the emptiest shards
 // first: each shard takes what the shards before it could not. Missing rows are full and take
 // nothing, so a credit never creates a row. Returns every existing shard row with its level before
-// and after.
+// and after, or a single row with shard -1 (carrying the clock) when there is none.
 func (q *Queries) Credit(ctx context.Context, db DBTX, arg CreditParams) ([]CreditRow, error) {
 	rows, err := db.Query(ctx, credit,
 		arg.Now,
