@@ -1,0 +1,388 @@
+// Command llmbudget keeps LLM calls within a tokens-per-minute budget with txlimit and River.
+//
+// Requests arrive faster than the budget allows, each with an estimate of the tokens its model call
+// will use. Each one, in its own transaction, reserves its estimate from the budget and schedules
+// a River job for when the budget has it (scheduler.ReserveTx): now, later, or, when more than
+// MaxReserved would be owed, not at all (the caller is told when to come back). A worker runs a
+// deterministic stand-in for the model call, which reports the tokens actually used, and settles
+// the reservation with them in the transaction that completes the job: the unused part is credited
+// back, an overrun is charged.
+//
+// Time is scaled down so that the run takes about 12 s: one budget minute lasts 4 s here. The
+// program prints a timeline of requests, model calls and the budget, then checks that the calls
+// started no faster than the budget allowed, and exits 0.
+//
+// It connects to DATABASE_URL, else TEST_DATABASE_URL, else
+// postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
+// drops at the end, so it can be run again and again.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"math"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/txlimit/txlimit/migrations"
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/scheduler"
+)
+
+const (
+	// minute is how long one budget minute lasts in this demo.
+	minute = 4 * time.Second
+	// tpm is the budget: tokens per (scaled) minute, also its burst.
+	tpm = 6000
+	// maxOwed is the most the budget may owe to reservations: a minute and a half's worth.
+	maxOwed = tpm * 3 / 2
+	// arrival is the time between two requests.
+	arrival = 200 * time.Millisecond
+	// modelLatency is how long the stand-in model call takes.
+	modelLatency = 150 * time.Millisecond
+	org          = "org-42"
+	limitName    = "llm-tokens"
+)
+
+// estimates are the requests' estimated token counts, in order of arrival.
+var estimates = []float64{
+	900, 1200, 400, 1500, 800, 1100, 600, 1300, 700, 1000,
+	1400, 500, 900, 1200, 800, 1500, 600, 1100, 1300, 700,
+	1000, 1400, 900, 500, 1200, 800, 1500, 1100, 600, 1000,
+}
+
+// usage is the stand-in for the model: the tokens request i actually used, a deterministic share
+// of its estimate, sometimes more than estimated.
+func usage(i int, estimate float64) float64 {
+	shares := []float64{0.8, 0.55, 1.1, 0.7, 0.95, 0.6, 1.2, 0.75}
+	return math.Round(estimate * shares[i%len(shares)])
+}
+
+// CompletionArgs is a model call that reserved its estimate.
+type CompletionArgs struct {
+	Request int                  `json:"request"`
+	Budget  scheduler.Settlement `json:"budget"`
+}
+
+// Kind implements river.JobArgs.
+func (CompletionArgs) Kind() string { return "llm_completion" }
+
+// completionWorker makes the model call and settles the reservation with its actual usage.
+type completionWorker struct {
+	river.WorkerDefaults[CompletionArgs]
+	pool    *pgxpool.Pool
+	limiter *ratelimit.Limiter
+	tl      *timeline
+}
+
+func (w *completionWorker) Work(ctx context.Context, job *river.Job[CompletionArgs]) error {
+	started := time.Now()
+	i := job.Args.Request
+	time.Sleep(modelLatency) // the model call
+	used := usage(i, job.Args.Budget.Reserved)
+	settling := time.Now()
+
+	// Settle and complete the job in one transaction, so that a retry cannot settle twice.
+	var settled scheduler.SettleResult
+	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
+		var err error
+		if settled, err = job.Args.Budget.Settle(ctx, tx, w.limiter, used, nil); err != nil {
+			return err
+		}
+		_, err = river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	note := "exact"
+	switch {
+	case settled.Credited > 0:
+		note = fmt.Sprintf("credited %.0f back", settled.Credited)
+	case settled.Charged > 0:
+		note = fmt.Sprintf("charged %.0f overrun", settled.Charged)
+	}
+	w.tl.ran(i, started, settling, job.ScheduledAt, job.Args.Budget.Reserved, used, settled.Credited, note)
+	return nil
+}
+
+func main() {
+	if err := run(context.Background()); err != nil {
+		log.Fatalf("llmbudget: %v", err)
+	}
+}
+
+func dsn() string {
+	for _, env := range []string{"DATABASE_URL", "TEST_DATABASE_URL"} {
+		if v := os.Getenv(env); v != "" {
+			return v
+		}
+	}
+	return "postgres://postgres@localhost:5432/test?sslmode=disable"
+}
+
+func run(ctx context.Context) error {
+	// A schema of our own, dropped at the end.
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	schema := "txlimit_llmbudget_" + hex.EncodeToString(b[:])
+	admin, err := pgx.Connect(ctx, dsn())
+	if err != nil {
+		return fmt.Errorf("connect (set DATABASE_URL): %w", err)
+	}
+	defer admin.Close(context.Background())
+	ident := pgx.Identifier{schema}.Sanitize()
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+ident); err != nil {
+		return err
+	}
+	defer func() {
+		if _, err := admin.Exec(context.Background(), "DROP SCHEMA "+ident+" CASCADE"); err != nil {
+			log.Printf("llmbudget: drop schema %s: %v", schema, err)
+		}
+	}()
+	cfg, err := pgxpool.ParseConfig(dsn())
+	if err != nil {
+		return err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = 16
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+
+	if err := migrations.Up(ctx, pool); err != nil {
+		return err
+	}
+	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
+		return err
+	}
+
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		limitName: {Rate: tpm, Period: minute, MaxReserved: maxOwed},
+	}})
+	if err != nil {
+		return err
+	}
+	tl := &timeline{start: time.Now()}
+	workers := river.NewWorkers()
+	river.AddWorker(workers, &completionWorker{pool: pool, limiter: limiter, tl: tl})
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
+		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+		Workers: workers,
+	})
+	if err != nil {
+		return err
+	}
+	sched, err := scheduler.New(client, limiter, nil)
+	if err != nil {
+		return err
+	}
+	if err := client.Start(ctx); err != nil {
+		return err
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = client.Stop(ctx)
+	}()
+
+	fmt.Printf("budget %q for %s: %d tokens per minute, at most %d owed; one minute lasts %s here\n",
+		limitName, org, tpm, maxOwed, minute)
+	fmt.Printf("%d requests, one every %s, %.0f tokens estimated in all (%.1f budget minutes' worth)\n\n",
+		len(estimates), arrival, sum(estimates), sum(estimates)/tpm)
+	fmt.Println("budget bars: each # is 500 tokens available, each - 500 tokens owed to reservations")
+	fmt.Println("\n    time  event")
+
+	// The budget, sampled while the demo runs.
+	stopSampling := make(chan struct{})
+	var sampling sync.WaitGroup
+	sampling.Go(func() {
+		t := time.NewTicker(minute / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-stopSampling:
+				return
+			case <-t.C:
+				if st, err := limiter.Value(ctx, pool, limitName, org, nil); err == nil {
+					tl.budget(st.Value)
+				}
+			}
+		}
+	})
+
+	accepted := 0
+	for i, estimate := range estimates {
+		time.Sleep(time.Until(tl.start.Add(time.Duration(i) * arrival)))
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			// The application's own writes for the request would go here, in tx.
+			budget := scheduler.Settlement{Name: limitName, Key: org, Reserved: estimate}
+			res, err := sched.ReserveTx(ctx, tx, limitName, org, estimate, CompletionArgs{Request: i, Budget: budget}, nil)
+			if err != nil {
+				return err
+			}
+			tl.reserved(i, estimate, res)
+			return nil
+		})
+		var limited *ratelimit.LimitedError
+		switch {
+		case errors.As(err, &limited):
+			tl.rejected(i, estimate, limited.RetryAt)
+		case err != nil:
+			return err
+		default:
+			accepted++
+		}
+	}
+
+	deadline := time.Now().Add(time.Minute)
+	for tl.done() < accepted {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("only %d of %d accepted calls ran within a minute", tl.done(), accepted)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	close(stopSampling)
+	sampling.Wait()
+	st, err := limiter.Value(ctx, pool, limitName, org, nil)
+	if err != nil {
+		return err
+	}
+	tl.budget(st.Value)
+	return tl.summary(len(estimates), accepted, st.Value)
+}
+
+func sum(xs []float64) float64 {
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	return s
+}
+
+// timeline prints events as they happen and keeps what the summary checks.
+type timeline struct {
+	start time.Time
+
+	mu         sync.Mutex
+	calls      []call
+	rejections int
+	firstGrant time.Time
+	used       float64
+	lateMax    time.Duration
+}
+
+type call struct {
+	started, settling  time.Time
+	reserved, credited float64
+}
+
+func (t *timeline) printf(at time.Time, format string, args ...any) {
+	fmt.Printf("%7.2fs  %s\n", at.Sub(t.start).Seconds(), fmt.Sprintf(format, args...))
+}
+
+func (t *timeline) reserved(i int, estimate float64, res *scheduler.Reservation) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := time.Now()
+	if t.firstGrant.IsZero() {
+		t.firstGrant = res.Results[0].Time
+	}
+	if res.ScheduledAt.IsZero() {
+		t.printf(now, "request %2d  reserves %5.0f  runs now", i, estimate)
+		return
+	}
+	t.printf(now, "request %2d  reserves %5.0f  scheduled for %6.2fs", i, estimate, res.ScheduledAt.Sub(t.start).Seconds())
+}
+
+func (t *timeline) rejected(i int, estimate float64, retryAt time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.rejections++
+	t.printf(time.Now(), "request %2d  rejected %5.0f  more than %d would be owed: retry at %.2fs; nothing reserved, no job",
+		i, estimate, maxOwed, retryAt.Sub(t.start).Seconds())
+}
+
+func (t *timeline) ran(i int, started, settling, scheduledAt time.Time, reserved, used, credited float64, note string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	late := started.Sub(scheduledAt)
+	t.calls = append(t.calls, call{started: started, settling: settling, reserved: reserved, credited: credited})
+	t.used += used
+	t.lateMax = max(t.lateMax, late)
+	t.printf(started, "  call %2d  runs (%3.0f ms after its time), used %5.0f of %5.0f: %s",
+		i, float64(late)/float64(time.Millisecond), used, reserved, note)
+}
+
+func (t *timeline) budget(v float64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	const scale = 500 // tokens per character
+	bar := strings.Repeat("#", int(max(v, 0)/scale))
+	if v < 0 {
+		bar = strings.Repeat("-", int(-v/scale)) + "|"
+		bar = fmt.Sprintf("%*s", maxOwed/scale+1, bar)
+	} else {
+		bar = fmt.Sprintf("%*s|%s", maxOwed/scale, "", bar)
+	}
+	t.printf(time.Now(), "budget %7.0f  %s", v, bar)
+}
+
+func (t *timeline) done() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.calls)
+}
+
+// summary checks that the calls started no faster than the budget allowed: at each call's start,
+// the estimates reserved by the calls started so far, less what settlements had credited back,
+// fit in the burst plus what had accrued since the first reservation. (An overrun only makes
+// later reservations wait longer.)
+func (t *timeline) summary(requests, accepted int, final float64) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	slices.SortFunc(t.calls, func(a, b call) int { return a.started.Compare(b.started) })
+	var reserved, worst float64
+	for _, c := range t.calls {
+		reserved += c.reserved
+		var credited float64
+		for _, d := range t.calls {
+			if d.settling.Before(c.started) {
+				credited += d.credited
+			}
+		}
+		allowed := tpm + tpm*c.started.Sub(t.firstGrant).Seconds()/minute.Seconds()
+		if over := reserved - credited - allowed; over > 1 {
+			return fmt.Errorf("at %.2fs the calls had taken %.0f tokens, more than the %.0f the budget allowed",
+				c.started.Sub(t.start).Seconds(), reserved-credited, allowed)
+		} else if worst == 0 || over > worst {
+			worst = over
+		}
+	}
+	last := t.calls[len(t.calls)-1].started.Sub(t.firstGrant)
+	fmt.Printf("\n%d requests: %d ran, %d rejected with a time to retry\n", requests, accepted, t.rejections)
+	fmt.Printf("reserved %.0f tokens, used %.0f, over %.1f budget minutes (%d tokens each)\n",
+		reserved, t.used, last.Seconds()/minute.Seconds(), tpm)
+	fmt.Printf("latest start after its scheduled time: %d ms; budget left: %.0f\n", t.lateMax.Milliseconds(), final)
+	fmt.Printf("the budget held: at every call's start, tokens taken <= tokens accrued (closest: %.0f under)\n", -worst)
+	return nil
+}
