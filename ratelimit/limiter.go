@@ -174,19 +174,66 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	if opts == nil {
 		opts = &LimitOpts{}
 	}
-	req := Request{Name: name, Key: key, Count: count, Config: opts.Config, Reserve: opts.Reserve}
 	if err := checkCount(op, count); err != nil {
 		return Result{}, err
 	}
-	res, err := l.many(ctx, db, op, []Request{req}, dry)
-	if err != nil {
-		return Result{}, err
+	var r Result
+	if inline := opts.Config; (inline != nil && inline.shards() > 1) || (inline == nil && l.limits[name].shards() > 1) {
+		res, err := l.many(ctx, db, op, []Request{{Name: name, Key: key, Count: count, Config: opts.Config, Reserve: opts.Reserve}}, dry)
+		if err != nil {
+			return Result{}, err
+		}
+		r = res.Results[0]
+	} else {
+		var err error
+		if r, err = l.one(ctx, db, op, name, key, count, opts, dry); err != nil {
+			return Result{}, err
+		}
 	}
-	r := res.Results[0]
 	if opts.Throw && !r.OK {
 		return r, r.Err()
 	}
 	return r, nil
+}
+
+// one decides a request on an unsharded limit with the single-row statement.
+func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
+	if err := checkExecutor(op, db); err != nil {
+		return Result{}, err
+	}
+	s, err := l.resolve(op, name, key, opts.Config)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := s.checkRequest(op, count, opts.Reserve); err != nil {
+		return Result{}, err
+	}
+	p := dbsqlc.DecideOneParams{
+		Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
+		Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
+	}
+	q := dbsqlc.New()
+	for attempt := 1; ; attempt++ {
+		p.Now = l.clock()
+		row, err := q.DecideOne(ctx, db, p)
+		if err != nil {
+			return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+		}
+		if row.Status == statusRerun {
+			if attempt == maxReruns {
+				return Result{}, fmt.Errorf("ratelimit: %s: limit row kept appearing concurrently; gave up after %d attempts", op, attempt)
+			}
+			continue
+		}
+		granted := row.OkNow || row.Reserved
+		if !dry && granted && row.Status != statusWritten {
+			return Result{}, fmt.Errorf("ratelimit: %s: internal error: granted but not written (status %d)", op, row.Status)
+		}
+		return toResult(s, dbsqlc.DecideRow{
+			Status: row.Status, Charge: 1, OkNow: row.OkNow, Reserved: row.Reserved,
+			LevelA: row.Level, EndA: row.EndValue, TsAUs: row.TsUs, NowUs: row.NowUs,
+		}, 0, -1), nil
+	}
 }
 
 // Request is one limit of a LimitMany or CheckMany call.

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -33,4 +34,43 @@ func TestUpdatesAreHOT(t *testing.T) {
 	t.Logf("%d updates, %d HOT (%.1f%%)", updates, hot, 100*float64(hot)/float64(updates))
 	require.GreaterOrEqual(t, updates, int64(590))
 	require.GreaterOrEqual(t, float64(hot), 0.9*float64(updates), "updates are not HOT")
+}
+
+// Under SERIALIZABLE a sequential scan takes a relation-level predicate lock, which makes every
+// decision conflict with every other write to the table (and sharding useless). Even on a table of
+// a few hot limits, with real statistics, decisions must look rows up by primary key (migration
+// 00002's ballast keeps the planner there).
+func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"one":     {Rate: 100, Period: time.Second},
+		"sharded": {Rate: 100, Period: time.Second, Shards: 16},
+	}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	for i := 0; i < 40; i++ { // create the rows, then let the planner see how few there are
+		_, err := lim.Limit(ctx, pool, "one", "", nil)
+		require.NoError(t, err)
+		_, err = lim.Limit(ctx, pool, "sharded", "", nil)
+		require.NoError(t, err)
+	}
+	testdb.Analyze(t, pool)
+	calls := map[string]func(tx pgx.Tx) error{
+		"Limit":     func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "one", "", nil); return err },
+		"sharded":   func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
+		"LimitMany": func(tx pgx.Tx) error { _, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "one"}, {Name: "sharded"}}, nil); return err },
+		"Check":     func(tx pgx.Tx) error { _, err := lim.Check(ctx, tx, "sharded", "", nil); return err },
+	}
+	for what, call := range calls {
+		// A fresh connection each time, so each plans the statement against the current statistics.
+		conn := testdb.Conn(t, pool)
+		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		require.NoError(t, err)
+		for i := 0; i < 8; i++ { // past the first custom plans, onto the cached generic plan
+			require.NoError(t, call(tx), what)
+		}
+		require.Zero(t, testdb.RelationPredicateLocks(t, tx), "%s took a relation-level predicate lock", what)
+		require.NoError(t, tx.Rollback(ctx))
+	}
 }

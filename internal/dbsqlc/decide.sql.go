@@ -38,10 +38,14 @@ cand AS MATERIALIZED (
     SELECT req.idx, 1 AS slot, req.name, req.key, req.shard_b AS shard FROM req WHERE req.shard_b >= 0
 ),
 snap AS MATERIALIZED (
-    SELECT c.idx, c.slot, c.name, c.key, c.shard, s.value,
-           (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+    SELECT c.idx, c.slot, c.name, c.key, c.shard, s.value, s.ts_us
     FROM cand c
-    LEFT JOIN txlimit_state s ON s.name = c.name AND s.key = c.key AND s.shard = c.shard
+    LEFT JOIN LATERAL (
+        SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+        FROM txlimit_state st
+        WHERE st.name = c.name AND st.key = c.key AND st.shard = c.shard
+        LIMIT 1
+    ) s ON true
 ),
 shape AS MATERIALIZED (
     SELECT count(*) AS rows, count(*) FILTER (WHERE sn.value IS NULL) AS missing FROM snap sn
@@ -69,13 +73,19 @@ gate AS MATERIALIZED (
         GROUP BY r.idx, r.count, r.reserve, r.max_reserved
     ) p
 ),
-lk AS (
-    SELECT s.name, s.key, s.shard, s.value, s.ts
-    FROM txlimit_state s
-    WHERE (SELECT locking FROM gate)
-      AND (s.name, s.key, s.shard) IN (SELECT c.name, c.key, c.shard FROM cand c)
-    ORDER BY s.name, s.key, s.shard
-    FOR UPDATE
+lk AS MATERIALIZED (
+    SELECT l.name, l.key, l.shard, l.value, l.ts
+    FROM (
+        SELECT DISTINCT c.name, c.key, c.shard FROM cand c
+        WHERE (SELECT locking FROM gate)
+        ORDER BY c.name, c.key, c.shard
+    ) o
+    CROSS JOIN LATERAL (
+        SELECT st.name, st.key, st.shard, st.value, st.ts
+        FROM txlimit_state st
+        WHERE st.name = o.name AND st.key = o.key AND st.shard = o.shard
+        FOR UPDATE
+    ) l
 ),
 cur AS MATERIALIZED (
     SELECT sn.idx, sn.slot, sn.name, sn.key, sn.shard,
@@ -252,6 +262,10 @@ type DecideRow struct {
 //
 // Status: 0 granted and written, 1 denied, 2 decided without writing (dry run or fast denial),
 // 3 re-run needed.
+// Every access to txlimit_state is a per-row primary-key probe (LATERAL … LIMIT 1 cannot be
+// flattened into a hash join over a sequential scan). Under SERIALIZABLE a sequential scan would
+// take a relation-level predicate lock and make every decision conflict with every other.
+// The rows are locked one probe at a time, driven by the candidates in the global order.
 // A full row stamped at the epoch (token bucket) or at the grid's anchor (fixed window) evaluates
 // exactly like a missing row at any later instant: it holds cap, and ts' is now or the start of
 // the current window.

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -30,11 +31,12 @@ func RowVersion(tb testing.TB, db Querier, name, key string, shard int) (xmin ui
 	return xmin, true
 }
 
-// CountRows returns the number of rows in txlimit_state.
+// CountRows returns the number of limit rows in txlimit_state (the planner ballast of migration
+// 00002, under the reserved name '', is not counted).
 func CountRows(tb testing.TB, db Querier) int {
 	tb.Helper()
 	var n int
-	if err := db.QueryRow(context.Background(), "SELECT count(*) FROM txlimit_state").Scan(&n); err != nil {
+	if err := db.QueryRow(context.Background(), "SELECT count(*) FROM txlimit_state WHERE name <> ''").Scan(&n); err != nil {
 		tb.Fatalf("testdb: count rows: %v", err)
 	}
 	return n
@@ -84,4 +86,28 @@ func Conn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) *pgx.Conn {
 	}
 	tb.Cleanup(func() { conn.Close(context.Background()) })
 	return conn
+}
+
+// Analyze runs VACUUM ANALYZE on txlimit_state, so the planner sees its real (small) size.
+func Analyze(tb testing.TB, db interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}) {
+	tb.Helper()
+	if _, err := db.Exec(context.Background(), "VACUUM ANALYZE txlimit_state"); err != nil {
+		tb.Fatalf("testdb: vacuum analyze: %v", err)
+	}
+}
+
+// RelationPredicateLocks returns how many relation-level SIRead (SERIALIZABLE predicate) locks the
+// transaction tx holds on txlimit_state. A sequential scan takes one; primary-key lookups do not.
+func RelationPredicateLocks(tb testing.TB, tx pgx.Tx) int {
+	tb.Helper()
+	var n int
+	err := tx.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks
+		WHERE pid = pg_backend_pid() AND mode = 'SIReadLock' AND locktype = 'relation'
+		  AND relation = 'txlimit_state'::regclass`).Scan(&n)
+	if err != nil {
+		tb.Fatalf("testdb: read predicate locks: %v", err)
+	}
+	return n
 }

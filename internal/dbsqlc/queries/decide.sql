@@ -43,11 +43,18 @@ cand AS MATERIALIZED (
     UNION ALL
     SELECT req.idx, 1 AS slot, req.name, req.key, req.shard_b AS shard FROM req WHERE req.shard_b >= 0
 ),
+-- Every access to txlimit_state is a per-row primary-key probe (LATERAL … LIMIT 1 cannot be
+-- flattened into a hash join over a sequential scan). Under SERIALIZABLE a sequential scan would
+-- take a relation-level predicate lock and make every decision conflict with every other.
 snap AS MATERIALIZED (
-    SELECT c.idx, c.slot, c.name, c.key, c.shard, s.value,
-           (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+    SELECT c.idx, c.slot, c.name, c.key, c.shard, s.value, s.ts_us
     FROM cand c
-    LEFT JOIN txlimit_state s ON s.name = c.name AND s.key = c.key AND s.shard = c.shard
+    LEFT JOIN LATERAL (
+        SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+        FROM txlimit_state st
+        WHERE st.name = c.name AND st.key = c.key AND st.shard = c.shard
+        LIMIT 1
+    ) s ON true
 ),
 shape AS MATERIALIZED (
     SELECT count(*) AS rows, count(*) FILTER (WHERE sn.value IS NULL) AS missing FROM snap sn
@@ -75,13 +82,20 @@ gate AS MATERIALIZED (
         GROUP BY r.idx, r.count, r.reserve, r.max_reserved
     ) p
 ),
-lk AS (
-    SELECT s.name, s.key, s.shard, s.value, s.ts
-    FROM txlimit_state s
-    WHERE (SELECT locking FROM gate)
-      AND (s.name, s.key, s.shard) IN (SELECT c.name, c.key, c.shard FROM cand c)
-    ORDER BY s.name, s.key, s.shard
-    FOR UPDATE
+-- The rows are locked one probe at a time, driven by the candidates in the global order.
+lk AS MATERIALIZED (
+    SELECT l.name, l.key, l.shard, l.value, l.ts
+    FROM (
+        SELECT DISTINCT c.name, c.key, c.shard FROM cand c
+        WHERE (SELECT locking FROM gate)
+        ORDER BY c.name, c.key, c.shard
+    ) o
+    CROSS JOIN LATERAL (
+        SELECT st.name, st.key, st.shard, st.value, st.ts
+        FROM txlimit_state st
+        WHERE st.name = o.name AND st.key = o.key AND st.shard = o.shard
+        FOR UPDATE
+    ) l
 ),
 cur AS MATERIALIZED (
     SELECT sn.idx, sn.slot, sn.name, sn.key, sn.shard,
