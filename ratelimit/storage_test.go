@@ -57,10 +57,13 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 	}
 	testdb.Analyze(t, pool)
 	calls := map[string]func(tx pgx.Tx) error{
-		"Limit":     func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "one", "", nil); return err },
-		"sharded":   func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
-		"LimitMany": func(tx pgx.Tx) error { _, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "one"}, {Name: "sharded"}}, nil); return err },
-		"Check":     func(tx pgx.Tx) error { _, err := lim.Check(ctx, tx, "sharded", "", nil); return err },
+		"Limit":   func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "one", "", nil); return err },
+		"sharded": func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
+		"LimitMany": func(tx pgx.Tx) error {
+			_, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "one"}, {Name: "sharded"}}, nil)
+			return err
+		},
+		"Check": func(tx pgx.Tx) error { _, err := lim.Check(ctx, tx, "sharded", "", nil); return err },
 	}
 	for what, call := range calls {
 		// A fresh connection each time, so each plans the statement against the current statistics.

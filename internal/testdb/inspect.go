@@ -32,7 +32,7 @@ func RowVersion(tb testing.TB, db Querier, name, key string, shard int) (xmin ui
 }
 
 // CountRows returns the number of limit rows in txlimit_state (the planner ballast of migration
-// 00002, under the reserved name '', is not counted).
+// 00002, under the reserved name ”, is not counted).
 func CountRows(tb testing.TB, db Querier) int {
 	tb.Helper()
 	var n int
