@@ -40,7 +40,7 @@ func withPaid(metadata []byte, p paid) ([]byte, error) {
 	m := map[string]json.RawMessage{} // raw values: the caller's numbers and nesting stay as they were
 	if len(metadata) > 0 {
 		if err := json.Unmarshal(metadata, &m); err != nil {
-			return nil, fmt.Errorf("InsertOpts.Metadata must be a JSON object: %w", err)
+			return nil, fmt.Errorf("must be a JSON object: %w", err)
 		}
 		if m == nil { // "null"
 			m = map[string]json.RawMessage{}

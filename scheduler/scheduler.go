@@ -110,7 +110,8 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 	if opts == nil {
 		opts = &ReserveOpts{}
 	}
-	if err := checkTx(op, tx, args); err != nil {
+	insertOpts, err := prepare(op, tx, args, opts)
+	if err != nil {
 		return nil, err
 	}
 	res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, Throw: true})
@@ -118,7 +119,7 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 	}
 	credits := []credit{{name: name, key: key, count: count, config: opts.Config}}
-	return s.schedule(ctx, op, tx, []ratelimit.Result{res}, res.RetryAt, credits, args, opts)
+	return s.schedule(ctx, op, tx, []ratelimit.Result{res}, res.RetryAt, credits, args, insertOpts, opts)
 }
 
 // ReserveManyTx is ReserveTx for several limits at once: it reserves every request (each as with
@@ -130,7 +131,8 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 	if opts == nil {
 		opts = &ReserveOpts{}
 	}
-	if err := checkTx(op, tx, args); err != nil {
+	insertOpts, err := prepare(op, tx, args, opts)
+	if err != nil {
 		return nil, err
 	}
 	reqs = append([]ratelimit.Request(nil), reqs...)
@@ -146,7 +148,7 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 	}
-	return s.schedule(ctx, op, tx, res.Results, res.RetryAt, credits, args, opts)
+	return s.schedule(ctx, op, tx, res.Results, res.RetryAt, credits, args, insertOpts, opts)
 }
 
 // credit is what schedule gives back when River skips the insert as a duplicate.
@@ -157,12 +159,8 @@ type credit struct {
 }
 
 // schedule inserts the job of a granted reservation.
-func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results []ratelimit.Result, retryAt time.Time, credits []credit, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
+func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results []ratelimit.Result, retryAt time.Time, credits []credit, args river.JobArgs, insertOpts river.InsertOpts, opts *ReserveOpts) (*Reservation, error) {
 	r := &Reservation{Results: results}
-	var insertOpts river.InsertOpts
-	if opts.InsertOpts != nil {
-		insertOpts = *opts.InsertOpts
-	}
 	reserved := false
 	for _, res := range results {
 		reserved = reserved || res.Reserved
@@ -176,11 +174,6 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
-	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
-	}
-	insertOpts.Metadata = md
 
 	ins, err := s.client.InsertTx(WithPrecise(ctx), tx, args, &insertOpts)
 	if err != nil {
@@ -203,12 +196,25 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 	return r, nil
 }
 
-func checkTx(op string, tx pgx.Tx, args river.JobArgs) error {
-	if tx == nil {
-		return &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx the job and the reservation belong to"}
+// prepare checks the arguments and returns the job's insert options with the payment recorded
+// in its metadata, before anything is written.
+func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river.InsertOpts, error) {
+	var insertOpts river.InsertOpts
+	switch {
+	case tx == nil:
+		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx the job and the reservation belong to"}
+	case args == nil:
+		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "args", Reason: "is nil: pass the job's river.JobArgs"}
+	case opts.Jitter < 0:
+		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "ReserveOpts.Jitter", Reason: fmt.Sprintf("must be >= 0, got %s", opts.Jitter)}
 	}
-	if args == nil {
-		return &ratelimit.ArgumentError{Op: op, Arg: "args", Reason: "is nil: pass the job's river.JobArgs"}
+	if opts.InsertOpts != nil {
+		insertOpts = *opts.InsertOpts
 	}
-	return nil
+	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
+	if err != nil {
+		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "ReserveOpts.InsertOpts.Metadata", Reason: err.Error()}
+	}
+	insertOpts.Metadata = md
+	return insertOpts, nil
 }

@@ -312,3 +312,44 @@ func TestReserveTxConcurrent(t *testing.T) {
 }
 
 var errRollback = errors.New("rolled back on purpose")
+
+func TestReserveTxInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		bad := []struct {
+			name  string
+			tx    pgx.Tx
+			args  river.JobArgs
+			count float64
+			opts  *scheduler.ReserveOpts
+		}{
+			{name: "nil tx", args: callArgs{}, count: 1},
+			{name: "nil args", tx: tx, count: 1},
+			{name: "zero count", tx: tx, args: callArgs{}},
+			{name: "unknown limit", tx: tx, args: callArgs{}, count: 1, opts: &scheduler.ReserveOpts{}},
+			{name: "metadata", tx: tx, args: callArgs{}, count: 1, opts: &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Metadata: []byte(`[1]`)}}},
+			{name: "jitter", tx: tx, args: callArgs{}, count: 1, opts: &scheduler.ReserveOpts{Jitter: -time.Second}},
+		}
+		for _, c := range bad {
+			name := "calls"
+			if c.name == "unknown limit" {
+				name = "nope"
+			}
+			_, err := b.sched.ReserveTx(ctx, c.tx, name, "u1", c.count, c.args, c.opts)
+			require.ErrorIs(t, err, ratelimit.ErrInvalid, c.name)
+		}
+		// Nothing was written, and the transaction is still usable: the caller's metadata is kept
+		// next to the payment.
+		res, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, &scheduler.ReserveOpts{
+			InsertOpts: &river.InsertOpts{Metadata: []byte(`{"trace":"abc","n":12345678901234567890}`)},
+		})
+		require.NoError(t, err)
+		require.JSONEq(t, `{"trace":"abc","n":12345678901234567890,"txlimit_paid":{"attempt":1}}`, string(res.Job.Metadata))
+		return nil
+	}))
+	require.Equal(t, 9.0, value(t, b, "calls", "u1"))
+	require.Len(t, jobs(t, b.client), 1)
+}
