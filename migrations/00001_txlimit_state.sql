@@ -48,7 +48,50 @@ AS $$
 $$;
 -- +goose StatementEnd
 
+-- txlimit_charge chooses which candidate rows a request charges: 1 (row a), 2 (row b) or 3 (both),
+-- given the tokens lv_a and (when two) lv_b they hold. With fixed_charge 0 it chooses freely: the
+-- row with more tokens if either alone holds count (a on a tie), else both so they end equal, unless
+-- they differ by more than count (then the fuller alone: charging both equal would hand the emptier
+-- one tokens). With fixed_charge 1 or 2 that row stays charged; with 3 the choice is between both
+-- and the fuller alone. Decide calls it on the lock-free read to pick the rows to lock, then with
+-- that choice fixed on the locked rows' latest levels.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_charge(lv_a double precision, lv_b double precision, two boolean,
+                               count double precision, fixed_charge integer)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN NOT two THEN 1
+                WHEN fixed_charge IN (1, 2) THEN fixed_charge
+                WHEN fixed_charge = 0 AND greatest(lv_a, lv_b) >= count THEN CASE WHEN lv_a >= lv_b THEN 1 ELSE 2 END
+                WHEN abs(lv_a - lv_b) <= count THEN 3
+                WHEN lv_a >= lv_b THEN 1
+                ELSE 2
+           END
+$$;
+-- +goose StatementEnd
+
+-- txlimit_left is what candidate row slot (0: a, 1: b) holds after a request for count is charged
+-- as txlimit_charge chose: lv - count for the row charged alone, (lv_a + lv_b - count)/2 for both,
+-- its level unchanged when it is not charged.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_left(slot integer, charge integer, lv_a double precision, lv_b double precision,
+                             count double precision)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN charge = 3 THEN (lv_a + lv_b - count) / 2
+                WHEN slot = 0 AND charge = 1 THEN lv_a - count
+                WHEN slot = 1 AND charge = 2 THEN lv_b - count
+                WHEN slot = 0 THEN lv_a
+                ELSE lv_b
+           END
+$$;
+-- +goose StatementEnd
+
 -- +goose Down
+DROP FUNCTION txlimit_left(integer, integer, double precision, double precision, double precision);
+DROP FUNCTION txlimit_charge(double precision, double precision, boolean, double precision, integer);
 DROP FUNCTION txlimit_next_ts(smallint, bigint, bigint, bigint);
 DROP FUNCTION txlimit_level(smallint, double precision, bigint, bigint, double precision, bigint, double precision);
 DROP TABLE txlimit_state;

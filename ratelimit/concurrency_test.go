@@ -327,8 +327,8 @@ func (c *countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx
 
 func (c *countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// SPEC §7: one decision = one SQL round trip. The documented exception: a call that involves two
-// or more rows and finds some missing first creates them full, then decides (two statements).
+// SPEC §7: one decision = one SQL round trip. The documented exception: a call that charges two or
+// more rows and finds some missing first creates them full, then decides (two statements).
 func TestOneRoundTripPerDecision(t *testing.T) {
 	t.Parallel()
 	tracer := &countingTracer{}
@@ -366,7 +366,11 @@ func TestOneRoundTripPerDecision(t *testing.T) {
 	calls := append([]call{
 		{"limit on a missing row", 1, limit("a", "k", nil)},
 		{"fixed window on a missing row", 1, limit("w", "k", nil)},
-		{"sharded, first use (documented exception)", 2, limit("b", "k", nil)},
+		{"sharded, charging one missing shard", 1, limit("b", "k", nil)},
+		{"sharded, combining two missing shards (documented exception)", 2, func(db ratelimit.Executor) error {
+			_, err := lim.LimitN(ctx, db, "b", "fresh", 2, nil) // each shard holds 1.25: both are charged
+			return err
+		}},
 		{"many, a missing row (documented exception)", 2, many(ratelimit.Request{Name: "a", Key: "k"}, ratelimit.Request{Name: "w", Key: "new"})},
 	}, onExisting...)
 	calls = append(calls, call{"reset", 1, func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "b", "k") }})

@@ -2,20 +2,26 @@
 -- Decide takes one or more limit requests (parallel arrays, one element per request) and decides
 -- them together, all-or-nothing, in one statement. It is exact under READ COMMITTED and
 -- SERIALIZABLE alike:
---   1. snap: a lock-free read of every candidate row (1 shard, or 2 for a sharded limit).
---   2. gate: if that read already shows some request cannot be granted (or this is a dry run),
---      decide on it and stop: no row lock, no write. Rows only lose tokens except through a credit
---      or reset, so this can under-grant against a concurrent credit but never over-grant.
---   3. lk: otherwise lock the existing candidate rows in one global order (name, key, shard) and
---      decide on their latest versions (FOR UPDATE re-reads them after any wait).
---   4. Write only when every request is granted, by updating the locked rows. A single-row call
---      whose row is missing inserts it ON CONFLICT DO NOTHING instead; if a concurrent caller
---      created it meanwhile, nothing is written and the status asks for a re-run (status 3).
---   5. A call that involves two or more rows, some of them missing, locks nothing: it only
---      creates the missing rows full (evaluating exactly as missing), in the global order, and asks for a
---      re-run (status 3). Locking existing rows and then inserting others would break the global
---      lock order across concurrent calls (and deadlock); this way every multi-row decision locks
---      rows that all exist, in one order, and no race can leave part of it written.
+--   1. snap: a lock-free read of every candidate row (1 shard, or 2 for a sharded limit), and a
+--      plan on it (txlimit_charge, txlimit_left): which rows each request would charge, and whether
+--      all are granted.
+--   2. If some request is denied on that read (or this is a dry run), answer from it: no lock, no
+--      write. Rows only gain tokens through a credit or reset, so this can under-grant against a
+--      concurrent credit but never over-grant.
+--   3. Otherwise lock only the rows to be charged, in one global order (name, key, shard), with
+--      FOR UPDATE, which re-reads their latest committed versions under READ COMMITTED (and raises
+--      a serialization failure under REPEATABLE READ or SERIALIZABLE if they changed). Decide again
+--      on those latest levels, keeping the chosen rows, and write only if every request is still
+--      granted. A candidate that is not charged is neither locked nor written: under SERIALIZABLE it
+--      is only read, so callers on other shards do not fail each other; under READ COMMITTED a
+--      race can only turn a grant into a denial.
+--   4. A single-row write whose row is missing inserts it ON CONFLICT DO NOTHING; if a concurrent
+--      caller created it meanwhile, nothing is written and the status asks for a re-run (status 3).
+--   5. A decision that would lock two or more rows, some of them missing, locks nothing: it only
+--      creates the missing ones full (evaluating exactly as missing), in the global order, and asks
+--      for a re-run (status 3). Locking existing rows and then inserting others would break the
+--      global lock order across concurrent calls (and deadlock); this way every multi-row decision
+--      locks rows that all exist, in one order, and no race can leave part of it written.
 -- Status: 0 granted and written, 1 denied, 2 decided without writing (dry run or fast denial),
 -- 3 re-run needed.
 WITH clock AS MATERIALIZED (
@@ -56,39 +62,51 @@ snap AS MATERIALIZED (
         LIMIT 1
     ) s ON true
 ),
-shape AS MATERIALIZED (
-    SELECT count(*) AS rows, count(*) FILTER (WHERE sn.value IS NULL) AS missing FROM snap sn
+-- Levels on the lock-free read, and the plan they give.
+ev0 AS MATERIALIZED (
+    SELECT sn.idx, sn.slot, sn.name, sn.key, sn.shard, sn.value IS NOT NULL AS existed,
+           CASE WHEN sn.value IS NULL THEN r.cap
+                ELSE txlimit_level(r.kind, sn.value, sn.ts_us, k.now_us, r.rate, r.period_us, r.cap)
+           END AS lv
+    FROM snap sn JOIN req r ON r.idx = sn.idx CROSS JOIN clock k
+),
+plan0 AS MATERIALIZED (
+    SELECT x.idx, x.charge,
+           x.low >= 0 OR (x.reserve AND (x.max_reserved < 0 OR -x.low <= x.max_reserved)) AS granted
+    FROM (
+        SELECT c.idx, c.charge, c.reserve, c.max_reserved,
+               CASE WHEN c.charge = 3 THEN least(txlimit_left(0, 3, c.lv_a, c.lv_b, c.count), txlimit_left(1, 3, c.lv_a, c.lv_b, c.count))
+                    ELSE txlimit_left(c.charge - 1, c.charge, c.lv_a, c.lv_b, c.count)
+               END AS low
+        FROM (
+            SELECT r.idx, r.count, r.reserve, r.max_reserved, a.lv AS lv_a, coalesce(b.lv, 0) AS lv_b,
+                   txlimit_charge(a.lv, coalesce(b.lv, 0), b.idx IS NOT NULL, r.count, 0) AS charge
+            FROM req r
+            JOIN ev0 a ON a.idx = r.idx AND a.slot = 0
+            LEFT JOIN ev0 b ON b.idx = r.idx AND b.slot = 1
+        ) c
+    ) x
+),
+-- The rows the plan charges: the only rows locked and written.
+lockset AS MATERIALIZED (
+    SELECT e.name, e.key, e.shard, e.existed
+    FROM plan0 p
+    JOIN ev0 e ON e.idx = p.idx
+             AND ((e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3)))
 ),
 gate AS MATERIALIZED (
-    SELECT NOT sqlc.arg('dry')::boolean AND coalesce(bool_and(p.possible), false)
-               AND ((SELECT rows FROM shape) = 1 OR (SELECT missing FROM shape) = 0) AS locking,
-           NOT sqlc.arg('dry')::boolean AND coalesce(bool_and(p.possible), false)
-               AND (SELECT rows FROM shape) > 1 AND (SELECT missing FROM shape) > 0 AS prefill
-    FROM (
-        SELECT r.idx,
-               max(l.lv) >= r.count
-               OR sum(l.lv) >= r.count
-               OR (r.reserve AND (r.max_reserved < 0
-                                  OR max(l.lv) - r.count >= -r.max_reserved
-                                  OR (count(*) = 2 AND sum(l.lv) - r.count >= -2 * r.max_reserved))) AS possible
-        FROM req r
-        JOIN (
-            SELECT sn.idx,
-                   CASE WHEN sn.value IS NULL THEN rq.cap
-                        ELSE txlimit_level(rq.kind, sn.value, sn.ts_us, k.now_us, rq.rate, rq.period_us, rq.cap)
-                   END AS lv
-            FROM snap sn JOIN req rq ON rq.idx = sn.idx CROSS JOIN clock k
-        ) l ON l.idx = r.idx
-        GROUP BY r.idx, r.count, r.reserve, r.max_reserved
-    ) p
+    SELECT NOT sqlc.arg('dry')::boolean AND g.granted AND (l.rows = 1 OR l.missing = 0) AS locking,
+           NOT sqlc.arg('dry')::boolean AND g.granted AND l.rows > 1 AND l.missing > 0 AS prefill
+    FROM (SELECT coalesce(bool_and(granted), false) AS granted FROM plan0) g
+    CROSS JOIN (SELECT count(*) AS rows, count(*) FILTER (WHERE NOT existed) AS missing FROM lockset) l
 ),
--- The rows are locked one probe at a time, driven by the candidates in the global order.
+-- The rows are locked one probe at a time, in the global order.
 lk AS MATERIALIZED (
     SELECT l.name, l.key, l.shard, l.value, l.ts
     FROM (
-        SELECT DISTINCT c.name, c.key, c.shard FROM cand c
+        SELECT DISTINCT ls.name, ls.key, ls.shard FROM lockset ls
         WHERE (SELECT locking FROM gate)
-        ORDER BY c.name, c.key, c.shard
+        ORDER BY ls.name, ls.key, ls.shard
     ) o
     CROSS JOIN LATERAL (
         SELECT st.name, st.key, st.shard, st.value, st.ts
@@ -97,13 +115,16 @@ lk AS MATERIALIZED (
         FOR UPDATE
     ) l
 ),
+-- Each candidate as decided on: a locked row's latest version, else the lock-free read.
 cur AS MATERIALIZED (
     SELECT sn.idx, sn.slot, sn.name, sn.key, sn.shard,
-           CASE WHEN g.locking THEN l.value ELSE sn.value END AS value,
-           CASE WHEN g.locking THEN (extract(epoch FROM l.ts) * 1000000)::bigint ELSE sn.ts_us END AS ts_us,
-           g.locking AND sn.value IS NOT NULL AND l.value IS NULL AS vanished
+           CASE WHEN ls.name IS NOT NULL AND g.locking THEN l.value ELSE sn.value END AS value,
+           CASE WHEN ls.name IS NOT NULL AND g.locking THEN (extract(epoch FROM l.ts) * 1000000)::bigint
+                ELSE sn.ts_us END AS ts_us,
+           ls.name IS NOT NULL AND g.locking AND sn.value IS NOT NULL AND l.value IS NULL AS vanished
     FROM snap sn
     CROSS JOIN gate g
+    LEFT JOIN lockset ls ON ls.name = sn.name AND ls.key = sn.key AND ls.shard = sn.shard
     LEFT JOIN lk l ON l.name = sn.name AND l.key = sn.key AND l.shard = sn.shard
 ),
 ev AS MATERIALIZED (
@@ -117,40 +138,30 @@ ev AS MATERIALIZED (
            END AS ts_us
     FROM cur cu JOIN req r ON r.idx = cu.idx CROSS JOIN clock k
 ),
-choice AS MATERIALIZED (
-    SELECT r.idx, r.count, r.reserve, r.max_reserved,
-           a.lv AS lv_a, coalesce(b.lv, 0) AS lv_b, b.idx IS NOT NULL AS two,
-           CASE WHEN b.idx IS NULL THEN 1
-                WHEN greatest(a.lv, b.lv) >= r.count THEN CASE WHEN a.lv >= b.lv THEN 1 ELSE 2 END
-                WHEN abs(a.lv - b.lv) <= r.count THEN 3
-                ELSE CASE WHEN a.lv >= b.lv THEN 1 ELSE 2 END
-           END AS charge
-    FROM req r
-    JOIN ev a ON a.idx = r.idx AND a.slot = 0
-    LEFT JOIN ev b ON b.idx = r.idx AND b.slot = 1
-),
+-- The decision on the latest levels of the locked rows, charging the rows chosen above.
 plan AS MATERIALIZED (
-    SELECT e.idx, e.charge, e.end_a, e.end_b,
+    SELECT e.idx, e.lv_a, e.lv_b, e.charge, e.end_a, e.end_b,
            e.low >= 0 AS ok_now,
            e.low < 0 AND e.reserve AND (e.max_reserved < 0 OR -e.low <= e.max_reserved) AS reserved
     FROM (
-        SELECT c.*,
-               CASE WHEN c.charge = 2 THEN c.end_b WHEN c.charge = 1 THEN c.end_a ELSE least(c.end_a, c.end_b) END AS low
+        SELECT d.*, CASE d.charge WHEN 1 THEN d.end_a WHEN 2 THEN d.end_b ELSE least(d.end_a, d.end_b) END AS low
         FROM (
-            SELECT ch.*,
-                   CASE ch.charge WHEN 1 THEN ch.lv_a - ch.count
-                                  WHEN 3 THEN (ch.lv_a + ch.lv_b - ch.count) / 2
-                                  ELSE ch.lv_a END AS end_a,
-                   CASE ch.charge WHEN 2 THEN ch.lv_b - ch.count
-                                  WHEN 3 THEN (ch.lv_a + ch.lv_b - ch.count) / 2
-                                  ELSE ch.lv_b END AS end_b
-            FROM choice ch
-        ) c
+            SELECT c.*, txlimit_left(0, c.charge, c.lv_a, c.lv_b, c.count) AS end_a,
+                   txlimit_left(1, c.charge, c.lv_a, c.lv_b, c.count) AS end_b
+            FROM (
+                SELECT r.idx, r.count, r.reserve, r.max_reserved, a.lv AS lv_a, coalesce(b.lv, 0) AS lv_b,
+                       txlimit_charge(a.lv, coalesce(b.lv, 0), b.idx IS NOT NULL, r.count, p0.charge) AS charge
+                FROM req r
+                JOIN plan0 p0 ON p0.idx = r.idx
+                JOIN ev a ON a.idx = r.idx AND a.slot = 0
+                LEFT JOIN ev b ON b.idx = r.idx AND b.slot = 1
+            ) c
+        ) d
     ) e
 ),
 verdict AS MATERIALIZED (
     SELECT g.locking, g.prefill, coalesce(bool_and(p.ok_now OR p.reserved), false) AS granted,
-           (SELECT rows FROM shape) > 1 AND EXISTS (SELECT 1 FROM cur WHERE cur.vanished) AS vanished
+           (SELECT count(*) FROM lockset) > 1 AND EXISTS (SELECT 1 FROM cur WHERE cur.vanished) AS vanished
     FROM gate g CROSS JOIN plan p
     GROUP BY g.locking, g.prefill
 ),
@@ -167,12 +178,12 @@ w AS MATERIALIZED (
 -- the current window.
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT sn.name, sn.key, sn.shard, r.cap,
+    SELECT ls.name, ls.key, ls.shard, r.cap,
            'epoch'::timestamptz + (CASE WHEN r.kind = 0 THEN 0 ELSE r.anchor_us END) * interval '1 microsecond'
-    FROM snap sn
-    JOIN req r ON r.idx = sn.idx
-    WHERE sn.value IS NULL AND (SELECT prefill FROM gate)
-    ORDER BY sn.name, sn.key, sn.shard
+    FROM lockset ls
+    JOIN req r ON r.name = ls.name AND r.key = ls.key
+    WHERE NOT ls.existed AND (SELECT prefill FROM gate)
+    ORDER BY ls.name, ls.key, ls.shard
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
@@ -207,15 +218,14 @@ SELECT p.idx::bigint AS idx,
        p.charge::integer AS charge,
        p.ok_now::boolean AS ok_now,
        p.reserved::boolean AS reserved,
-       ch.lv_a::double precision AS level_a,
-       ch.lv_b::double precision AS level_b,
+       p.lv_a::double precision AS level_a,
+       p.lv_b::double precision AS level_b,
        p.end_a::double precision AS end_a,
        p.end_b::double precision AS end_b,
        ea.ts_us::bigint AS ts_a_us,
        coalesce(eb.ts_us, 0)::bigint AS ts_b_us,
        k.now_us::bigint AS now_us
 FROM plan p
-JOIN choice ch ON ch.idx = p.idx
 JOIN ev ea ON ea.idx = p.idx AND ea.slot = 0
 LEFT JOIN ev eb ON eb.idx = p.idx AND eb.slot = 1
 CROSS JOIN outcome o
