@@ -16,6 +16,7 @@ help: ## Show the targets and what they do.
 .PHONY: demo
 demo: ## Run the runnable examples (migrates; needs Postgres, see README).
 	$(GO) run ./examples/demo
+	$(GO) run ./examples/llmbudget
 
 .PHONY: test
 test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).
@@ -41,6 +42,10 @@ $(SQLC):
 .PHONY: bench
 bench: ## Benchmarks side by side (quick mode, < 2 min); writes docs/bench.md and docs/bench.svg.
 	cd bench && $(GO) run . -quick
+
+.PHONY: bench-lateness
+bench-lateness: ## How late reserved River jobs start after their RetryAt: p50/p99/max over 200 jobs, 3 runs.
+	$(GO) test -run '^$$' -bench BenchmarkLateness -benchtime 1x -count 3 ./scheduler/
 
 .PHONY: bench-full
 bench-full: ## The full benchmark run (< 15 min).

@@ -10,6 +10,7 @@ import (
 	"database/sql"
 	"embed"
 	"fmt"
+	"hash/fnv"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -24,10 +25,16 @@ var FS embed.FS
 const VersionTable = "txlimit_goose_version"
 
 // NewProvider returns a goose Provider for txlimit's migrations on db, with txlimit's own version
-// table and a Postgres session lock so that concurrent migrators wait for each other. Use it for
-// anything beyond Up: status, down, a target version.
-func NewProvider(db *sql.DB) (*goose.Provider, error) {
-	locker, err := lock.NewPostgresSessionLocker()
+// table and a Postgres session lock so that concurrent migrators of the same schema wait for each
+// other. The lock is txlimit's own, per schema (goose's default is one lock for the whole database,
+// shared with the application's goose): migrating one schema never waits for another. Use the
+// Provider for anything beyond Up: status, down, a target version.
+func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
+	var schema string
+	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&schema); err != nil {
+		return nil, fmt.Errorf("migrations: find the schema: %w", err)
+	}
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(LockID(schema)), lock.WithLockTimeout(1, 300))
 	if err != nil {
 		return nil, err
 	}
@@ -43,7 +50,7 @@ func NewProvider(db *sql.DB) (*goose.Provider, error) {
 func Up(ctx context.Context, pool *pgxpool.Pool) error {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	p, err := NewProvider(db)
+	p, err := NewProvider(ctx, db)
 	if err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
@@ -51,4 +58,13 @@ func Up(ctx context.Context, pool *pgxpool.Pool) error {
 		return fmt.Errorf("migrations: %w", err)
 	}
 	return nil
+}
+
+// LockID is the Postgres advisory lock ID that NewProvider's migrations hold while they run in
+// schema: a 64-bit FNV-1a hash of "txlimit migrations" and the schema name.
+func LockID(schema string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("txlimit migrations\x00"))
+	h.Write([]byte(schema))
+	return int64(h.Sum64())
 }
