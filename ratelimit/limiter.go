@@ -177,18 +177,9 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	if err := checkCount(op, count); err != nil {
 		return Result{}, err
 	}
-	var r Result
-	if inline := opts.Config; (inline != nil && inline.shards() > 1) || (inline == nil && l.limits[name].shards() > 1) {
-		res, err := l.many(ctx, db, op, []Request{{Name: name, Key: key, Count: count, Config: opts.Config, Reserve: opts.Reserve}}, dry)
-		if err != nil {
-			return Result{}, err
-		}
-		r = res.Results[0]
-	} else {
-		var err error
-		if r, err = l.one(ctx, db, op, name, key, count, opts, dry); err != nil {
-			return Result{}, err
-		}
+	r, err := l.one(ctx, db, op, name, key, count, opts, dry)
+	if err != nil {
+		return Result{}, err
 	}
 	if opts.Throw && !r.OK {
 		return r, r.Err()
@@ -196,7 +187,8 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	return r, nil
 }
 
-// one decides a request on an unsharded limit with the single-row statement.
+// one decides a single request with a lean single-request statement: DecideOne for an unsharded
+// limit, DecideSharded for a sharded one.
 func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return Result{}, err
@@ -208,14 +200,35 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 	if err := s.checkRequest(op, count, opts.Reserve); err != nil {
 		return Result{}, err
 	}
-	p := dbsqlc.DecideOneParams{
-		Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
-		Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
+	a, b := 0, -1
+	if s.shards >= 2 {
+		a, b = l.pick(s.shards)
 	}
 	q := dbsqlc.New()
+	decide := func(now pgtype.Timestamptz) (dbsqlc.DecideRow, error) {
+		if b < 0 {
+			row, err := q.DecideOne(ctx, db, dbsqlc.DecideOneParams{
+				Now: now, Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
+				Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
+			})
+			return dbsqlc.DecideRow{
+				Status: row.Status, Charge: 1, OkNow: row.OkNow, Reserved: row.Reserved,
+				LevelA: row.Level, EndA: row.EndValue, TsAUs: row.TsUs, NowUs: row.NowUs,
+			}, err
+		}
+		row, err := q.DecideSharded(ctx, db, dbsqlc.DecideShardedParams{
+			Now: now, Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
+			Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
+			ShardA: int32(a), ShardB: int32(b),
+		})
+		return dbsqlc.DecideRow{
+			Status: row.Status, Charge: row.Charge, OkNow: row.OkNow, Reserved: row.Reserved,
+			LevelA: row.LevelA, LevelB: row.LevelB, EndA: row.EndA, EndB: row.EndB,
+			TsAUs: row.TsAUs, TsBUs: row.TsBUs, NowUs: row.NowUs,
+		}, err
+	}
 	for attempt := 1; ; attempt++ {
-		p.Now = l.clock()
-		row, err := q.DecideOne(ctx, db, p)
+		row, err := decide(l.clock())
 		if err != nil {
 			return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
 		}
@@ -229,10 +242,7 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 		if !dry && granted && row.Status != statusWritten {
 			return Result{}, fmt.Errorf("ratelimit: %s: internal error: granted but not written (status %d)", op, row.Status)
 		}
-		return toResult(s, dbsqlc.DecideRow{
-			Status: row.Status, Charge: 1, OkNow: row.OkNow, Reserved: row.Reserved,
-			LevelA: row.Level, EndA: row.EndValue, TsAUs: row.TsUs, NowUs: row.NowUs,
-		}, 0, -1), nil
+		return toResult(s, row, a, b), nil
 	}
 }
 
