@@ -58,7 +58,15 @@
 // tokens (a on a tie). Otherwise, if their difference is at most count, it charges both so that they
 // end equal, each at (va + vb - count)/2: granted when that is >= 0, a reservation when it is not.
 // Otherwise it charges the one with more tokens alone. A reservation's debt is bounded per charged
-// shard by MaxReserved/N. Result.Shards names the charged shards.
+// shard by MaxReserved/N. Result.Shards names the charged shards. Only the charged shards are
+// locked and written.
+//
+// Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
+// shard that is read but not charged makes the transaction a reader of whoever charges it, and with
+// many callers SERIALIZABLE aborts the resulting read/write dependency cycles. There a single
+// request charges its first pick when that shard alone holds count (or, reserving, the debt fits),
+// and reads the second only when it does not, then decides between combining and the second alone
+// exactly as above. Under READ COMMITTED both picks are always read.
 //
 // # Fixed window grid
 //

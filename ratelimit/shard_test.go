@@ -11,7 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
@@ -769,5 +771,52 @@ func TestShardUtilisation(t *testing.T) {
 	}
 	if r := us / u1; r < 0.95 || r > 1.05 {
 		t.Fatalf("16 shards granted %.0f of %.1f, one row %.0f of %.1f: utilisation ratio %.4f outside [0.95, 1.05]", gs, ms, g1, m1, r)
+	}
+}
+
+// Under REPEATABLE READ or SERIALIZABLE, reading a shard that is not charged makes the transaction
+// a reader of whoever charges it, and SERIALIZABLE aborts such read/write dependency cycles; so
+// there the first pick is charged when it can serve the request alone, and the second is read
+// only when it cannot (to combine or fall back). Under READ COMMITTED the fuller of the two is
+// charged, as always.
+func TestShardChoiceUnderSerializable(t *testing.T) {
+	t.Parallel()
+	cfg := shardCfg(2) // each shard: refill 10/s, holds 2
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": cfg})
+	setup := func(key string) { // shard 0 holds 1, shard 1 holds 2
+		t.Helper()
+		e.set(shardT0, [2]int{0, 1})
+		r, err := e.lim.LimitN(e.ctx, e.pool, "s", key, 1, nil) // both full: charges the first pick
+		require.NoError(t, err)
+		require.Equal(t, []int{0}, r.Shards)
+	}
+	limitIn := func(iso pgx.TxIsoLevel, key string, count float64) ratelimit.Result {
+		t.Helper()
+		var r ratelimit.Result
+		require.NoError(t, pgx.BeginTxFunc(e.ctx, e.pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
+			var err error
+			r, err = e.lim.LimitN(e.ctx, tx, "s", key, count, nil)
+			return err
+		}))
+		return r
+	}
+	for _, c := range []struct {
+		iso    pgx.TxIsoLevel
+		count  float64
+		shards []int
+		value  float64
+	}{
+		{pgx.ReadCommitted, 1, []int{1}, 1 + 1},           // the fuller shard, 1 left there; Value covers both read
+		{pgx.Serializable, 1, []int{0}, 0},                // the first pick serves alone; only it was read
+		{pgx.RepeatableRead, 1, []int{0}, 0},              // the same
+		{pgx.Serializable, 2.5, []int{0, 1}, 0.25 + 0.25}, // the first cannot: both read, both charged equal
+		{pgx.Serializable, 2, []int{1}, 0 + 1},            // the first cannot, the second can alone
+	} {
+		key := fmt.Sprintf("%s-%g", c.iso, c.count)
+		setup(key)
+		r := limitIn(c.iso, key, c.count)
+		require.True(t, r.OK, "%s count %g", c.iso, c.count)
+		require.Equal(t, c.shards, r.Shards, "%s count %g: charged shards", c.iso, c.count)
+		require.Equal(t, c.value, r.Value, "%s count %g: value", c.iso, c.count)
 	}
 }

@@ -15,20 +15,33 @@ const decideSharded = `-- name: DecideSharded :one
 WITH clock AS MATERIALIZED (
     SELECT (extract(epoch FROM coalesce($1::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
 ),
-cand AS MATERIALIZED (
-    SELECT 0 AS slot, $2::integer AS shard
-    UNION ALL
-    SELECT 1 AS slot, $3::integer AS shard WHERE $3::integer >= 0
-),
-snap AS MATERIALIZED (
-    SELECT c.slot, c.shard, s.value, s.ts_us
-    FROM cand c
+snap_a AS MATERIALIZED (
+    SELECT 0 AS slot, $2::integer AS shard, s.value, s.ts_us
+    FROM clock k
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE st.name = $4::text AND st.key = $5::text AND st.shard = c.shard
+        WHERE st.name = $3::text AND st.key = $4::text AND st.shard = $2::integer
         LIMIT 1
     ) s ON true
+),
+snap AS MATERIALIZED (
+    SELECT a.slot, a.shard, a.value, a.ts_us FROM snap_a a
+    UNION ALL
+    SELECT 1, $5::integer, s.value, s.ts_us
+    FROM snap_a a
+    CROSS JOIN clock k
+    LEFT JOIN LATERAL (
+        SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+        FROM txlimit_state st
+        WHERE st.name = $3::text AND st.key = $4::text AND st.shard = $5::integer
+        LIMIT 1
+    ) s ON true
+    WHERE current_setting('transaction_isolation') NOT IN ('serializable', 'repeatable read')
+       OR CASE WHEN a.value IS NULL THEN $6::double precision
+               ELSE txlimit_level($7::smallint, a.value, a.ts_us, k.now_us, $8::double precision,
+                                  $9::bigint, $6::double precision)
+          END < $10::double precision
 ),
 ev0 AS MATERIALIZED (
     SELECT sn.slot, sn.shard, sn.value IS NOT NULL AS existed,
@@ -40,17 +53,17 @@ ev0 AS MATERIALIZED (
 ),
 plan0 AS MATERIALIZED (
     SELECT x.charge,
-           x.low >= 0 OR ($10::boolean AND ($11::double precision < 0
-                                                            OR -x.low <= $11::double precision)) AS granted
+           x.low >= 0 OR ($11::boolean AND ($12::double precision < 0
+                                                            OR -x.low <= $12::double precision)) AS granted
     FROM (
         SELECT c.charge,
-               CASE WHEN c.charge = 3 THEN least(txlimit_left(0, 3, c.lv_a, c.lv_b, $12::double precision),
-                                                 txlimit_left(1, 3, c.lv_a, c.lv_b, $12::double precision))
-                    ELSE txlimit_left(c.charge - 1, c.charge, c.lv_a, c.lv_b, $12::double precision)
+               CASE WHEN c.charge = 3 THEN least(txlimit_left(0, 3, c.lv_a, c.lv_b, $10::double precision),
+                                                 txlimit_left(1, 3, c.lv_a, c.lv_b, $10::double precision))
+                    ELSE txlimit_left(c.charge - 1, c.charge, c.lv_a, c.lv_b, $10::double precision)
                END AS low
         FROM (
             SELECT l.lv_a, l.lv_b,
-                   txlimit_charge(l.lv_a, l.lv_b, l.two, $12::double precision, 0) AS charge
+                   txlimit_charge(l.lv_a, l.lv_b, l.two, $10::double precision, 0) AS charge
             FROM (
                 SELECT max(e.lv) FILTER (WHERE e.slot = 0) AS lv_a,
                        coalesce(max(e.lv) FILTER (WHERE e.slot = 1), 0) AS lv_b,
@@ -77,7 +90,7 @@ lk AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT st.value, st.ts
         FROM txlimit_state st
-        WHERE st.name = $4::text AND st.key = $5::text AND st.shard = o.shard
+        WHERE st.name = $3::text AND st.key = $4::text AND st.shard = o.shard
         FOR UPDATE
     ) l
 ),
@@ -107,15 +120,15 @@ ev AS MATERIALIZED (
 plan AS MATERIALIZED (
     SELECT d.lv_a, d.lv_b, d.ts_a, d.ts_b, d.two, d.vanished, d.charge, d.end_a, d.end_b, d.low,
            d.low >= 0 AS ok_now,
-           d.low < 0 AND $10::boolean
-               AND ($11::double precision < 0 OR -d.low <= $11::double precision) AS reserved
+           d.low < 0 AND $11::boolean
+               AND ($12::double precision < 0 OR -d.low <= $12::double precision) AS reserved
     FROM (
         SELECT c.lv_a, c.lv_b, c.ts_a, c.ts_b, c.two, c.vanished, c.charge, c.end_a, c.end_b, CASE c.charge WHEN 1 THEN c.end_a WHEN 2 THEN c.end_b ELSE least(c.end_a, c.end_b) END AS low
         FROM (
-            SELECT b.lv_a, b.lv_b, b.ts_a, b.ts_b, b.two, b.vanished, b.charge, txlimit_left(0, b.charge, b.lv_a, b.lv_b, $12::double precision) AS end_a,
-                   txlimit_left(1, b.charge, b.lv_a, b.lv_b, $12::double precision) AS end_b
+            SELECT b.lv_a, b.lv_b, b.ts_a, b.ts_b, b.two, b.vanished, b.charge, txlimit_left(0, b.charge, b.lv_a, b.lv_b, $10::double precision) AS end_a,
+                   txlimit_left(1, b.charge, b.lv_a, b.lv_b, $10::double precision) AS end_b
             FROM (
-                SELECT l.lv_a, l.lv_b, l.ts_a, l.ts_b, l.two, l.vanished, txlimit_charge(l.lv_a, l.lv_b, l.two, $12::double precision, p0.charge) AS charge
+                SELECT l.lv_a, l.lv_b, l.ts_a, l.ts_b, l.two, l.vanished, txlimit_charge(l.lv_a, l.lv_b, l.two, $10::double precision, p0.charge) AS charge
                 FROM (
                     SELECT max(e.lv) FILTER (WHERE e.slot = 0) AS lv_a,
                            coalesce(max(e.lv) FILTER (WHERE e.slot = 1), 0) AS lv_b,
@@ -130,14 +143,14 @@ plan AS MATERIALIZED (
     ) d
 ),
 w AS MATERIALIZED (
-    SELECT e.shard, e.existed, e.ts_us, CASE WHEN e.slot = 0 THEN p.end_a ELSE p.end_b END AS value
+    SELECT e.slot, e.shard, e.existed, e.ts_us, CASE WHEN e.slot = 0 THEN p.end_a ELSE p.end_b END AS value
     FROM plan p
     JOIN ev e ON (e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3))
     WHERE (SELECT locking FROM gate) AND (p.ok_now OR p.reserved) AND NOT (p.two AND p.vanished)
 ),
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $4::text, $5::text, ls.shard, $6::double precision,
+    SELECT $3::text, $4::text, ls.shard, $6::double precision,
            'epoch'::timestamptz + (CASE WHEN $7::smallint = 0 THEN 0 ELSE $14::bigint END)
                                   * interval '1 microsecond'
     FROM lockset ls
@@ -148,18 +161,28 @@ fill AS (
 ),
 ins AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $4::text, $5::text, w.shard, w.value,
+    SELECT $3::text, $4::text, w.shard, w.value,
            'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
     FROM w
     WHERE NOT w.existed
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
-upd AS (
+upd_a AS (
     UPDATE txlimit_state s
     SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
     FROM w
-    WHERE w.existed AND s.name = $4::text AND s.key = $5::text AND s.shard = w.shard
+    WHERE w.slot = 0 AND w.existed
+      AND s.name = $3::text AND s.key = $4::text AND s.shard = $2::integer
+      AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
+    RETURNING 1
+),
+upd_b AS (
+    UPDATE txlimit_state s
+    SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
+    FROM w
+    WHERE w.slot = 1 AND w.existed
+      AND s.name = $3::text AND s.key = $4::text AND s.shard = $5::integer
       AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
     RETURNING 1
 )
@@ -167,7 +190,7 @@ SELECT CASE WHEN g.prefill OR (p.two AND p.vanished AND g.locking) THEN 3
             WHEN NOT g.locking THEN 2
             WHEN NOT (p.ok_now OR p.reserved) THEN 1
             WHEN (SELECT count(*) FROM ins) < (SELECT count(*) FROM w WHERE NOT w.existed)
-                 OR (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd) = 0 THEN 3
+                 OR (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd_a) + (SELECT count(*) FROM upd_b) = 0 THEN 3
             ELSE 0
        END::integer AS status,
        p.charge::integer AS charge,
@@ -186,16 +209,16 @@ FROM plan p CROSS JOIN gate g
 type DecideShardedParams struct {
 	Now         pgtype.Timestamptz
 	ShardA      int32
-	ShardB      int32
 	Name        string
 	Key         string
+	ShardB      int32
 	Cap         float64
 	Kind        int16
 	Rate        float64
 	PeriodUs    int64
+	Count       float64
 	Reserve     bool
 	MaxReserved float64
-	Count       float64
 	Dry         bool
 	AnchorUs    int64
 }
@@ -224,22 +247,30 @@ type DecideShardedRow struct {
 // written, 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run
 // needed.
 // Per-row primary-key probes (see Decide: no sequential scan, no relation-level predicate lock).
+// The second pick. Under REPEATABLE READ or SERIALIZABLE a row that is read but not charged makes
+// this transaction a reader of whoever charges it, and with many callers such read/write
+// dependencies form cycles that SERIALIZABLE aborts; there, the second shard is read only when
+// the first cannot serve the request alone. Under READ COMMITTED reads cost nothing, and both are
+// always read (power-of-two choice).
 // The charged rows are locked one probe at a time, in shard order.
 // Full rows that evaluate exactly as missing ones (see Decide).
+// Each charged shard is updated through its whole primary key: a unique index probe. (A scan over
+// several shards, e.g. shard = ANY(...), becomes a bitmap heap scan, whose SERIALIZABLE predicate
+// lock covers the whole heap page, and so every shard of the key.)
 func (q *Queries) DecideSharded(ctx context.Context, db DBTX, arg DecideShardedParams) (DecideShardedRow, error) {
 	row := db.QueryRow(ctx, decideSharded,
 		arg.Now,
 		arg.ShardA,
-		arg.ShardB,
 		arg.Name,
 		arg.Key,
+		arg.ShardB,
 		arg.Cap,
 		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
+		arg.Count,
 		arg.Reserve,
 		arg.MaxReserved,
-		arg.Count,
 		arg.Dry,
 		arg.AnchorUs,
 	)

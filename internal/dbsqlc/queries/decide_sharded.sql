@@ -11,21 +11,39 @@
 WITH clock AS MATERIALIZED (
     SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
 ),
-cand AS MATERIALIZED (
-    SELECT 0 AS slot, sqlc.arg('shard_a')::integer AS shard
-    UNION ALL
-    SELECT 1 AS slot, sqlc.arg('shard_b')::integer AS shard WHERE sqlc.arg('shard_b')::integer >= 0
-),
 -- Per-row primary-key probes (see Decide: no sequential scan, no relation-level predicate lock).
-snap AS MATERIALIZED (
-    SELECT c.slot, c.shard, s.value, s.ts_us
-    FROM cand c
+snap_a AS MATERIALIZED (
+    SELECT 0 AS slot, sqlc.arg('shard_a')::integer AS shard, s.value, s.ts_us
+    FROM clock k
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = c.shard
+        WHERE st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = sqlc.arg('shard_a')::integer
         LIMIT 1
     ) s ON true
+),
+-- The second pick. Under REPEATABLE READ or SERIALIZABLE a row that is read but not charged makes
+-- this transaction a reader of whoever charges it, and with many callers such read/write
+-- dependencies form cycles that SERIALIZABLE aborts; there, the second shard is read only when
+-- the first cannot serve the request alone. Under READ COMMITTED reads cost nothing, and both are
+-- always read (power-of-two choice).
+snap AS MATERIALIZED (
+    SELECT a.slot, a.shard, a.value, a.ts_us FROM snap_a a
+    UNION ALL
+    SELECT 1, sqlc.arg('shard_b')::integer, s.value, s.ts_us
+    FROM snap_a a
+    CROSS JOIN clock k
+    LEFT JOIN LATERAL (
+        SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+        FROM txlimit_state st
+        WHERE st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = sqlc.arg('shard_b')::integer
+        LIMIT 1
+    ) s ON true
+    WHERE current_setting('transaction_isolation') NOT IN ('serializable', 'repeatable read')
+       OR CASE WHEN a.value IS NULL THEN sqlc.arg('cap')::double precision
+               ELSE txlimit_level(sqlc.arg('kind')::smallint, a.value, a.ts_us, k.now_us, sqlc.arg('rate')::double precision,
+                                  sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision)
+          END < sqlc.arg('count')::double precision
 ),
 ev0 AS MATERIALIZED (
     SELECT sn.slot, sn.shard, sn.value IS NOT NULL AS existed,
@@ -128,7 +146,7 @@ plan AS MATERIALIZED (
     ) d
 ),
 w AS MATERIALIZED (
-    SELECT e.shard, e.existed, e.ts_us, CASE WHEN e.slot = 0 THEN p.end_a ELSE p.end_b END AS value
+    SELECT e.slot, e.shard, e.existed, e.ts_us, CASE WHEN e.slot = 0 THEN p.end_a ELSE p.end_b END AS value
     FROM plan p
     JOIN ev e ON (e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3))
     WHERE (SELECT locking FROM gate) AND (p.ok_now OR p.reserved) AND NOT (p.two AND p.vanished)
@@ -154,11 +172,24 @@ ins AS (
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
-upd AS (
+-- Each charged shard is updated through its whole primary key: a unique index probe. (A scan over
+-- several shards, e.g. shard = ANY(...), becomes a bitmap heap scan, whose SERIALIZABLE predicate
+-- lock covers the whole heap page, and so every shard of the key.)
+upd_a AS (
     UPDATE txlimit_state s
     SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
     FROM w
-    WHERE w.existed AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = w.shard
+    WHERE w.slot = 0 AND w.existed
+      AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = sqlc.arg('shard_a')::integer
+      AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
+    RETURNING 1
+),
+upd_b AS (
+    UPDATE txlimit_state s
+    SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
+    FROM w
+    WHERE w.slot = 1 AND w.existed
+      AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = sqlc.arg('shard_b')::integer
       AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
     RETURNING 1
 )
@@ -166,7 +197,7 @@ SELECT CASE WHEN g.prefill OR (p.two AND p.vanished AND g.locking) THEN 3
             WHEN NOT g.locking THEN 2
             WHEN NOT (p.ok_now OR p.reserved) THEN 1
             WHEN (SELECT count(*) FROM ins) < (SELECT count(*) FROM w WHERE NOT w.existed)
-                 OR (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd) = 0 THEN 3
+                 OR (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd_a) + (SELECT count(*) FROM upd_b) = 0 THEN 3
             ELSE 0
        END::integer AS status,
        p.charge::integer AS charge,
