@@ -64,9 +64,9 @@
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with
 // many callers SERIALIZABLE aborts the resulting read/write dependency cycles. There a single
-// request charges its first pick when that shard alone holds count,
-// and reads the second only when it does not, then decides between combining and the second alone
-// exactly as above. Under READ COMMITTED both picks are always read.
+// request charges its first pick when that shard alone holds count, and reads the second only when
+// it does not, then decides between combining and the second alone exactly as above. Under READ
+// COMMITTED both picks are always read.
 //
 // # Fixed window grid
 //
