@@ -12,17 +12,14 @@ import (
 	"errors"
 	"fmt"
 	"log"
-	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/txlimit/txlimit/internal/scratch"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
-
-const schema = "txlimit_demo"
 
 func main() {
 	if err := run(context.Background()); err != nil {
@@ -30,45 +27,17 @@ func main() {
 	}
 }
 
-func dsn() string {
-	for _, env := range []string{"DATABASE_URL", "TEST_DATABASE_URL"} {
-		if v := os.Getenv(env); v != "" {
-			return v
-		}
-	}
-	return "postgres://postgres@localhost:5432/test?sslmode=disable"
-}
-
 func run(ctx context.Context) error {
-	admin, err := pgx.Connect(ctx, dsn())
-	if err != nil {
-		return fmt.Errorf("connect (set DATABASE_URL): %w", err)
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+schema+" CASCADE; CREATE SCHEMA "+schema); err != nil {
-		return err
-	}
-	defer admin.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+schema+" CASCADE")
-
-	cfg, err := pgxpool.ParseConfig(dsn())
-	if err != nil {
-		return err
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-
 	fmt.Println("== migrate")
-	if err := migrations.Up(ctx, pool); err != nil {
+	pool, done, err := scratch.Open(ctx, scratch.URL(), "txlimit_demo_", 0)
+	if err != nil {
 		return err
 	}
+	defer done()
+	fmt.Printf("applied txlimit's migrations in a schema of its own (version table %s)\n", migrations.VersionTable)
 	if _, err := pool.Exec(ctx, "CREATE TABLE messages (id bigserial PRIMARY KEY, user_id text NOT NULL, body text NOT NULL)"); err != nil {
 		return err
 	}
-	fmt.Printf("applied txlimit's migrations in schema %s (version table %s)\n", schema, migrations.VersionTable)
 
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		"sendMessage":   {Rate: 3, Period: time.Minute},

@@ -19,15 +19,12 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"log"
 	"log/slog"
 	"math"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -39,7 +36,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
-	"github.com/txlimit/txlimit/migrations"
+	"github.com/txlimit/txlimit/internal/scratch"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -127,49 +124,13 @@ func main() {
 	}
 }
 
-func dsn() string {
-	for _, env := range []string{"DATABASE_URL", "TEST_DATABASE_URL"} {
-		if v := os.Getenv(env); v != "" {
-			return v
-		}
-	}
-	return "postgres://postgres@localhost:5432/test?sslmode=disable"
-}
-
 func run(ctx context.Context) error {
 	// A schema of our own, dropped at the end.
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	schema := "txlimit_llmbudget_" + hex.EncodeToString(b[:])
-	admin, err := pgx.Connect(ctx, dsn())
-	if err != nil {
-		return fmt.Errorf("connect (set DATABASE_URL): %w", err)
-	}
-	defer admin.Close(context.Background())
-	ident := pgx.Identifier{schema}.Sanitize()
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+ident); err != nil {
-		return err
-	}
-	defer func() {
-		if _, err := admin.Exec(context.Background(), "DROP SCHEMA "+ident+" CASCADE"); err != nil {
-			log.Printf("llmbudget: drop schema %s: %v", schema, err)
-		}
-	}()
-	cfg, err := pgxpool.ParseConfig(dsn())
+	pool, done, err := scratch.Open(ctx, scratch.URL(), "txlimit_llmbudget_", 16)
 	if err != nil {
 		return err
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.MaxConns = 16
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-
-	if err := migrations.Up(ctx, pool); err != nil {
-		return err
-	}
+	defer done()
 	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
 		return err
 	}

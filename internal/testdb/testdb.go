@@ -26,6 +26,7 @@ import (
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
 
+	"github.com/txlimit/txlimit/internal/scratch"
 	"github.com/txlimit/txlimit/migrations"
 )
 
@@ -201,32 +202,9 @@ func ForExample() (*pgxpool.Pool, func()) {
 	if dsnErr != nil {
 		panic(dsnErr)
 	}
-	ctx := context.Background()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	schema := "txlimit_example_" + hex.EncodeToString(b[:])
-	admin, err := pgx.Connect(ctx, dsn)
+	pool, done, err := scratch.Open(context.Background(), dsn, "txlimit_example_", 0)
 	if err != nil {
 		panic(err)
 	}
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-		panic(err)
-	}
-	cfg, err := pgxpool.ParseConfig(dsn)
-	if err != nil {
-		panic(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		panic(err)
-	}
-	if err := migrations.Up(ctx, pool); err != nil {
-		panic(err)
-	}
-	return pool, func() {
-		pool.Close()
-		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
-		_ = admin.Close(ctx)
-	}
+	return pool, done
 }
