@@ -68,6 +68,7 @@ plan0 AS MATERIALIZED (
             FROM req r
             JOIN ev0 a ON a.idx = r.idx AND a.slot = 0
             LEFT JOIN ev0 b ON b.idx = r.idx AND b.slot = 1
+            OFFSET 0
         ) c
     ) x
 ),
@@ -135,8 +136,10 @@ plan AS MATERIALIZED (
                 JOIN plan0 p0 ON p0.idx = r.idx
                 JOIN ev a ON a.idx = r.idx AND a.slot = 0
                 LEFT JOIN ev b ON b.idx = r.idx AND b.slot = 1
+                OFFSET 0
             ) c
         ) d
+        OFFSET 0
     ) e
 ),
 verdict AS MATERIALIZED (
@@ -266,6 +269,8 @@ type DecideRow struct {
 //     global lock order across concurrent calls (and deadlock); this way every multi-row decision
 //     locks rows that all exist, in one order, and no race can leave part of it written.
 //
+// Nested subqueries end in OFFSET 0 so that the planner does not flatten them: flattened, every
+// use of a computed column would re-expand the inlined txlimit_* expressions that define it.
 // Status: 0 granted and written, 1 denied, 2 decided without writing (dry run or fast denial),
 // 3 re-run needed.
 // Every access to txlimit_state is a per-row primary-key probe (LATERAL … LIMIT 1 cannot be

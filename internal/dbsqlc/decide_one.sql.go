@@ -66,6 +66,7 @@ dec AS MATERIALIZED (
                                      + $11::bigint) % $11::bigint
                END AS ts_us
         FROM cur c
+        OFFSET 0
     ) e
 ),
 ins AS (
@@ -129,7 +130,8 @@ type DecideOneRow struct {
 // answered without a lock or a write; otherwise the row is locked (FOR UPDATE re-reads its latest
 // version), decided on, and updated, or inserted ON CONFLICT DO NOTHING when it is missing. If a
 // concurrent caller created the missing row first, nothing is written and the status asks for a
-// re-run. Statuses are Decide's: 0 granted and written, 1 denied after the lock, 2 decided without
+// re-run. The nested subquery ends in OFFSET 0 so that its level is computed once rather than
+// re-expanded into every expression that uses it. Statuses are Decide's: 0 granted and written, 1 denied after the lock, 2 decided without
 // a lock (dry run or fast denial), 3 re-run needed.
 func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (DecideOneRow, error) {
 	row := db.QueryRow(ctx, decideOne,

@@ -13,213 +13,245 @@ import (
 
 const decideSharded = `-- name: DecideSharded :one
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce($1::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT (extract(epoch FROM coalesce($1::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us,
+           current_setting('transaction_isolation') IN ('serializable', 'repeatable read') AS snapshot_iso
 ),
-snap_a AS MATERIALIZED (
-    SELECT 0 AS slot, $2::integer AS shard, s.value, s.ts_us
+pa AS MATERIALIZED (
+    SELECT k.now_us, k.snapshot_iso, s.value, s.ts_us,
+           CASE WHEN s.value IS NULL THEN $2::double precision
+                ELSE txlimit_level($3::smallint, s.value, s.ts_us, k.now_us, $4::double precision,
+                                   $5::bigint, $2::double precision)
+           END AS lv
     FROM clock k
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE st.name = $3::text AND st.key = $4::text AND st.shard = $2::integer
+        WHERE st.name = $6::text AND st.key = $7::text AND st.shard = $8::integer
         LIMIT 1
     ) s ON true
 ),
-snap AS MATERIALIZED (
-    SELECT a.slot, a.shard, a.value, a.ts_us FROM snap_a a
-    UNION ALL
-    SELECT 1, $5::integer, s.value, s.ts_us
-    FROM snap_a a
-    CROSS JOIN clock k
+pb AS MATERIALIZED (
+    SELECT r.read, s.value, s.ts_us,
+           CASE WHEN NOT r.read THEN 0
+                WHEN s.value IS NULL THEN $2::double precision
+                ELSE txlimit_level($3::smallint, s.value, s.ts_us, r.now_us, $4::double precision,
+                                   $5::bigint, $2::double precision)
+           END AS lv
+    FROM (SELECT a.now_us, NOT a.snapshot_iso OR a.lv < $9::double precision AS read FROM pa a) r
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE st.name = $3::text AND st.key = $4::text AND st.shard = $5::integer
+        WHERE r.read
+          AND st.name = $6::text AND st.key = $7::text AND st.shard = $10::integer
         LIMIT 1
     ) s ON true
-    WHERE current_setting('transaction_isolation') NOT IN ('serializable', 'repeatable read')
-       OR CASE WHEN a.value IS NULL THEN $6::double precision
-               ELSE txlimit_level($7::smallint, a.value, a.ts_us, k.now_us, $8::double precision,
-                                  $9::bigint, $6::double precision)
-          END < $10::double precision
 ),
-ev0 AS MATERIALIZED (
-    SELECT sn.slot, sn.shard, sn.value IS NOT NULL AS existed,
-           CASE WHEN sn.value IS NULL THEN $6::double precision
-                ELSE txlimit_level($7::smallint, sn.value, sn.ts_us, k.now_us, $8::double precision,
-                                   $9::bigint, $6::double precision)
-           END AS lv
-    FROM snap sn CROSS JOIN clock k
-),
-plan0 AS MATERIALIZED (
-    SELECT x.charge,
-           x.low >= 0 OR ($11::boolean AND ($12::double precision < 0
-                                                            OR -x.low <= $12::double precision)) AS granted
+p0 AS MATERIALIZED (
+    SELECT c.lv_a, c.lv_b, c.two, c.a_missing, c.b_missing, c.charge, c.low, c.granted,
+           NOT $11::boolean AND c.granted AND NOT (c.charge = 3 AND (c.a_missing OR c.b_missing)) AS locking,
+           NOT $11::boolean AND c.granted AND c.charge = 3 AND (c.a_missing OR c.b_missing) AS prefill
     FROM (
-        SELECT c.charge,
-               CASE WHEN c.charge = 3 THEN least(txlimit_left(0, 3, c.lv_a, c.lv_b, $10::double precision),
-                                                 txlimit_left(1, 3, c.lv_a, c.lv_b, $10::double precision))
-                    ELSE txlimit_left(c.charge - 1, c.charge, c.lv_a, c.lv_b, $10::double precision)
-               END AS low
+        SELECT x.lv_a, x.lv_b, x.two, x.a_missing, x.b_missing, x.charge, x.low,
+               x.low >= 0 OR ($12::boolean AND ($13::double precision < 0
+                                                                OR -x.low <= $13::double precision)) AS granted
         FROM (
-            SELECT l.lv_a, l.lv_b,
-                   txlimit_charge(l.lv_a, l.lv_b, l.two, $10::double precision, 0) AS charge
+            SELECT y.lv_a, y.lv_b, y.two, y.a_missing, y.b_missing, y.charge,
+                   CASE WHEN y.charge = 3 THEN least(txlimit_left(0, 3, y.lv_a, y.lv_b, $9::double precision),
+                                                     txlimit_left(1, 3, y.lv_a, y.lv_b, $9::double precision))
+                        ELSE txlimit_left(y.charge - 1, y.charge, y.lv_a, y.lv_b, $9::double precision)
+                   END AS low
             FROM (
-                SELECT max(e.lv) FILTER (WHERE e.slot = 0) AS lv_a,
-                       coalesce(max(e.lv) FILTER (WHERE e.slot = 1), 0) AS lv_b,
-                       count(*) = 2 AS two
-                FROM ev0 e
-            ) l
-        ) c
-    ) x
+                SELECT a.lv AS lv_a, b.lv AS lv_b, b.read AS two,
+                       a.value IS NULL AS a_missing, b.read AND b.value IS NULL AS b_missing,
+                       txlimit_charge(a.lv, b.lv, b.read, $9::double precision, 0) AS charge
+                FROM pa a CROSS JOIN pb b
+                OFFSET 0
+            ) y
+            OFFSET 0
+        ) x
+        OFFSET 0
+    ) c
 ),
-lockset AS MATERIALIZED (
-    SELECT e.slot, e.shard, e.existed
-    FROM ev0 e CROSS JOIN plan0 p
-    WHERE (e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3))
+ord AS MATERIALIZED (
+    SELECT p.locking,
+           CASE WHEN p.charge = 2 THEN $10::integer
+                WHEN p.charge = 1 THEN $8::integer
+                ELSE least($8::integer, $10::integer)
+           END AS first,
+           CASE WHEN p.charge = 3 THEN greatest($8::integer, $10::integer) END AS second
+    FROM p0 p
 ),
-gate AS MATERIALIZED (
-    SELECT NOT $13::boolean AND p.granted AND (l.rows = 1 OR l.missing = 0) AS locking,
-           NOT $13::boolean AND p.granted AND l.rows > 1 AND l.missing > 0 AS prefill
-    FROM plan0 p
-    CROSS JOIN (SELECT count(*) AS rows, count(*) FILTER (WHERE NOT existed) AS missing FROM lockset) l
-),
-lk AS MATERIALIZED (
-    SELECT o.slot, l.value, (extract(epoch FROM l.ts) * 1000000)::bigint AS ts_us
-    FROM (SELECT ls.slot, ls.shard FROM lockset ls WHERE (SELECT locking FROM gate) ORDER BY ls.shard) o
+lk1 AS MATERIALIZED (
+    SELECT st.shard, st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+    FROM ord o
     CROSS JOIN LATERAL (
-        SELECT st.value, st.ts
-        FROM txlimit_state st
-        WHERE st.name = $3::text AND st.key = $4::text AND st.shard = o.shard
+        SELECT s.shard, s.value, s.ts
+        FROM txlimit_state s
+        WHERE o.locking AND s.name = $6::text AND s.key = $7::text AND s.shard = o.first
         FOR UPDATE
-    ) l
+    ) st
+),
+lk2 AS MATERIALIZED (
+    SELECT st.shard, st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+    FROM ord o
+    CROSS JOIN LATERAL (
+        SELECT s.shard, s.value, s.ts
+        FROM txlimit_state s
+        WHERE o.locking AND o.second IS NOT NULL
+          AND (SELECT count(*) FROM lk1) >= 0 -- after lk1: the global lock order
+          AND s.name = $6::text AND s.key = $7::text AND s.shard = o.second
+        FOR UPDATE
+    ) st
 ),
 cur AS MATERIALIZED (
-    SELECT sn.slot, sn.shard,
-           CASE WHEN ls.slot IS NOT NULL AND g.locking THEN l.value ELSE sn.value END AS value,
-           CASE WHEN ls.slot IS NOT NULL AND g.locking THEN l.ts_us ELSE sn.ts_us END AS ts_us,
-           ls.slot IS NOT NULL AND g.locking AND sn.value IS NOT NULL AND l.value IS NULL AS vanished
-    FROM snap sn
-    CROSS JOIN gate g
-    LEFT JOIN lockset ls ON ls.slot = sn.slot
-    LEFT JOIN lk l ON l.slot = sn.slot
+    SELECT k.now_us, p.charge, p.two, p.locking, p.prefill,
+           CASE WHEN la.shard IS NOT NULL THEN la.value WHEN p.locking AND p.charge IN (1, 3) THEN NULL ELSE a.value END AS va,
+           CASE WHEN la.shard IS NOT NULL THEN la.ts_us ELSE a.ts_us END AS ta,
+           CASE WHEN lb.shard IS NOT NULL THEN lb.value WHEN p.locking AND p.charge IN (2, 3) THEN NULL ELSE b.value END AS vb,
+           CASE WHEN lb.shard IS NOT NULL THEN lb.ts_us ELSE b.ts_us END AS tb,
+           p.locking AND ((p.charge IN (1, 3) AND a.value IS NOT NULL AND la.shard IS NULL)
+                          OR (p.charge IN (2, 3) AND b.value IS NOT NULL AND lb.shard IS NULL)) AS vanished
+    FROM clock k
+    CROSS JOIN p0 p
+    CROSS JOIN pa a
+    CROSS JOIN pb b
+    LEFT JOIN LATERAL (
+        SELECT l.shard, l.value, l.ts_us FROM lk1 l WHERE l.shard = $8::integer
+        UNION ALL
+        SELECT l.shard, l.value, l.ts_us FROM lk2 l WHERE l.shard = $8::integer
+    ) la ON true
+    LEFT JOIN LATERAL (
+        SELECT l.shard, l.value, l.ts_us FROM lk1 l WHERE l.shard = $10::integer
+        UNION ALL
+        SELECT l.shard, l.value, l.ts_us FROM lk2 l WHERE l.shard = $10::integer
+    ) lb ON true
 ),
 ev AS MATERIALIZED (
-    SELECT cu.slot, cu.shard, cu.value IS NOT NULL AS existed, cu.vanished,
-           CASE WHEN cu.value IS NULL THEN $6::double precision
-                ELSE txlimit_level($7::smallint, cu.value, cu.ts_us, k.now_us, $8::double precision,
-                                   $9::bigint, $6::double precision)
-           END AS lv,
-           CASE WHEN cu.value IS NOT NULL THEN txlimit_next_ts($7::smallint, cu.ts_us, k.now_us, $9::bigint)
-                WHEN $7::smallint = 0 THEN k.now_us
-                ELSE k.now_us - ((k.now_us - $14::bigint) % $9::bigint
-                                 + $9::bigint) % $9::bigint
-           END AS ts_us
-    FROM cur cu CROSS JOIN clock k
+    SELECT c.now_us, c.charge, c.two, c.locking, c.prefill, c.va, c.ta, c.vb, c.tb, c.vanished,
+           CASE WHEN c.va IS NULL THEN $2::double precision
+                ELSE txlimit_level($3::smallint, c.va, c.ta, c.now_us, $4::double precision,
+                                   $5::bigint, $2::double precision)
+           END AS lv_a,
+           CASE WHEN NOT c.two THEN 0
+                WHEN c.vb IS NULL THEN $2::double precision
+                ELSE txlimit_level($3::smallint, c.vb, c.tb, c.now_us, $4::double precision,
+                                   $5::bigint, $2::double precision)
+           END AS lv_b,
+           CASE WHEN c.va IS NOT NULL THEN txlimit_next_ts($3::smallint, c.ta, c.now_us, $5::bigint)
+                WHEN $3::smallint = 0 THEN c.now_us
+                ELSE c.now_us - ((c.now_us - $14::bigint) % $5::bigint
+                                 + $5::bigint) % $5::bigint
+           END AS ts_a,
+           CASE WHEN NOT c.two THEN 0
+                WHEN c.vb IS NOT NULL THEN txlimit_next_ts($3::smallint, c.tb, c.now_us, $5::bigint)
+                WHEN $3::smallint = 0 THEN c.now_us
+                ELSE c.now_us - ((c.now_us - $14::bigint) % $5::bigint
+                                 + $5::bigint) % $5::bigint
+           END AS ts_b
+    FROM cur c
 ),
 plan AS MATERIALIZED (
-    SELECT d.lv_a, d.lv_b, d.ts_a, d.ts_b, d.two, d.vanished, d.charge, d.end_a, d.end_b, d.low,
+    SELECT d.now_us, d.charge, d.two, d.locking, d.prefill, d.va, d.ta, d.vb, d.tb, d.vanished, d.lv_a, d.lv_b, d.ts_a, d.ts_b, d.charge2, d.end_a, d.end_b, d.low,
            d.low >= 0 AS ok_now,
-           d.low < 0 AND $11::boolean
-               AND ($12::double precision < 0 OR -d.low <= $12::double precision) AS reserved
+           d.low < 0 AND $12::boolean
+               AND ($13::double precision < 0 OR -d.low <= $13::double precision) AS reserved
     FROM (
-        SELECT c.lv_a, c.lv_b, c.ts_a, c.ts_b, c.two, c.vanished, c.charge, c.end_a, c.end_b, CASE c.charge WHEN 1 THEN c.end_a WHEN 2 THEN c.end_b ELSE least(c.end_a, c.end_b) END AS low
+        SELECT f.now_us, f.charge, f.two, f.locking, f.prefill, f.va, f.ta, f.vb, f.tb, f.vanished, f.lv_a, f.lv_b, f.ts_a, f.ts_b, f.charge2, f.end_a, f.end_b, CASE f.charge2 WHEN 1 THEN f.end_a WHEN 2 THEN f.end_b ELSE least(f.end_a, f.end_b) END AS low
         FROM (
-            SELECT b.lv_a, b.lv_b, b.ts_a, b.ts_b, b.two, b.vanished, b.charge, txlimit_left(0, b.charge, b.lv_a, b.lv_b, $10::double precision) AS end_a,
-                   txlimit_left(1, b.charge, b.lv_a, b.lv_b, $10::double precision) AS end_b
+            SELECT e.now_us, e.charge, e.two, e.locking, e.prefill, e.va, e.ta, e.vb, e.tb, e.vanished, e.lv_a, e.lv_b, e.ts_a, e.ts_b, e.charge2, txlimit_left(0, e.charge2, e.lv_a, e.lv_b, $9::double precision) AS end_a,
+                   txlimit_left(1, e.charge2, e.lv_a, e.lv_b, $9::double precision) AS end_b
             FROM (
-                SELECT l.lv_a, l.lv_b, l.ts_a, l.ts_b, l.two, l.vanished, txlimit_charge(l.lv_a, l.lv_b, l.two, $10::double precision, p0.charge) AS charge
-                FROM (
-                    SELECT max(e.lv) FILTER (WHERE e.slot = 0) AS lv_a,
-                           coalesce(max(e.lv) FILTER (WHERE e.slot = 1), 0) AS lv_b,
-                           max(e.ts_us) FILTER (WHERE e.slot = 0) AS ts_a,
-                           coalesce(max(e.ts_us) FILTER (WHERE e.slot = 1), 0) AS ts_b,
-                           count(*) = 2 AS two,
-                           bool_or(e.vanished) AS vanished
-                    FROM ev e
-                ) l CROSS JOIN plan0 p0
-            ) b
-        ) c
+                SELECT v.now_us, v.charge, v.two, v.locking, v.prefill, v.va, v.ta, v.vb, v.tb, v.vanished, v.lv_a, v.lv_b, v.ts_a, v.ts_b, txlimit_charge(v.lv_a, v.lv_b, v.two, $9::double precision, v.charge) AS charge2
+                FROM ev v
+                OFFSET 0
+            ) e
+            OFFSET 0
+        ) f
+        OFFSET 0
     ) d
 ),
 w AS MATERIALIZED (
-    SELECT e.slot, e.shard, e.existed, e.ts_us, CASE WHEN e.slot = 0 THEN p.end_a ELSE p.end_b END AS value
+    SELECT p.now_us, p.charge, p.two, p.locking, p.prefill, p.va, p.ta, p.vb, p.tb, p.vanished, p.lv_a, p.lv_b, p.ts_a, p.ts_b, p.charge2, p.end_a, p.end_b, p.low, p.ok_now, p.reserved,
+           p.locking AND (p.ok_now OR p.reserved) AND NOT (p.charge = 3 AND p.vanished) AS write,
+           p.charge2 IN (1, 3) AS write_a, p.charge2 IN (2, 3) AS write_b
     FROM plan p
-    JOIN ev e ON (e.slot = 0 AND p.charge IN (1, 3)) OR (e.slot = 1 AND p.charge IN (2, 3))
-    WHERE (SELECT locking FROM gate) AND (p.ok_now OR p.reserved) AND NOT (p.two AND p.vanished)
 ),
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $3::text, $4::text, ls.shard, $6::double precision,
-           'epoch'::timestamptz + (CASE WHEN $7::smallint = 0 THEN 0 ELSE $14::bigint END)
+    SELECT $6::text, $7::text, m.shard, $2::double precision,
+           'epoch'::timestamptz + (CASE WHEN $3::smallint = 0 THEN 0 ELSE $14::bigint END)
                                   * interval '1 microsecond'
-    FROM lockset ls
-    WHERE NOT ls.existed AND (SELECT prefill FROM gate)
-    ORDER BY ls.shard
+    FROM p0 p
+    CROSS JOIN LATERAL (
+        SELECT $8::integer AS shard WHERE p.a_missing
+        UNION ALL
+        SELECT $10::integer WHERE p.b_missing
+    ) m
+    WHERE p.prefill
+    ORDER BY m.shard
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
 ins AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $3::text, $4::text, w.shard, w.value,
-           'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
+    SELECT $6::text, $7::text,
+           CASE WHEN w.write_a THEN $8::integer ELSE $10::integer END,
+           CASE WHEN w.write_a THEN w.end_a ELSE w.end_b END,
+           'epoch'::timestamptz + (CASE WHEN w.write_a THEN w.ts_a ELSE w.ts_b END) * interval '1 microsecond'
     FROM w
-    WHERE NOT w.existed
+    WHERE w.write AND w.charge2 <> 3 AND (CASE WHEN w.write_a THEN w.va ELSE w.vb END) IS NULL
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
 upd_a AS (
     UPDATE txlimit_state s
-    SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
+    SET value = w.end_a, ts = 'epoch'::timestamptz + w.ts_a * interval '1 microsecond'
     FROM w
-    WHERE w.slot = 0 AND w.existed
-      AND s.name = $3::text AND s.key = $4::text AND s.shard = $2::integer
-      AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
+    WHERE w.write AND w.write_a AND w.va IS NOT NULL
+      AND s.name = $6::text AND s.key = $7::text AND s.shard = $8::integer
     RETURNING 1
 ),
 upd_b AS (
     UPDATE txlimit_state s
-    SET value = w.value, ts = 'epoch'::timestamptz + w.ts_us * interval '1 microsecond'
+    SET value = w.end_b, ts = 'epoch'::timestamptz + w.ts_b * interval '1 microsecond'
     FROM w
-    WHERE w.slot = 1 AND w.existed
-      AND s.name = $3::text AND s.key = $4::text AND s.shard = $5::integer
-      AND (SELECT count(*) FROM ins) = (SELECT count(*) FROM w WHERE NOT w.existed)
+    WHERE w.write AND w.write_b AND w.vb IS NOT NULL
+      AND s.name = $6::text AND s.key = $7::text AND s.shard = $10::integer
     RETURNING 1
 )
-SELECT CASE WHEN g.prefill OR (p.two AND p.vanished AND g.locking) THEN 3
-            WHEN NOT g.locking THEN 2
-            WHEN NOT (p.ok_now OR p.reserved) THEN 1
-            WHEN (SELECT count(*) FROM ins) < (SELECT count(*) FROM w WHERE NOT w.existed)
-                 OR (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd_a) + (SELECT count(*) FROM upd_b) = 0 THEN 3
+SELECT CASE WHEN w.prefill OR (w.locking AND w.charge = 3 AND w.vanished) THEN 3
+            WHEN NOT w.locking THEN 2
+            WHEN NOT (w.ok_now OR w.reserved) THEN 1
+            WHEN (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd_a) + (SELECT count(*) FROM upd_b) = 0 THEN 3
             ELSE 0
        END::integer AS status,
-       p.charge::integer AS charge,
-       p.ok_now::boolean AS ok_now,
-       p.reserved::boolean AS reserved,
-       p.lv_a::double precision AS level_a,
-       p.lv_b::double precision AS level_b,
-       p.end_a::double precision AS end_a,
-       p.end_b::double precision AS end_b,
-       p.ts_a::bigint AS ts_a_us,
-       p.ts_b::bigint AS ts_b_us,
-       (SELECT now_us FROM clock)::bigint AS now_us
-FROM plan p CROSS JOIN gate g
+       w.charge2::integer AS charge,
+       w.ok_now::boolean AS ok_now,
+       w.reserved::boolean AS reserved,
+       w.lv_a::double precision AS level_a,
+       w.lv_b::double precision AS level_b,
+       w.end_a::double precision AS end_a,
+       w.end_b::double precision AS end_b,
+       w.ts_a::bigint AS ts_a_us,
+       w.ts_b::bigint AS ts_b_us,
+       w.now_us::bigint AS now_us
+FROM w
 `
 
 type DecideShardedParams struct {
 	Now         pgtype.Timestamptz
-	ShardA      int32
-	Name        string
-	Key         string
-	ShardB      int32
 	Cap         float64
 	Kind        int16
 	Rate        float64
 	PeriodUs    int64
+	Name        string
+	Key         string
+	ShardA      int32
 	Count       float64
+	ShardB      int32
+	Dry         bool
 	Reserve     bool
 	MaxReserved float64
-	Dry         bool
 	AnchorUs    int64
 }
 
@@ -238,40 +270,49 @@ type DecideShardedRow struct {
 }
 
 // DecideSharded is Decide for one request on a sharded limit, with its two candidate shards
-// (shard_a, shard_b). It follows Decide's steps with a fraction of the work (no arrays, no joins
-// between requests): a lock-free read and a plan on it; a denial there is answered without a lock
-// or a write; otherwise only the rows to be charged are locked (in shard order), the plan is
-// re-decided on their latest versions, and they are updated, or inserted ON CONFLICT DO NOTHING
-// when a single charged row is missing. When both rows are charged and some are missing, it only
-// creates them full and asks for a re-run, as Decide does. Statuses are Decide's: 0 granted and
-// written, 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run
-// needed.
-// Per-row primary-key probes (see Decide: no sequential scan, no relation-level predicate lock).
+// (shard_a, shard_b). It follows Decide's steps as a pipeline of one-row steps, with the two
+// candidates side by side (a fraction of the work of Decide's row-per-candidate plan): a lock-free
+// read and a plan on it; a denial there is answered without a lock or a write; otherwise only the
+// rows to be charged are locked (the lower shard first), the plan is re-decided on their latest
+// versions, and they are updated, or inserted ON CONFLICT DO NOTHING when a single charged row is
+// missing. When both rows are charged and some are missing, it only creates them full and asks for
+// a re-run, as Decide does. Every access is one primary-key probe, so under SERIALIZABLE a decision
+// holds predicate locks on the rows it reads only. The nested subqueries end in OFFSET 0 so that
+// the planner keeps them apart: flattened, every use of a computed column would re-expand the
+// inlined txlimit_* expressions that define it, and the one-row arithmetic would cost more than
+// the rest of the statement. Statuses are Decide's: 0 granted and written,
+// 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run needed.
+// The first pick, and the tokens it holds on the lock-free read.
 // The second pick. Under REPEATABLE READ or SERIALIZABLE a row that is read but not charged makes
 // this transaction a reader of whoever charges it, and with many callers such read/write
-// dependencies form cycles that SERIALIZABLE aborts; there, the second shard is read only when
-// the first cannot serve the request alone. Under READ COMMITTED reads cost nothing, and both are
+// dependencies form cycles that SERIALIZABLE aborts; there the second shard is read only when the
+// first cannot serve the request alone. Under READ COMMITTED reads cost nothing, and both are
 // always read (power-of-two choice).
-// The charged rows are locked one probe at a time, in shard order.
-// Full rows that evaluate exactly as missing ones (see Decide).
+// The plan on the lock-free read: which rows to charge, whether it is granted, what to lock.
+// The charged rows in shard order: first (and second, when both are charged).
+// Each candidate as decided on: a locked row's latest version, else the lock-free read.
+// Levels and next timestamps on those versions, and the decision with the chosen rows kept.
+// What to write: only when locking, granted, and no charged row vanished meanwhile.
+// Full rows that evaluate exactly as missing ones (see Decide), in shard order.
+// A single charged row that is missing is inserted with its new value.
 // Each charged shard is updated through its whole primary key: a unique index probe. (A scan over
 // several shards, e.g. shard = ANY(...), becomes a bitmap heap scan, whose SERIALIZABLE predicate
 // lock covers the whole heap page, and so every shard of the key.)
 func (q *Queries) DecideSharded(ctx context.Context, db DBTX, arg DecideShardedParams) (DecideShardedRow, error) {
 	row := db.QueryRow(ctx, decideSharded,
 		arg.Now,
-		arg.ShardA,
-		arg.Name,
-		arg.Key,
-		arg.ShardB,
 		arg.Cap,
 		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
+		arg.Name,
+		arg.Key,
+		arg.ShardA,
 		arg.Count,
+		arg.ShardB,
+		arg.Dry,
 		arg.Reserve,
 		arg.MaxReserved,
-		arg.Dry,
 		arg.AnchorUs,
 	)
 	var i DecideShardedRow
