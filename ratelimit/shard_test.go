@@ -820,3 +820,37 @@ func TestShardChoiceUnderSerializable(t *testing.T) {
 		require.Equal(t, c.value, r.Value, "%s count %g: value", c.iso, c.count)
 	}
 }
+
+// A call whose chosen shard is locked by another transaction takes its other pick, without
+// waiting, when that one can serve alone; only when both are held does it wait.
+func TestShardSkipsALockedPick(t *testing.T) {
+	t.Parallel()
+	cfg := shardCfg(2)
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": cfg})
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	e.set(shardT0, [2]int{0, 1})
+	// Create both rows (a charge of 3 takes from both), refilled by t1.
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil)
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardAt(1), [2]int{0, 1})
+
+	holder, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(e.ctx)
+	testdb.LockRow(t, holder, "s", "k", 0)
+
+	quick, cancel := context.WithTimeout(e.ctx, 3*time.Second)
+	defer cancel()
+	r, err = e.lim.Limit(quick, e.pool, "s", "k", nil) // picks 0 (a tie goes to a), which is held
+	require.NoError(t, err, "the call waited for the held shard")
+	require.True(t, r.OK)
+	require.Equal(t, []int{1}, r.Shards, "the call should have switched to its other pick")
+
+	// Both held: the call waits (here until its context gives up).
+	testdb.LockRow(t, holder, "s", "k", 1)
+	short, cancel2 := context.WithTimeout(e.ctx, 300*time.Millisecond)
+	defer cancel2()
+	_, err = e.lim.Limit(short, e.pool, "s", "k", nil)
+	require.Error(t, err, "with both picks held the call must wait")
+}

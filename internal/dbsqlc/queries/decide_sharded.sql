@@ -3,7 +3,7 @@
 -- (shard_a, shard_b). It follows Decide's steps as a pipeline of one-row steps, with the two
 -- candidates side by side (a fraction of the work of Decide's row-per-candidate plan): a lock-free
 -- read and a plan on it; a denial there is answered without a lock or a write; otherwise only the
--- rows to be charged are locked (the lower shard first), the plan is re-decided on their latest
+-- rows to be charged are locked (see ord below), the plan is re-decided on their latest
 -- versions, and they are updated, or inserted ON CONFLICT DO NOTHING when a single charged row is
 -- missing. When both rows are charged and some are missing, it only creates them full and asks for
 -- a re-run, as Decide does. Every access is one primary-key probe, so under SERIALIZABLE a decision
@@ -79,61 +79,106 @@ p0 AS MATERIALIZED (
         OFFSET 0
     ) c
 ),
--- The charged rows in shard order: first (and second, when both are charged).
+-- Which rows to lock. Both charged: both, the lower shard first, waiting. One charged: try it
+-- without waiting (SKIP LOCKED); when another caller holds it, take the other pick instead if the
+-- lock-free read showed it can serve alone (SKIP LOCKED too, or inserting it when it is missing),
+-- and wait for the first only when both are taken. A caller queued behind a holder only waits for
+-- its commit (and under SERIALIZABLE then fails on it); switching keeps callers on different rows.
+-- No caller waits while it holds a lock, so this adds no deadlock.
 ord AS MATERIALIZED (
-    SELECT p.locking,
-           CASE WHEN p.charge = 2 THEN sqlc.arg('shard_b')::integer
-                WHEN p.charge = 1 THEN sqlc.arg('shard_a')::integer
-                ELSE least(sqlc.arg('shard_a')::integer, sqlc.arg('shard_b')::integer)
-           END AS first,
-           CASE WHEN p.charge = 3 THEN greatest(sqlc.arg('shard_a')::integer, sqlc.arg('shard_b')::integer) END AS second
+    SELECT p.locking, p.charge,
+           p.charge IN (1, 2) AS single,
+           CASE WHEN p.charge = 2 THEN sqlc.arg('shard_b')::integer ELSE sqlc.arg('shard_a')::integer END AS pick,
+           CASE WHEN p.charge = 2 THEN sqlc.arg('shard_a')::integer ELSE sqlc.arg('shard_b')::integer END AS other,
+           CASE WHEN p.charge = 2 THEN NOT p.b_missing ELSE NOT p.a_missing END AS pick_exists,
+           CASE WHEN p.charge = 2 THEN NOT p.a_missing ELSE NOT p.b_missing END AS other_exists,
+           p.two AND CASE WHEN p.charge = 2 THEN p.lv_a ELSE p.lv_b END >= sqlc.arg('count')::double precision AS other_fits
     FROM p0 p
 ),
-lk1 AS MATERIALIZED (
-    SELECT st.shard, st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+try AS MATERIALIZED (
+    SELECT st.shard, st.value, st.ts
     FROM ord o
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = o.first
+        WHERE o.locking AND o.single AND o.pick_exists AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = o.pick
+        FOR UPDATE SKIP LOCKED
+    ) st
+),
+skip AS MATERIALIZED (
+    SELECT o.*, o.locking AND o.single AND o.pick_exists AND NOT EXISTS (SELECT 1 FROM try) AS skipped
+    FROM ord o
+),
+alt AS MATERIALIZED (
+    SELECT st.shard, st.value, st.ts
+    FROM skip o
+    CROSS JOIN LATERAL (
+        SELECT s.shard, s.value, s.ts
+        FROM txlimit_state s
+        WHERE o.skipped AND o.other_fits AND o.other_exists AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = o.other
+        FOR UPDATE SKIP LOCKED
+    ) st
+),
+sw AS MATERIALIZED (
+    SELECT o.*, o.skipped AND o.other_fits AND (NOT o.other_exists OR EXISTS (SELECT 1 FROM alt)) AS switched
+    FROM skip o
+),
+wt AS MATERIALIZED (
+    SELECT st.shard, st.value, st.ts
+    FROM sw o
+    CROSS JOIN LATERAL (
+        SELECT s.shard, s.value, s.ts
+        FROM txlimit_state s
+        WHERE o.skipped AND NOT o.switched AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = o.pick
+        FOR UPDATE
+    ) st
+),
+lk1 AS MATERIALIZED (
+    SELECT st.shard, st.value, st.ts
+    FROM ord o
+    CROSS JOIN LATERAL (
+        SELECT s.shard, s.value, s.ts
+        FROM txlimit_state s
+        WHERE o.locking AND o.charge = 3 AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = least(sqlc.arg('shard_a')::integer, sqlc.arg('shard_b')::integer)
         FOR UPDATE
     ) st
 ),
 lk2 AS MATERIALIZED (
-    SELECT st.shard, st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
+    SELECT st.shard, st.value, st.ts
     FROM ord o
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND o.second IS NOT NULL
+        WHERE o.locking AND o.charge = 3
           AND (SELECT count(*) FROM lk1) >= 0 -- after lk1: the global lock order
-          AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = o.second
+          AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = greatest(sqlc.arg('shard_a')::integer, sqlc.arg('shard_b')::integer)
         FOR UPDATE
     ) st
 ),
--- Each candidate as decided on: a locked row's latest version, else the lock-free read.
+locked AS MATERIALIZED (
+    SELECT l.shard, l.value, (extract(epoch FROM l.ts) * 1000000)::bigint AS ts_us
+    FROM (
+        SELECT * FROM try UNION ALL SELECT * FROM alt UNION ALL SELECT * FROM wt
+        UNION ALL SELECT * FROM lk1 UNION ALL SELECT * FROM lk2
+    ) l
+),
+-- Each candidate as decided on: a locked row's latest version, else the lock-free read. charge is
+-- the rows actually charged: the other pick's when the call switched to it.
 cur AS MATERIALIZED (
-    SELECT k.now_us, p.charge, p.two, p.locking, p.prefill,
-           CASE WHEN la.shard IS NOT NULL THEN la.value WHEN p.locking AND p.charge IN (1, 3) THEN NULL ELSE a.value END AS va,
+    SELECT k.now_us, o.charge, p.two, p.locking, p.prefill,
+           CASE WHEN la.shard IS NOT NULL THEN la.value WHEN p.locking AND o.charge IN (1, 3) THEN NULL ELSE a.value END AS va,
            CASE WHEN la.shard IS NOT NULL THEN la.ts_us ELSE a.ts_us END AS ta,
-           CASE WHEN lb.shard IS NOT NULL THEN lb.value WHEN p.locking AND p.charge IN (2, 3) THEN NULL ELSE b.value END AS vb,
+           CASE WHEN lb.shard IS NOT NULL THEN lb.value WHEN p.locking AND o.charge IN (2, 3) THEN NULL ELSE b.value END AS vb,
            CASE WHEN lb.shard IS NOT NULL THEN lb.ts_us ELSE b.ts_us END AS tb,
-           p.locking AND ((p.charge IN (1, 3) AND a.value IS NOT NULL AND la.shard IS NULL)
-                          OR (p.charge IN (2, 3) AND b.value IS NOT NULL AND lb.shard IS NULL)) AS vanished
+           p.locking AND ((o.charge IN (1, 3) AND a.value IS NOT NULL AND la.shard IS NULL)
+                          OR (o.charge IN (2, 3) AND b.value IS NOT NULL AND lb.shard IS NULL)) AS vanished
     FROM clock k
     CROSS JOIN p0 p
+    CROSS JOIN (SELECT CASE WHEN s.switched THEN 3 - s.charge ELSE s.charge END AS charge FROM sw s) o
     CROSS JOIN pa a
     CROSS JOIN pb b
-    LEFT JOIN LATERAL (
-        SELECT l.shard, l.value, l.ts_us FROM lk1 l WHERE l.shard = sqlc.arg('shard_a')::integer
-        UNION ALL
-        SELECT l.shard, l.value, l.ts_us FROM lk2 l WHERE l.shard = sqlc.arg('shard_a')::integer
-    ) la ON true
-    LEFT JOIN LATERAL (
-        SELECT l.shard, l.value, l.ts_us FROM lk1 l WHERE l.shard = sqlc.arg('shard_b')::integer
-        UNION ALL
-        SELECT l.shard, l.value, l.ts_us FROM lk2 l WHERE l.shard = sqlc.arg('shard_b')::integer
-    ) lb ON true
+    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = sqlc.arg('shard_a')::integer) la ON true
+    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = sqlc.arg('shard_b')::integer) lb ON true
 ),
 -- Levels and next timestamps on those versions, and the decision with the chosen rows kept.
 ev AS MATERIALIZED (
