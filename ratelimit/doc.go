@@ -42,13 +42,14 @@
 // with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own.
 // InSerializableTx runs a function in a SERIALIZABLE transaction with bounded, jittered retries.
 //
-// A call that involves a single row (one unsharded limit) inserts it if it is missing; if a
-// concurrent caller created it first, the statement writes nothing and the Limiter runs it again at
-// once (a second round trip, only in that race). A call that involves two or more rows (a sharded
-// limit, LimitMany) and finds some missing takes no lock: it creates the missing rows full, stamped
-// so that they evaluate exactly as missing rows at any instant, in the global order, and runs again. So the first call on fresh rows of a
-// multi-row decision costs two statements, and every multi-row decision locks rows that all exist,
-// in one global order: concurrent calls never deadlock and no race leaves part of it written.
+// A decision that writes a single row inserts it if it is missing; if a concurrent caller created
+// it first, the statement writes nothing and the Limiter runs it again at once (a second round
+// trip, only in that race). A decision that would lock two or more rows (LimitMany, or a sharded
+// limit charging both picks) and finds some missing takes no lock: it creates the missing rows
+// full, stamped so that they evaluate exactly as missing rows at any instant, in the global order,
+// and runs again. So such a call on fresh rows costs two statements once, and every multi-row
+// decision locks rows that all exist, in one global order: concurrent calls never deadlock and no
+// race leaves part of it written.
 //
 // # Shards
 //
@@ -59,7 +60,9 @@
 // end equal, each at (va + vb - count)/2: granted when that is >= 0, a reservation when it is not.
 // Otherwise it charges the one with more tokens alone. A reservation's debt is bounded per charged
 // shard by MaxReserved/N. Result.Shards names the charged shards. Only the charged shards are
-// locked and written.
+// locked and written; when a single charged shard is held by another transaction, the call takes
+// its other pick instead if that one can serve alone (SKIP LOCKED), and waits only when both are
+// held.
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with
