@@ -32,8 +32,8 @@
 // Every decision is one SQL statement. It reads the candidate rows without locking; if that read
 // already shows the request cannot be granted, it answers from it and takes no lock (this can
 // under-grant against a concurrent Credit or Reset, never over-grant). Otherwise it locks the rows
-// in one global order (name, key, shard) with FOR UPDATE, which re-reads their latest committed
-// versions under READ COMMITTED and raises a serialization failure under REPEATABLE READ or
+// it would charge, in one global order (name, key, shard), with FOR UPDATE, which re-reads their
+// latest committed versions under READ COMMITTED and raises a serialization failure under REPEATABLE READ or
 // SERIALIZABLE if they changed, decides on them, and writes only if everything is granted. So a
 // decision is exact at every isolation level, and never over-grants: a database error is returned
 // as an error, never as a grant.
