@@ -25,6 +25,7 @@ type ConfigError struct {
 	Reason string
 }
 
+// Error names the limit, the field, what it must be and the value it had.
 func (e *ConfigError) Error() string {
 	return fmt.Sprintf("ratelimit: limit %q: Config.%s %s (got %v)", e.Limit, e.Field, e.Reason, e.Value)
 }
@@ -42,6 +43,7 @@ type ArgumentError struct {
 	Reason string
 }
 
+// Error names the call, the argument and what is wrong with it.
 func (e *ArgumentError) Error() string {
 	return fmt.Sprintf("ratelimit: %s: %s %s", e.Op, e.Arg, e.Reason)
 }
@@ -55,6 +57,7 @@ type UnknownLimitError struct {
 	Name string
 }
 
+// Error names the unknown limit and says how to make it known.
 func (e *UnknownLimitError) Error() string {
 	return fmt.Sprintf("ratelimit: unknown limit %q: register it in LimiterConfig.Limits or pass a Config with the call", e.Name)
 }
@@ -73,6 +76,7 @@ type LimitedError struct {
 	Denied []Result
 }
 
+// Error lists every denied (name, key) and the time to retry at.
 func (e *LimitedError) Error() string {
 	var b strings.Builder
 	b.WriteString("ratelimit: rate limited: ")
@@ -101,10 +105,12 @@ type RetriesExhaustedError struct {
 	Err error
 }
 
+// Error says how many attempts were made and what the last one failed with.
 func (e *RetriesExhaustedError) Error() string {
 	return fmt.Sprintf("ratelimit: serializable transaction gave up after %d attempts: %v", e.Attempts, e.Err)
 }
 
+// Unwrap returns the last cause, so errors.Is and errors.As see through the give-up.
 func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
 
 // IsRetryable reports whether err is a Postgres serialization failure (SQLSTATE 40001) or deadlock
