@@ -121,9 +121,8 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	trips0 := trips()
 
 	type tally struct {
-		decisions, allowed, errors, retries, abandoned int64
-		firstErr                                       error
-		h                                              histogram
+		counts
+		h histogram
 	}
 	tallies := make([]tally, len(keys))
 	start := time.Now()
@@ -138,22 +137,8 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 					return
 				}
 				d, err := c.Decide(stopCtx, cell.Limit.Name, keys[i])
-				if errors.Is(err, ErrStopped) {
-					t.abandoned++
-					continue
-				}
-				t.retries += int64(d.Retries)
-				if err != nil {
-					t.errors++
-					if t.firstErr == nil {
-						t.firstErr = err
-					}
-					continue
-				}
-				t.h.add(time.Since(t0))
-				t.decisions++
-				if d.Allowed {
-					t.allowed++
+				if t.record(d, err) {
+					t.h.add(time.Since(t0))
 				}
 			}
 		})
@@ -218,9 +203,8 @@ func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key s
 	ctx, cancel := context.WithTimeout(ctx, window+time.Minute)
 	defer cancel()
 	type tally struct {
-		decisions, allowed, errors, retries, abandoned int64
-		firstErr                                       error
-		first, last                                    time.Time
+		counts
+		first, last time.Time
 	}
 	tallies := make([]tally, callers)
 	var wg sync.WaitGroup
@@ -232,21 +216,8 @@ func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key s
 			t := &tallies[i]
 			for n := 0; n < 50_000_000 && ctx.Err() == nil && time.Now().Before(deadline); n++ {
 				d, err := c.Decide(ctx, limit.Name, key)
-				if errors.Is(err, ErrStopped) {
-					t.abandoned++
+				if !t.record(d, err) {
 					continue
-				}
-				t.retries += int64(d.Retries)
-				if err != nil {
-					t.errors++
-					if t.firstErr == nil {
-						t.firstErr = err
-					}
-					continue
-				}
-				t.decisions++
-				if d.Allowed {
-					t.allowed++
 				}
 				if t.first.IsZero() || d.At.Before(t.first) {
 					t.first = d.At
@@ -337,4 +308,32 @@ func (h *histogram) quantile(q float64) time.Duration {
 		}
 	}
 	return 0
+}
+
+// counts tallies one caller's decisions.
+type counts struct {
+	decisions, allowed, errors, retries, abandoned int64
+	firstErr                                       error
+}
+
+// record counts one call's outcome and reports whether it was a decision (granted or denied), as
+// opposed to an error or a call abandoned at the window's end.
+func (t *counts) record(d Decision, err error) bool {
+	if errors.Is(err, ErrStopped) {
+		t.abandoned++
+		return false
+	}
+	t.retries += int64(d.Retries)
+	if err != nil {
+		t.errors++
+		if t.firstErr == nil {
+			t.firstErr = err
+		}
+		return false
+	}
+	t.decisions++
+	if d.Allowed {
+		t.allowed++
+	}
+	return true
 }
