@@ -113,8 +113,33 @@ func (e *RetriesExhaustedError) Error() string {
 // Unwrap returns the last cause, so errors.Is and errors.As see through the give-up.
 func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
 
+// BusyError is returned by Limit and LimitN on a sharded limit inside a REPEATABLE READ or
+// SERIALIZABLE transaction when every candidate shard was being decided on by another transaction
+// at that moment. The call read and wrote nothing. It is a serialization failure: there the call
+// could only have waited for a shard that another transaction is about to commit, and then failed
+// with SQLSTATE 40001 anyway, so it fails at once instead. Roll the transaction back and run it
+// again after a backoff; InSerializableTx does. It unwraps to a *pgconn.PgError with Code "40001",
+// so IsRetryable and retry loops that look for that code treat it as one.
+type BusyError struct {
+	// Name and Key identify the limit.
+	Name, Key string
+	// Candidates is how many shards the call tried.
+	Candidates int
+}
+
+// Error names the limit and how many shards were tried.
+func (e *BusyError) Error() string {
+	return fmt.Sprintf("ratelimit: limit %q key %q: all %d candidate shards are being decided on by other transactions; retry the transaction (SQLSTATE 40001)",
+		e.Name, e.Key, e.Candidates)
+}
+
+// Unwrap returns the serialization failure this is: a *pgconn.PgError with Code "40001".
+func (e *BusyError) Unwrap() error {
+	return &pgconn.PgError{Severity: "ERROR", Code: "40001", Message: e.Error()}
+}
+
 // IsRetryable reports whether err is a Postgres serialization failure (SQLSTATE 40001) or deadlock
-// (40P01): the transaction can be retried from the start.
+// (40P01), a *BusyError among them: the transaction can be retried from the start.
 func IsRetryable(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"reflect"
 	"sort"
 	"time"
@@ -72,15 +71,6 @@ func New(config *LimiterConfig) (*Limiter, error) {
 		l.limits[name] = cfg
 	}
 	return l, nil
-}
-
-func pickTwo(n int) (int, int) {
-	a := rand.IntN(n)
-	b := rand.IntN(n - 1)
-	if b >= a {
-		b++
-	}
-	return a, b
 }
 
 // LimitOpts are the options of Limit, LimitN, Check and CheckN. A nil *LimitOpts is the zero value.
@@ -201,8 +191,10 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 		return Result{}, err
 	}
 	a, b := 0, -1
+	var cands []int32
 	if s.shards >= 2 {
 		a, b = l.pick(s.shards)
+		cands = shardCandidates(s.shards, a, b)
 	}
 	q := dbsqlc.New()
 	decide := func(now pgtype.Timestamptz) (dbsqlc.DecideRow, error) {
@@ -219,8 +211,9 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 		row, err := q.DecideSharded(ctx, db, dbsqlc.DecideShardedParams{
 			Now: now, Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
 			Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
-			ShardA: int32(a), ShardB: int32(b),
+			Cands: cands, LockBase: shardLockBase(name, key),
 		})
+		a, b = int(row.ShardA), int(row.ShardB)
 		return dbsqlc.DecideRow{
 			Status: row.Status, Charge: row.Charge, OkNow: row.OkNow, Reserved: row.Reserved,
 			LevelA: row.LevelA, LevelB: row.LevelB, EndA: row.EndA, EndB: row.EndB,
@@ -231,6 +224,9 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 		row, err := decide(l.clock())
 		if err != nil {
 			return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+		}
+		if row.Status == statusBusy {
+			return Result{}, &BusyError{Name: name, Key: key, Candidates: len(cands)}
 		}
 		if row.Status == statusRerun {
 			if attempt == maxReruns {
@@ -424,6 +420,7 @@ const (
 	statusDenied    = 1 // decided on locked rows: some request denied, nothing written
 	statusUnwritten = 2 // decided on a lock-free read: dry run, or a denial visible without locking
 	statusRerun     = 3 // a missing row appeared concurrently: nothing written, run again
+	statusBusy      = 4 // DecideSharded only: every candidate shard taken under a snapshot; nothing read or written
 )
 
 func allGranted(rows []dbsqlc.DecideRow) bool {

@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -853,4 +855,86 @@ func TestShardSkipsALockedPick(t *testing.T) {
 	defer cancel2()
 	_, err = e.lim.Limit(short, e.pool, "s", "k", nil)
 	require.Error(t, err, "with both picks held the call must wait")
+}
+
+// Concurrent callers of one key are steered to different shards: a shard that another open
+// transaction is deciding on (its advisory lock is held) is passed over before any row is read.
+// When every candidate is taken, a call under READ COMMITTED goes on and waits for its first pick;
+// under SERIALIZABLE it fails at once with a *BusyError, a serialization failure (40001), having
+// read and written nothing.
+func TestShardSteersClearOfBusyShards(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+	e.set(shardT0, [2]int{0, 1})
+
+	hold := func() (pgx.Tx, ratelimit.Result) { // a READ COMMITTED transaction left open after its call
+		t.Helper()
+		tx, err := e.pool.Begin(e.ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(e.ctx) })
+		r, err := e.lim.Limit(e.ctx, tx, "s", "k", nil)
+		require.NoError(t, err)
+		require.True(t, r.OK)
+		return tx, r
+	}
+	holder0, r := hold()
+	require.Equal(t, []int{0}, r.Shards, "both full: the first pick")
+	// Shard 0 is taken, so the next call's first pick becomes shard 1 (and its second, shard 0):
+	// both read as full (the holder has not committed), a tie goes to the first pick.
+	holder1, r := hold()
+	require.Equal(t, []int{1}, r.Shards, "the call should have passed over the taken shard")
+	require.Equal(t, 1+2.0, r.Value, "shard 1 after the charge + shard 0 as committed")
+
+	versions := func() [2]uint32 {
+		var v [2]uint32
+		for i := range v {
+			v[i], _ = testdb.RowVersion(t, e.pool, "s", "k", i)
+		}
+		return v
+	}
+	before := versions()
+
+	// Both taken. SERIALIZABLE: a serialization failure at once, nothing read or written.
+	tx, err := e.pool.BeginTx(e.ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	require.NoError(t, err)
+	_, err = e.lim.Limit(e.ctx, tx, "s", "k", nil)
+	var busy *ratelimit.BusyError
+	require.ErrorAs(t, err, &busy)
+	require.Equal(t, ratelimit.BusyError{Name: "s", Key: "k", Candidates: 2}, *busy)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "40001", pgErr.Code)
+	require.True(t, ratelimit.IsRetryable(err))
+	var one int
+	require.NoError(t, tx.QueryRow(e.ctx, "SELECT 1").Scan(&one), "the transaction is still usable")
+	require.NoError(t, tx.Rollback(e.ctx))
+
+	// A dry run takes no advisory lock and is answered as usual.
+	r, err = e.lim.Check(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+
+	// READ COMMITTED: the call goes on with its first pick and waits for its row...
+	short, cancel := context.WithTimeout(e.ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = e.lim.Limit(short, e.pool, "s", "k", nil)
+	require.Error(t, err, "with every shard taken the call must wait")
+	require.Equal(t, before, versions(), "nothing was written while the shards were taken")
+
+	// ...and is granted once the holders commit.
+	done := make(chan ratelimit.Result, 1)
+	go func() {
+		r, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+		assert.NoError(t, err)
+		done <- r
+	}()
+	time.Sleep(100 * time.Millisecond)
+	require.NoError(t, holder0.Commit(e.ctx))
+	require.NoError(t, holder1.Commit(e.ctx))
+	r = <-done
+	require.True(t, r.OK)
+	v, err := e.lim.Value(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 4-3.0, v.Value, "three tokens of four were taken")
 }

@@ -16,54 +16,69 @@ WITH clock AS MATERIALIZED (
     SELECT (extract(epoch FROM coalesce($1::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us,
            current_setting('transaction_isolation') IN ('serializable', 'repeatable read') AS snapshot_iso
 ),
-pa AS MATERIALIZED (
-    SELECT k.now_us, k.snapshot_iso, s.value, s.ts_us,
-           CASE WHEN s.value IS NULL THEN $2::double precision
-                ELSE txlimit_level($3::smallint, s.value, s.ts_us, k.now_us, $4::double precision,
-                                   $5::bigint, $2::double precision)
-           END AS lv
+pk AS MATERIALIZED (
+    SELECT k.now_us, k.snapshot_iso,
+           k.snapshot_iso AND NOT $2::boolean AND f.i IS NULL AS busy,
+           (($3::integer[])[coalesce(f.i, 1)])::integer AS sa,
+           (($3::integer[])[coalesce(f.i, 1) % cardinality($3::integer[]) + 1])::integer AS sb
     FROM clock k
+    LEFT JOIN LATERAL (
+        SELECT c.i
+        FROM unnest($3::integer[]) WITH ORDINALITY AS c(shard, i)
+        WHERE CASE WHEN $2::boolean THEN false
+                   ELSE pg_try_advisory_xact_lock($4::bigint # c.shard::bigint)
+              END
+        LIMIT 1
+    ) f ON true
+),
+pa AS MATERIALIZED (
+    SELECT k.now_us, k.snapshot_iso, k.busy, k.sa, k.sb, s.value, s.ts_us,
+           CASE WHEN s.value IS NULL THEN $5::double precision
+                ELSE txlimit_level($6::smallint, s.value, s.ts_us, k.now_us, $7::double precision,
+                                   $8::bigint, $5::double precision)
+           END AS lv
+    FROM pk k
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE st.name = $6::text AND st.key = $7::text AND st.shard = $8::integer
+        WHERE NOT k.busy AND st.name = $9::text AND st.key = $10::text AND st.shard = k.sa
         LIMIT 1
     ) s ON true
 ),
 pb AS MATERIALIZED (
     SELECT r.read, s.value, s.ts_us,
            CASE WHEN NOT r.read THEN 0
-                WHEN s.value IS NULL THEN $2::double precision
-                ELSE txlimit_level($3::smallint, s.value, s.ts_us, r.now_us, $4::double precision,
-                                   $5::bigint, $2::double precision)
+                WHEN s.value IS NULL THEN $5::double precision
+                ELSE txlimit_level($6::smallint, s.value, s.ts_us, r.now_us, $7::double precision,
+                                   $8::bigint, $5::double precision)
            END AS lv
-    FROM (SELECT a.now_us, NOT a.snapshot_iso OR a.lv < $9::double precision AS read FROM pa a) r
+    FROM (SELECT a.now_us, a.sb, NOT a.busy AND (NOT a.snapshot_iso OR a.lv < $11::double precision) AS read FROM pa a) r
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
         WHERE r.read
-          AND st.name = $6::text AND st.key = $7::text AND st.shard = $10::integer
+          AND st.name = $9::text AND st.key = $10::text AND st.shard = r.sb
         LIMIT 1
     ) s ON true
 ),
 p0 AS MATERIALIZED (
-    SELECT c.lv_a, c.lv_b, c.two, c.a_missing, c.b_missing, c.charge, c.low, c.granted,
-           NOT $11::boolean AND c.granted AND NOT (c.charge = 3 AND (c.a_missing OR c.b_missing)) AS locking,
-           NOT $11::boolean AND c.granted AND c.charge = 3 AND (c.a_missing OR c.b_missing) AS prefill
+    SELECT c.busy, c.sa, c.sb, c.lv_a, c.lv_b, c.two, c.a_missing, c.b_missing, c.charge, c.low, c.granted,
+           NOT $2::boolean AND NOT c.busy AND c.granted AND NOT (c.charge = 3 AND (c.a_missing OR c.b_missing)) AS locking,
+           NOT $2::boolean AND NOT c.busy AND c.granted AND c.charge = 3 AND (c.a_missing OR c.b_missing) AS prefill
     FROM (
-        SELECT x.lv_a, x.lv_b, x.two, x.a_missing, x.b_missing, x.charge, x.low,
+        SELECT x.busy, x.sa, x.sb, x.lv_a, x.lv_b, x.two, x.a_missing, x.b_missing, x.charge, x.low,
                x.low >= 0 OR ($12::boolean AND ($13::double precision < 0
                                                                 OR -x.low <= $13::double precision)) AS granted
         FROM (
-            SELECT y.lv_a, y.lv_b, y.two, y.a_missing, y.b_missing, y.charge,
-                   CASE WHEN y.charge = 3 THEN least(txlimit_left(0, 3, y.lv_a, y.lv_b, $9::double precision),
-                                                     txlimit_left(1, 3, y.lv_a, y.lv_b, $9::double precision))
-                        ELSE txlimit_left(y.charge - 1, y.charge, y.lv_a, y.lv_b, $9::double precision)
+            SELECT y.busy, y.sa, y.sb, y.lv_a, y.lv_b, y.two, y.a_missing, y.b_missing, y.charge,
+                   CASE WHEN y.charge = 3 THEN least(txlimit_left(0, 3, y.lv_a, y.lv_b, $11::double precision),
+                                                     txlimit_left(1, 3, y.lv_a, y.lv_b, $11::double precision))
+                        ELSE txlimit_left(y.charge - 1, y.charge, y.lv_a, y.lv_b, $11::double precision)
                    END AS low
             FROM (
-                SELECT a.lv AS lv_a, b.lv AS lv_b, b.read AS two,
+                SELECT a.busy, a.sa, a.sb, a.lv AS lv_a, b.lv AS lv_b, b.read AS two,
                        a.value IS NULL AS a_missing, b.read AND b.value IS NULL AS b_missing,
-                       txlimit_charge(a.lv, b.lv, b.read, $9::double precision, 0) AS charge
+                       txlimit_charge(a.lv, b.lv, b.read, $11::double precision, 0) AS charge
                 FROM pa a CROSS JOIN pb b
                 OFFSET 0
             ) y
@@ -73,13 +88,13 @@ p0 AS MATERIALIZED (
     ) c
 ),
 ord AS MATERIALIZED (
-    SELECT p.locking, p.charge,
+    SELECT p.locking, p.charge, p.sa, p.sb,
            p.charge IN (1, 2) AS single,
-           CASE WHEN p.charge = 2 THEN $10::integer ELSE $8::integer END AS pick,
-           CASE WHEN p.charge = 2 THEN $8::integer ELSE $10::integer END AS other,
+           CASE WHEN p.charge = 2 THEN p.sb ELSE p.sa END AS pick,
+           CASE WHEN p.charge = 2 THEN p.sa ELSE p.sb END AS other,
            CASE WHEN p.charge = 2 THEN NOT p.b_missing ELSE NOT p.a_missing END AS pick_exists,
            CASE WHEN p.charge = 2 THEN NOT p.a_missing ELSE NOT p.b_missing END AS other_exists,
-           p.two AND CASE WHEN p.charge = 2 THEN p.lv_a ELSE p.lv_b END >= $9::double precision AS other_fits
+           p.two AND CASE WHEN p.charge = 2 THEN p.lv_a ELSE p.lv_b END >= $11::double precision AS other_fits
     FROM p0 p
 ),
 try AS MATERIALIZED (
@@ -88,12 +103,12 @@ try AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND o.single AND o.pick_exists AND s.name = $6::text AND s.key = $7::text AND s.shard = o.pick
+        WHERE o.locking AND o.single AND o.pick_exists AND s.name = $9::text AND s.key = $10::text AND s.shard = o.pick
         FOR UPDATE SKIP LOCKED
     ) st
 ),
 skip AS MATERIALIZED (
-    SELECT o.locking, o.charge, o.single, o.pick, o.other, o.pick_exists, o.other_exists, o.other_fits, o.locking AND o.single AND o.pick_exists AND NOT EXISTS (SELECT 1 FROM try) AS skipped
+    SELECT o.locking, o.charge, o.sa, o.sb, o.single, o.pick, o.other, o.pick_exists, o.other_exists, o.other_fits, o.locking AND o.single AND o.pick_exists AND NOT EXISTS (SELECT 1 FROM try) AS skipped
     FROM ord o
 ),
 alt AS MATERIALIZED (
@@ -102,12 +117,12 @@ alt AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.skipped AND o.other_fits AND o.other_exists AND s.name = $6::text AND s.key = $7::text AND s.shard = o.other
+        WHERE o.skipped AND o.other_fits AND o.other_exists AND s.name = $9::text AND s.key = $10::text AND s.shard = o.other
         FOR UPDATE SKIP LOCKED
     ) st
 ),
 sw AS MATERIALIZED (
-    SELECT o.locking, o.charge, o.single, o.pick, o.other, o.pick_exists, o.other_exists, o.other_fits, o.skipped, o.skipped AND o.other_fits AND (NOT o.other_exists OR EXISTS (SELECT 1 FROM alt)) AS switched
+    SELECT o.locking, o.charge, o.sa, o.sb, o.single, o.pick, o.other, o.pick_exists, o.other_exists, o.other_fits, o.skipped, o.skipped AND o.other_fits AND (NOT o.other_exists OR EXISTS (SELECT 1 FROM alt)) AS switched
     FROM skip o
 ),
 wt AS MATERIALIZED (
@@ -116,7 +131,7 @@ wt AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.skipped AND NOT o.switched AND s.name = $6::text AND s.key = $7::text AND s.shard = o.pick
+        WHERE o.skipped AND NOT o.switched AND s.name = $9::text AND s.key = $10::text AND s.shard = o.pick
         FOR UPDATE
     ) st
 ),
@@ -126,7 +141,7 @@ lk1 AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND o.charge = 3 AND s.name = $6::text AND s.key = $7::text AND s.shard = least($8::integer, $10::integer)
+        WHERE o.locking AND o.charge = 3 AND s.name = $9::text AND s.key = $10::text AND s.shard = least(o.sa, o.sb)
         FOR UPDATE
     ) st
 ),
@@ -138,7 +153,7 @@ lk2 AS MATERIALIZED (
         FROM txlimit_state s
         WHERE o.locking AND o.charge = 3
           AND (SELECT count(*) FROM lk1) >= 0 -- after lk1: the global lock order
-          AND s.name = $6::text AND s.key = $7::text AND s.shard = greatest($8::integer, $10::integer)
+          AND s.name = $9::text AND s.key = $10::text AND s.shard = greatest(o.sa, o.sb)
         FOR UPDATE
     ) st
 ),
@@ -150,7 +165,7 @@ locked AS MATERIALIZED (
     ) l
 ),
 cur AS MATERIALIZED (
-    SELECT k.now_us, o.charge, p.two, p.locking, p.prefill,
+    SELECT k.now_us, p.busy, p.sa, p.sb, o.charge, p.two, p.locking, p.prefill,
            CASE WHEN la.shard IS NOT NULL THEN la.value WHEN p.locking AND o.charge IN (1, 3) THEN NULL ELSE a.value END AS va,
            CASE WHEN la.shard IS NOT NULL THEN la.ts_us ELSE a.ts_us END AS ta,
            CASE WHEN lb.shard IS NOT NULL THEN lb.value WHEN p.locking AND o.charge IN (2, 3) THEN NULL ELSE b.value END AS vb,
@@ -162,45 +177,45 @@ cur AS MATERIALIZED (
     CROSS JOIN (SELECT CASE WHEN s.switched THEN 3 - s.charge ELSE s.charge END AS charge FROM sw s) o
     CROSS JOIN pa a
     CROSS JOIN pb b
-    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = $8::integer) la ON true
-    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = $10::integer) lb ON true
+    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = p.sa) la ON true
+    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = p.sb) lb ON true
 ),
 ev AS MATERIALIZED (
-    SELECT c.now_us, c.charge, c.two, c.locking, c.prefill, c.va, c.ta, c.vb, c.tb, c.vanished,
-           CASE WHEN c.va IS NULL THEN $2::double precision
-                ELSE txlimit_level($3::smallint, c.va, c.ta, c.now_us, $4::double precision,
-                                   $5::bigint, $2::double precision)
+    SELECT c.now_us, c.busy, c.sa, c.sb, c.charge, c.two, c.locking, c.prefill, c.va, c.ta, c.vb, c.tb, c.vanished,
+           CASE WHEN c.va IS NULL THEN $5::double precision
+                ELSE txlimit_level($6::smallint, c.va, c.ta, c.now_us, $7::double precision,
+                                   $8::bigint, $5::double precision)
            END AS lv_a,
            CASE WHEN NOT c.two THEN 0
-                WHEN c.vb IS NULL THEN $2::double precision
-                ELSE txlimit_level($3::smallint, c.vb, c.tb, c.now_us, $4::double precision,
-                                   $5::bigint, $2::double precision)
+                WHEN c.vb IS NULL THEN $5::double precision
+                ELSE txlimit_level($6::smallint, c.vb, c.tb, c.now_us, $7::double precision,
+                                   $8::bigint, $5::double precision)
            END AS lv_b,
-           CASE WHEN c.va IS NOT NULL THEN txlimit_next_ts($3::smallint, c.ta, c.now_us, $5::bigint)
-                WHEN $3::smallint = 0 THEN c.now_us
-                ELSE c.now_us - ((c.now_us - $14::bigint) % $5::bigint
-                                 + $5::bigint) % $5::bigint
+           CASE WHEN c.va IS NOT NULL THEN txlimit_next_ts($6::smallint, c.ta, c.now_us, $8::bigint)
+                WHEN $6::smallint = 0 THEN c.now_us
+                ELSE c.now_us - ((c.now_us - $14::bigint) % $8::bigint
+                                 + $8::bigint) % $8::bigint
            END AS ts_a,
            CASE WHEN NOT c.two THEN 0
-                WHEN c.vb IS NOT NULL THEN txlimit_next_ts($3::smallint, c.tb, c.now_us, $5::bigint)
-                WHEN $3::smallint = 0 THEN c.now_us
-                ELSE c.now_us - ((c.now_us - $14::bigint) % $5::bigint
-                                 + $5::bigint) % $5::bigint
+                WHEN c.vb IS NOT NULL THEN txlimit_next_ts($6::smallint, c.tb, c.now_us, $8::bigint)
+                WHEN $6::smallint = 0 THEN c.now_us
+                ELSE c.now_us - ((c.now_us - $14::bigint) % $8::bigint
+                                 + $8::bigint) % $8::bigint
            END AS ts_b
     FROM cur c
 ),
 plan AS MATERIALIZED (
-    SELECT d.now_us, d.charge, d.two, d.locking, d.prefill, d.va, d.ta, d.vb, d.tb, d.vanished, d.lv_a, d.lv_b, d.ts_a, d.ts_b, d.charge2, d.end_a, d.end_b, d.low,
+    SELECT d.now_us, d.busy, d.sa, d.sb, d.charge, d.two, d.locking, d.prefill, d.va, d.ta, d.vb, d.tb, d.vanished, d.lv_a, d.lv_b, d.ts_a, d.ts_b, d.charge2, d.end_a, d.end_b, d.low,
            d.low >= 0 AS ok_now,
            d.low < 0 AND $12::boolean
                AND ($13::double precision < 0 OR -d.low <= $13::double precision) AS reserved
     FROM (
-        SELECT f.now_us, f.charge, f.two, f.locking, f.prefill, f.va, f.ta, f.vb, f.tb, f.vanished, f.lv_a, f.lv_b, f.ts_a, f.ts_b, f.charge2, f.end_a, f.end_b, CASE f.charge2 WHEN 1 THEN f.end_a WHEN 2 THEN f.end_b ELSE least(f.end_a, f.end_b) END AS low
+        SELECT f.now_us, f.busy, f.sa, f.sb, f.charge, f.two, f.locking, f.prefill, f.va, f.ta, f.vb, f.tb, f.vanished, f.lv_a, f.lv_b, f.ts_a, f.ts_b, f.charge2, f.end_a, f.end_b, CASE f.charge2 WHEN 1 THEN f.end_a WHEN 2 THEN f.end_b ELSE least(f.end_a, f.end_b) END AS low
         FROM (
-            SELECT e.now_us, e.charge, e.two, e.locking, e.prefill, e.va, e.ta, e.vb, e.tb, e.vanished, e.lv_a, e.lv_b, e.ts_a, e.ts_b, e.charge2, txlimit_left(0, e.charge2, e.lv_a, e.lv_b, $9::double precision) AS end_a,
-                   txlimit_left(1, e.charge2, e.lv_a, e.lv_b, $9::double precision) AS end_b
+            SELECT e.now_us, e.busy, e.sa, e.sb, e.charge, e.two, e.locking, e.prefill, e.va, e.ta, e.vb, e.tb, e.vanished, e.lv_a, e.lv_b, e.ts_a, e.ts_b, e.charge2, txlimit_left(0, e.charge2, e.lv_a, e.lv_b, $11::double precision) AS end_a,
+                   txlimit_left(1, e.charge2, e.lv_a, e.lv_b, $11::double precision) AS end_b
             FROM (
-                SELECT v.now_us, v.charge, v.two, v.locking, v.prefill, v.va, v.ta, v.vb, v.tb, v.vanished, v.lv_a, v.lv_b, v.ts_a, v.ts_b, txlimit_charge(v.lv_a, v.lv_b, v.two, $9::double precision, v.charge) AS charge2
+                SELECT v.now_us, v.busy, v.sa, v.sb, v.charge, v.two, v.locking, v.prefill, v.va, v.ta, v.vb, v.tb, v.vanished, v.lv_a, v.lv_b, v.ts_a, v.ts_b, txlimit_charge(v.lv_a, v.lv_b, v.two, $11::double precision, v.charge) AS charge2
                 FROM ev v
                 OFFSET 0
             ) e
@@ -210,31 +225,27 @@ plan AS MATERIALIZED (
     ) d
 ),
 w AS MATERIALIZED (
-    SELECT p.now_us, p.charge, p.two, p.locking, p.prefill, p.va, p.ta, p.vb, p.tb, p.vanished, p.lv_a, p.lv_b, p.ts_a, p.ts_b, p.charge2, p.end_a, p.end_b, p.low, p.ok_now, p.reserved,
+    SELECT p.now_us, p.busy, p.sa, p.sb, p.charge, p.two, p.locking, p.prefill, p.va, p.ta, p.vb, p.tb, p.vanished, p.lv_a, p.lv_b, p.ts_a, p.ts_b, p.charge2, p.end_a, p.end_b, p.low, p.ok_now, p.reserved,
            p.locking AND (p.ok_now OR p.reserved) AND NOT (p.charge = 3 AND p.vanished) AS write,
            p.charge2 IN (1, 3) AS write_a, p.charge2 IN (2, 3) AS write_b
     FROM plan p
 ),
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $6::text, $7::text, m.shard, $2::double precision,
-           'epoch'::timestamptz + (CASE WHEN $3::smallint = 0 THEN 0 ELSE $14::bigint END)
+    SELECT $9::text, $10::text, m.shard, $5::double precision,
+           'epoch'::timestamptz + (CASE WHEN $6::smallint = 0 THEN 0 ELSE $14::bigint END)
                                   * interval '1 microsecond'
     FROM p0 p
-    CROSS JOIN LATERAL (
-        SELECT $8::integer AS shard WHERE p.a_missing
-        UNION ALL
-        SELECT $10::integer WHERE p.b_missing
-    ) m
-    WHERE p.prefill
+    CROSS JOIN LATERAL (VALUES (p.sa, p.a_missing), (p.sb, p.b_missing)) AS m(shard, missing)
+    WHERE p.prefill AND m.missing
     ORDER BY m.shard
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
 ins AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $6::text, $7::text,
-           CASE WHEN w.write_a THEN $8::integer ELSE $10::integer END,
+    SELECT $9::text, $10::text,
+           CASE WHEN w.write_a THEN w.sa ELSE w.sb END,
            CASE WHEN w.write_a THEN w.end_a ELSE w.end_b END,
            'epoch'::timestamptz + (CASE WHEN w.write_a THEN w.ts_a ELSE w.ts_b END) * interval '1 microsecond'
     FROM w
@@ -247,7 +258,8 @@ upd_a AS (
     SET value = w.end_a, ts = 'epoch'::timestamptz + w.ts_a * interval '1 microsecond'
     FROM w
     WHERE w.write AND w.write_a AND w.va IS NOT NULL
-      AND s.name = $6::text AND s.key = $7::text AND s.shard = $8::integer
+      AND s.name = $9::text AND s.key = $10::text
+      AND s.shard = (SELECT x.sa FROM w x WHERE x.write AND x.write_a AND x.va IS NOT NULL)
     RETURNING 1
 ),
 upd_b AS (
@@ -255,16 +267,20 @@ upd_b AS (
     SET value = w.end_b, ts = 'epoch'::timestamptz + w.ts_b * interval '1 microsecond'
     FROM w
     WHERE w.write AND w.write_b AND w.vb IS NOT NULL
-      AND s.name = $6::text AND s.key = $7::text AND s.shard = $10::integer
+      AND s.name = $9::text AND s.key = $10::text
+      AND s.shard = (SELECT x.sb FROM w x WHERE x.write AND x.write_b AND x.vb IS NOT NULL)
     RETURNING 1
 )
-SELECT CASE WHEN w.prefill OR (w.locking AND w.charge = 3 AND w.vanished) THEN 3
+SELECT CASE WHEN w.busy THEN 4
+            WHEN w.prefill OR (w.locking AND w.charge = 3 AND w.vanished) THEN 3
             WHEN NOT w.locking THEN 2
             WHEN NOT (w.ok_now OR w.reserved) THEN 1
             WHEN (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd_a) + (SELECT count(*) FROM upd_b) = 0 THEN 3
             ELSE 0
        END::integer AS status,
        w.charge2::integer AS charge,
+       w.sa::integer AS shard_a,
+       w.sb::integer AS shard_b,
        w.ok_now::boolean AS ok_now,
        w.reserved::boolean AS reserved,
        w.lv_a::double precision AS level_a,
@@ -279,16 +295,16 @@ FROM w
 
 type DecideShardedParams struct {
 	Now         pgtype.Timestamptz
+	Dry         bool
+	Cands       []int32
+	LockBase    int64
 	Cap         float64
 	Kind        int16
 	Rate        float64
 	PeriodUs    int64
 	Name        string
 	Key         string
-	ShardA      int32
 	Count       float64
-	ShardB      int32
-	Dry         bool
 	Reserve     bool
 	MaxReserved float64
 	AnchorUs    int64
@@ -297,6 +313,8 @@ type DecideShardedParams struct {
 type DecideShardedRow struct {
 	Status   int32
 	Charge   int32
+	ShardA   int32
+	ShardB   int32
 	OkNow    bool
 	Reserved bool
 	LevelA   float64
@@ -308,9 +326,9 @@ type DecideShardedRow struct {
 	NowUs    int64
 }
 
-// DecideSharded is Decide for one request on a sharded limit, with its two candidate shards
-// (shard_a, shard_b). It follows Decide's steps as a pipeline of one-row steps, with the two
-// candidates side by side (a fraction of the work of Decide's row-per-candidate plan): a lock-free
+// DecideSharded is Decide for one request on a sharded limit. It chooses its two candidate shards
+// from cands (see pk below) and returns them as shard_a and shard_b. It follows Decide's steps as a
+// pipeline of one-row steps, with the two candidates side by side (a fraction of the work of Decide's row-per-candidate plan): a lock-free
 // read and a plan on it; a denial there is answered without a lock or a write; otherwise only the
 // rows to be charged are locked (see ord below), the plan is re-decided on their latest
 // versions, and they are updated, or inserted ON CONFLICT DO NOTHING when a single charged row is
@@ -320,7 +338,20 @@ type DecideShardedRow struct {
 // the planner keeps them apart: flattened, every use of a computed column would re-expand the
 // inlined txlimit_* expressions that define it, and the one-row arithmetic would cost more than
 // the rest of the statement. Statuses are Decide's: 0 granted and written,
-// 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run needed.
+// 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run needed;
+// and 4, busy (see pk): nothing read or written.
+// The two picks. cands lists candidate shards in random order (the caller's two picks first). The
+// first pick, a, is the first candidate that no other transaction is deciding on: one whose
+// transaction-scoped advisory lock (lock_base # shard) this transaction can take without waiting.
+// The lock is a hint, never waited on and never needed for correctness (the row locks below are):
+// it steers concurrent callers of a hot key to different shards before they read any row, which
+// under REPEATABLE READ and SERIALIZABLE is the difference between proceeding and failing, since
+// waiting there for a row that another transaction then commits is a serialization failure. When
+// every candidate is taken, a is the first candidate: under READ COMMITTED the call goes on (and
+// may wait for its row); under REPEATABLE READ or SERIALIZABLE it is busy: it reads and writes
+// nothing, and the Limiter reports a serialization failure at once, since waiting there would
+// almost surely end in one anyway. The second pick, b, is the candidate after a. A dry run takes
+// no lock: a and b are the first two.
 // The first pick, and the tokens it holds on the lock-free read.
 // The second pick. Under REPEATABLE READ or SERIALIZABLE a row that is read but not charged makes
 // this transaction a reader of whoever charges it, and with many callers such read/write
@@ -340,22 +371,25 @@ type DecideShardedRow struct {
 // What to write: only when locking, granted, and no charged row vanished meanwhile.
 // Full rows that evaluate exactly as missing ones (see Decide), in shard order.
 // A single charged row that is missing is inserted with its new value.
-// Each charged shard is updated through its whole primary key: a unique index probe. (A scan over
-// several shards, e.g. shard = ANY(...), becomes a bitmap heap scan, whose SERIALIZABLE predicate
-// lock covers the whole heap page, and so every shard of the key.)
+// Each charged shard is updated through its whole primary key: a unique index probe, with the shard
+// given by a scalar subquery so that it is part of the index condition. (Joined on w.sa instead,
+// the plan scans every shard of the key and filters; and a scan over several shards, e.g.
+// shard = ANY(...), becomes a bitmap heap scan. Either way a SERIALIZABLE transaction then reads
+// more than two tuples of a heap page, its predicate locks are promoted to the whole page, and so
+// every shard of the key.)
 func (q *Queries) DecideSharded(ctx context.Context, db DBTX, arg DecideShardedParams) (DecideShardedRow, error) {
 	row := db.QueryRow(ctx, decideSharded,
 		arg.Now,
+		arg.Dry,
+		arg.Cands,
+		arg.LockBase,
 		arg.Cap,
 		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
 		arg.Name,
 		arg.Key,
-		arg.ShardA,
 		arg.Count,
-		arg.ShardB,
-		arg.Dry,
 		arg.Reserve,
 		arg.MaxReserved,
 		arg.AnchorUs,
@@ -364,6 +398,8 @@ func (q *Queries) DecideSharded(ctx context.Context, db DBTX, arg DecideShardedP
 	err := row.Scan(
 		&i.Status,
 		&i.Charge,
+		&i.ShardA,
+		&i.ShardB,
 		&i.OkNow,
 		&i.Reserved,
 		&i.LevelA,

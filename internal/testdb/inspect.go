@@ -102,10 +102,23 @@ func Analyze(tb testing.TB, db interface {
 // transaction tx holds on txlimit_state. A sequential scan takes one; primary-key lookups do not.
 func RelationPredicateLocks(tb testing.TB, tx pgx.Tx) int {
 	tb.Helper()
+	return predicateLocks(tb, tx, "relation")
+}
+
+// HeapPagePredicateLocks counts the page-level SIRead locks tx holds on txlimit_state's heap (not
+// its index). Postgres promotes a transaction's tuple locks to one on the whole page when it has
+// read more than max_pred_locks_per_page (2) tuples of it, and a page holds every shard of a key.
+func HeapPagePredicateLocks(tb testing.TB, tx pgx.Tx) int {
+	tb.Helper()
+	return predicateLocks(tb, tx, "page")
+}
+
+func predicateLocks(tb testing.TB, tx pgx.Tx, locktype string) int {
+	tb.Helper()
 	var n int
 	err := tx.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks
-		WHERE pid = pg_backend_pid() AND mode = 'SIReadLock' AND locktype = 'relation'
-		  AND relation = 'txlimit_state'::regclass`).Scan(&n)
+		WHERE pid = pg_backend_pid() AND mode = 'SIReadLock' AND locktype = $1
+		  AND relation = 'txlimit_state'::regclass`, locktype).Scan(&n)
 	if err != nil {
 		tb.Fatalf("testdb: read predicate locks: %v", err)
 	}

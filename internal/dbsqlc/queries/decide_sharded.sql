@@ -1,7 +1,7 @@
 -- name: DecideSharded :one
--- DecideSharded is Decide for one request on a sharded limit, with its two candidate shards
--- (shard_a, shard_b). It follows Decide's steps as a pipeline of one-row steps, with the two
--- candidates side by side (a fraction of the work of Decide's row-per-candidate plan): a lock-free
+-- DecideSharded is Decide for one request on a sharded limit. It chooses its two candidate shards
+-- from cands (see pk below) and returns them as shard_a and shard_b. It follows Decide's steps as a
+-- pipeline of one-row steps, with the two candidates side by side (a fraction of the work of Decide's row-per-candidate plan): a lock-free
 -- read and a plan on it; a denial there is answered without a lock or a write; otherwise only the
 -- rows to be charged are locked (see ord below), the plan is re-decided on their latest
 -- versions, and they are updated, or inserted ON CONFLICT DO NOTHING when a single charged row is
@@ -11,23 +11,51 @@
 -- the planner keeps them apart: flattened, every use of a computed column would re-expand the
 -- inlined txlimit_* expressions that define it, and the one-row arithmetic would cost more than
 -- the rest of the statement. Statuses are Decide's: 0 granted and written,
--- 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run needed.
+-- 1 denied after the lock, 2 decided without a lock (dry run or fast denial), 3 re-run needed;
+-- and 4, busy (see pk): nothing read or written.
 WITH clock AS MATERIALIZED (
     SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us,
            current_setting('transaction_isolation') IN ('serializable', 'repeatable read') AS snapshot_iso
 ),
+-- The two picks. cands lists candidate shards in random order (the caller's two picks first). The
+-- first pick, a, is the first candidate that no other transaction is deciding on: one whose
+-- transaction-scoped advisory lock (lock_base # shard) this transaction can take without waiting.
+-- The lock is a hint, never waited on and never needed for correctness (the row locks below are):
+-- it steers concurrent callers of a hot key to different shards before they read any row, which
+-- under REPEATABLE READ and SERIALIZABLE is the difference between proceeding and failing, since
+-- waiting there for a row that another transaction then commits is a serialization failure. When
+-- every candidate is taken, a is the first candidate: under READ COMMITTED the call goes on (and
+-- may wait for its row); under REPEATABLE READ or SERIALIZABLE it is busy: it reads and writes
+-- nothing, and the Limiter reports a serialization failure at once, since waiting there would
+-- almost surely end in one anyway. The second pick, b, is the candidate after a. A dry run takes
+-- no lock: a and b are the first two.
+pk AS MATERIALIZED (
+    SELECT k.now_us, k.snapshot_iso,
+           k.snapshot_iso AND NOT sqlc.arg('dry')::boolean AND f.i IS NULL AS busy,
+           ((sqlc.arg('cands')::integer[])[coalesce(f.i, 1)])::integer AS sa,
+           ((sqlc.arg('cands')::integer[])[coalesce(f.i, 1) % cardinality(sqlc.arg('cands')::integer[]) + 1])::integer AS sb
+    FROM clock k
+    LEFT JOIN LATERAL (
+        SELECT c.i
+        FROM unnest(sqlc.arg('cands')::integer[]) WITH ORDINALITY AS c(shard, i)
+        WHERE CASE WHEN sqlc.arg('dry')::boolean THEN false
+                   ELSE pg_try_advisory_xact_lock(sqlc.arg('lock_base')::bigint # c.shard::bigint)
+              END
+        LIMIT 1
+    ) f ON true
+),
 -- The first pick, and the tokens it holds on the lock-free read.
 pa AS MATERIALIZED (
-    SELECT k.now_us, k.snapshot_iso, s.value, s.ts_us,
+    SELECT k.now_us, k.snapshot_iso, k.busy, k.sa, k.sb, s.value, s.ts_us,
            CASE WHEN s.value IS NULL THEN sqlc.arg('cap')::double precision
                 ELSE txlimit_level(sqlc.arg('kind')::smallint, s.value, s.ts_us, k.now_us, sqlc.arg('rate')::double precision,
                                    sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision)
            END AS lv
-    FROM clock k
+    FROM pk k
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = sqlc.arg('shard_a')::integer
+        WHERE NOT k.busy AND st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = k.sa
         LIMIT 1
     ) s ON true
 ),
@@ -43,20 +71,20 @@ pb AS MATERIALIZED (
                 ELSE txlimit_level(sqlc.arg('kind')::smallint, s.value, s.ts_us, r.now_us, sqlc.arg('rate')::double precision,
                                    sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision)
            END AS lv
-    FROM (SELECT a.now_us, NOT a.snapshot_iso OR a.lv < sqlc.arg('count')::double precision AS read FROM pa a) r
+    FROM (SELECT a.now_us, a.sb, NOT a.busy AND (NOT a.snapshot_iso OR a.lv < sqlc.arg('count')::double precision) AS read FROM pa a) r
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
         WHERE r.read
-          AND st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = sqlc.arg('shard_b')::integer
+          AND st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = r.sb
         LIMIT 1
     ) s ON true
 ),
 -- The plan on the lock-free read: which rows to charge, whether it is granted, what to lock.
 p0 AS MATERIALIZED (
     SELECT c.*,
-           NOT sqlc.arg('dry')::boolean AND c.granted AND NOT (c.charge = 3 AND (c.a_missing OR c.b_missing)) AS locking,
-           NOT sqlc.arg('dry')::boolean AND c.granted AND c.charge = 3 AND (c.a_missing OR c.b_missing) AS prefill
+           NOT sqlc.arg('dry')::boolean AND NOT c.busy AND c.granted AND NOT (c.charge = 3 AND (c.a_missing OR c.b_missing)) AS locking,
+           NOT sqlc.arg('dry')::boolean AND NOT c.busy AND c.granted AND c.charge = 3 AND (c.a_missing OR c.b_missing) AS prefill
     FROM (
         SELECT x.*,
                x.low >= 0 OR (sqlc.arg('reserve')::boolean AND (sqlc.arg('max_reserved')::double precision < 0
@@ -68,7 +96,7 @@ p0 AS MATERIALIZED (
                         ELSE txlimit_left(y.charge - 1, y.charge, y.lv_a, y.lv_b, sqlc.arg('count')::double precision)
                    END AS low
             FROM (
-                SELECT a.lv AS lv_a, b.lv AS lv_b, b.read AS two,
+                SELECT a.busy, a.sa, a.sb, a.lv AS lv_a, b.lv AS lv_b, b.read AS two,
                        a.value IS NULL AS a_missing, b.read AND b.value IS NULL AS b_missing,
                        txlimit_charge(a.lv, b.lv, b.read, sqlc.arg('count')::double precision, 0) AS charge
                 FROM pa a CROSS JOIN pb b
@@ -86,10 +114,10 @@ p0 AS MATERIALIZED (
 -- its commit (and under SERIALIZABLE then fails on it); switching keeps callers on different rows.
 -- No caller waits while it holds a lock, so this adds no deadlock.
 ord AS MATERIALIZED (
-    SELECT p.locking, p.charge,
+    SELECT p.locking, p.charge, p.sa, p.sb,
            p.charge IN (1, 2) AS single,
-           CASE WHEN p.charge = 2 THEN sqlc.arg('shard_b')::integer ELSE sqlc.arg('shard_a')::integer END AS pick,
-           CASE WHEN p.charge = 2 THEN sqlc.arg('shard_a')::integer ELSE sqlc.arg('shard_b')::integer END AS other,
+           CASE WHEN p.charge = 2 THEN p.sb ELSE p.sa END AS pick,
+           CASE WHEN p.charge = 2 THEN p.sa ELSE p.sb END AS other,
            CASE WHEN p.charge = 2 THEN NOT p.b_missing ELSE NOT p.a_missing END AS pick_exists,
            CASE WHEN p.charge = 2 THEN NOT p.a_missing ELSE NOT p.b_missing END AS other_exists,
            p.two AND CASE WHEN p.charge = 2 THEN p.lv_a ELSE p.lv_b END >= sqlc.arg('count')::double precision AS other_fits
@@ -139,7 +167,7 @@ lk1 AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND o.charge = 3 AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = least(sqlc.arg('shard_a')::integer, sqlc.arg('shard_b')::integer)
+        WHERE o.locking AND o.charge = 3 AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = least(o.sa, o.sb)
         FOR UPDATE
     ) st
 ),
@@ -151,7 +179,7 @@ lk2 AS MATERIALIZED (
         FROM txlimit_state s
         WHERE o.locking AND o.charge = 3
           AND (SELECT count(*) FROM lk1) >= 0 -- after lk1: the global lock order
-          AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = greatest(sqlc.arg('shard_a')::integer, sqlc.arg('shard_b')::integer)
+          AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = greatest(o.sa, o.sb)
         FOR UPDATE
     ) st
 ),
@@ -165,7 +193,7 @@ locked AS MATERIALIZED (
 -- Each candidate as decided on: a locked row's latest version, else the lock-free read. charge is
 -- the rows actually charged: the other pick's when the call switched to it.
 cur AS MATERIALIZED (
-    SELECT k.now_us, o.charge, p.two, p.locking, p.prefill,
+    SELECT k.now_us, p.busy, p.sa, p.sb, o.charge, p.two, p.locking, p.prefill,
            CASE WHEN la.shard IS NOT NULL THEN la.value WHEN p.locking AND o.charge IN (1, 3) THEN NULL ELSE a.value END AS va,
            CASE WHEN la.shard IS NOT NULL THEN la.ts_us ELSE a.ts_us END AS ta,
            CASE WHEN lb.shard IS NOT NULL THEN lb.value WHEN p.locking AND o.charge IN (2, 3) THEN NULL ELSE b.value END AS vb,
@@ -177,8 +205,8 @@ cur AS MATERIALIZED (
     CROSS JOIN (SELECT CASE WHEN s.switched THEN 3 - s.charge ELSE s.charge END AS charge FROM sw s) o
     CROSS JOIN pa a
     CROSS JOIN pb b
-    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = sqlc.arg('shard_a')::integer) la ON true
-    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = sqlc.arg('shard_b')::integer) lb ON true
+    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = p.sa) la ON true
+    LEFT JOIN LATERAL (SELECT l.shard, l.value, l.ts_us FROM locked l WHERE l.shard = p.sb) lb ON true
 ),
 -- Levels and next timestamps on those versions, and the decision with the chosen rows kept.
 ev AS MATERIALIZED (
@@ -239,12 +267,8 @@ fill AS (
            'epoch'::timestamptz + (CASE WHEN sqlc.arg('kind')::smallint = 0 THEN 0 ELSE sqlc.arg('anchor_us')::bigint END)
                                   * interval '1 microsecond'
     FROM p0 p
-    CROSS JOIN LATERAL (
-        SELECT sqlc.arg('shard_a')::integer AS shard WHERE p.a_missing
-        UNION ALL
-        SELECT sqlc.arg('shard_b')::integer WHERE p.b_missing
-    ) m
-    WHERE p.prefill
+    CROSS JOIN LATERAL (VALUES (p.sa, p.a_missing), (p.sb, p.b_missing)) AS m(shard, missing)
+    WHERE p.prefill AND m.missing
     ORDER BY m.shard
     ON CONFLICT DO NOTHING
     RETURNING 1
@@ -253,7 +277,7 @@ fill AS (
 ins AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
     SELECT sqlc.arg('name')::text, sqlc.arg('key')::text,
-           CASE WHEN w.write_a THEN sqlc.arg('shard_a')::integer ELSE sqlc.arg('shard_b')::integer END,
+           CASE WHEN w.write_a THEN w.sa ELSE w.sb END,
            CASE WHEN w.write_a THEN w.end_a ELSE w.end_b END,
            'epoch'::timestamptz + (CASE WHEN w.write_a THEN w.ts_a ELSE w.ts_b END) * interval '1 microsecond'
     FROM w
@@ -261,15 +285,19 @@ ins AS (
     ON CONFLICT DO NOTHING
     RETURNING 1
 ),
--- Each charged shard is updated through its whole primary key: a unique index probe. (A scan over
--- several shards, e.g. shard = ANY(...), becomes a bitmap heap scan, whose SERIALIZABLE predicate
--- lock covers the whole heap page, and so every shard of the key.)
+-- Each charged shard is updated through its whole primary key: a unique index probe, with the shard
+-- given by a scalar subquery so that it is part of the index condition. (Joined on w.sa instead,
+-- the plan scans every shard of the key and filters; and a scan over several shards, e.g.
+-- shard = ANY(...), becomes a bitmap heap scan. Either way a SERIALIZABLE transaction then reads
+-- more than two tuples of a heap page, its predicate locks are promoted to the whole page, and so
+-- every shard of the key.)
 upd_a AS (
     UPDATE txlimit_state s
     SET value = w.end_a, ts = 'epoch'::timestamptz + w.ts_a * interval '1 microsecond'
     FROM w
     WHERE w.write AND w.write_a AND w.va IS NOT NULL
-      AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = sqlc.arg('shard_a')::integer
+      AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text
+      AND s.shard = (SELECT x.sa FROM w x WHERE x.write AND x.write_a AND x.va IS NOT NULL)
     RETURNING 1
 ),
 upd_b AS (
@@ -277,16 +305,20 @@ upd_b AS (
     SET value = w.end_b, ts = 'epoch'::timestamptz + w.ts_b * interval '1 microsecond'
     FROM w
     WHERE w.write AND w.write_b AND w.vb IS NOT NULL
-      AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = sqlc.arg('shard_b')::integer
+      AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text
+      AND s.shard = (SELECT x.sb FROM w x WHERE x.write AND x.write_b AND x.vb IS NOT NULL)
     RETURNING 1
 )
-SELECT CASE WHEN w.prefill OR (w.locking AND w.charge = 3 AND w.vanished) THEN 3
+SELECT CASE WHEN w.busy THEN 4
+            WHEN w.prefill OR (w.locking AND w.charge = 3 AND w.vanished) THEN 3
             WHEN NOT w.locking THEN 2
             WHEN NOT (w.ok_now OR w.reserved) THEN 1
             WHEN (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd_a) + (SELECT count(*) FROM upd_b) = 0 THEN 3
             ELSE 0
        END::integer AS status,
        w.charge2::integer AS charge,
+       w.sa::integer AS shard_a,
+       w.sb::integer AS shard_b,
        w.ok_now::boolean AS ok_now,
        w.reserved::boolean AS reserved,
        w.lv_a::double precision AS level_a,
