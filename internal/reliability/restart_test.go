@@ -285,11 +285,10 @@ func (r *restartRun) ack(name, key string, tokens float64, granted bool, err err
 // restartWindow is one stop of the server: it was fully down from down to up (when the start
 // was issued), and accepted connections again at ready.
 type restartWindow struct {
-	mode             string
-	down, up, ready  time.Time
-	firstSuccess     time.Time
-	calls, errs, oks int
-	allowed          int
+	mode                 string
+	down, up, ready      time.Time
+	firstSuccess         time.Time
+	calls, errs, allowed int
 }
 
 // TestRestart stops its own Postgres server twice under load (pg_ctl stop -m fast, then -m

@@ -316,6 +316,11 @@ func TestSoak(t *testing.T) {
 		t.Logf("wall time %s (seed %d: %s=%d replays the choices)", time.Since(start).Round(time.Millisecond), seed, soakEnvSeedName, seed)
 	}()
 
+	if deadline, ok := t.Deadline(); ok && time.Until(deadline) < duration+2*time.Minute {
+		t.Fatalf("%s=%s does not fit in what is left of the test binary's -timeout (%s): run go test with -timeout %s",
+			soakEnvDurationName, duration, time.Until(deadline).Round(time.Second), (duration + 5*time.Minute).Round(time.Minute))
+	}
+
 	ctx := context.Background()
 	s.setup(t, workers)
 	s.drain(t)
