@@ -46,7 +46,7 @@ const (
 // fast the machine or the race detector is.
 const (
 	soakStep       = 10 * time.Millisecond
-	soakOpsPerStep = 96
+	soakOpsPerStep = 128
 )
 
 // soakT0 is where virtual time starts.
@@ -124,20 +124,21 @@ func (l *soakLimit) check(t *testing.T) {
 }
 
 // soakLimits are the limits of the soak: plain and sharded (4 and 16 shards), token buckets and
-// fixed windows. The weights make the demand on each key (tokens per step, with soakOpsPerStep
-// operations per step) exceed its refill by about half, so that the mix has grants and denials.
+// fixed windows. Rates and weights are set so that the demand on each key (tokens per step, with
+// soakOpsPerStep operations per step) exceeds its refill, so that every limit sees grants and
+// denials.
 func soakLimits() []*soakLimit {
 	capOf := func(shards int) float64 { return soakCapShard * float64(shards) }
 	return []*soakLimit{
-		{name: "soak_plain", cfg: ratelimit.Config{Rate: 24, Period: soakStep, Capacity: capOf(1), MaxReserved: 40},
+		{name: "soak_plain", cfg: ratelimit.Config{Rate: 32, Period: soakStep, Capacity: capOf(1), MaxReserved: 40},
 			keys: []string{"a", "b", "c"}, weights: []int{2, 2, 2}, level: 20, maxCount: 6, reserve: true},
-		{name: "soak_window", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 192, Period: 8 * soakStep, Capacity: capOf(1), MaxReserved: 40, Start: soakT0},
+		{name: "soak_window", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 256, Period: 8 * soakStep, Capacity: capOf(1), MaxReserved: 40, Start: soakT0},
 			keys: []string{"a", "b"}, weights: []int{2, 2}, level: 20, maxCount: 6, reserve: true},
 		{name: "soak_shard4", cfg: ratelimit.Config{Rate: 4, Period: soakStep, Capacity: capOf(4), Shards: 4},
 			keys: []string{"hot", "b"}, weights: []int{2, 1}, level: 2, maxCount: 2},
 		{name: "soak_shard16", cfg: ratelimit.Config{Rate: 16, Period: soakStep, Capacity: capOf(16), Shards: 16},
-			keys: []string{"hot"}, weights: []int{8}, level: 2, maxCount: 2},
-		{name: "soak_window_shard4", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 8, Period: soakStep, Capacity: capOf(4), Shards: 4, Start: soakT0},
+			keys: []string{"hot"}, weights: []int{10}, level: 2, maxCount: 2},
+		{name: "soak_window_shard4", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 8, Period: 2 * soakStep, Capacity: capOf(4), Shards: 4, Start: soakT0},
 			keys: []string{"hot"}, weights: []int{3}, level: 2, maxCount: 2},
 	}
 }
