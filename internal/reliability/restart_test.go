@@ -162,6 +162,9 @@ func restartNewCluster(t *testing.T) *restartCluster {
 	if os.Geteuid() == 0 {
 		// initdb and postgres refuse to run as root: the cluster belongs to the postgres user.
 		c.runAs = "postgres"
+		if _, err := exec.LookPath("runuser"); err != nil {
+			t.Fatalf("running as root, the throwaway cluster is run as %q with runuser (util-linux), which is not on $PATH: %v", c.runAs, err)
+		}
 		u, err := user.Lookup(c.runAs)
 		if err != nil {
 			t.Fatalf("running as root, the throwaway cluster needs an OS user %q: %v", c.runAs, err)
