@@ -350,6 +350,7 @@ func TestSoak(t *testing.T) {
 	stopKiller()
 	<-killerDone
 	ran := time.Since(start)
+	virtual := s.clock.Now().Sub(soakT0) // verify moves the clock on
 
 	s.pool.Close()
 	s.verify(t)
@@ -365,8 +366,7 @@ func TestSoak(t *testing.T) {
 		lims = append(lims, fmt.Sprintf("%s granted %d denied %d", l.name, c[0].Load(), c[1].Load()))
 	}
 	t.Logf("ran %s: %d operations (%s), %.0f/s; virtual time %s",
-		ran.Round(time.Millisecond), s.nextOp.Load(), strings.Join(kinds, " "), float64(s.nextOp.Load())/ran.Seconds(),
-		s.clock.Now().Sub(soakT0))
+		ran.Round(time.Millisecond), s.nextOp.Load(), strings.Join(kinds, " "), float64(s.nextOp.Load())/ran.Seconds(), virtual)
 	t.Logf("single-limit decisions: %s", strings.Join(lims, "; "))
 	t.Logf("transactions: %d committed, %d rolled back on purpose, %d rolled back after a Throw denial, %d COMMITs failed (outcome unknown to the client), %d serializable retries",
 		s.commits.Load(), s.rollbacks.Load(), s.throwRolls.Load(), s.commitErrs.Load(), s.retries.Load())
