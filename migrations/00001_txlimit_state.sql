@@ -54,7 +54,8 @@ $$;
 -- they differ by more than count (then the fuller alone: charging both equal would hand the emptier
 -- one tokens). With fixed_charge 1 or 2 that row stays charged; with 3 the choice is between both
 -- and the fuller alone. Decide calls it on the lock-free read to pick the rows to lock, then with
--- that choice fixed on the locked rows' latest levels.
+-- that choice fixed on the locked rows' latest levels. (Migration 00003 replaces it: with 3, the
+-- choice is free again.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_charge(lv_a double precision, lv_b double precision, two boolean,
                                count double precision, fixed_charge integer)

@@ -938,3 +938,43 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 4-3.0, v.Value, "three tokens of four were taken")
 }
+
+// A decision that planned, on its lock-free read, to combine two shards re-decides on their latest
+// levels once it holds both locks: when one alone now holds the count (under READ COMMITTED, after
+// a concurrent Credit), it charges that one alone, as the rule says, instead of splitting the
+// count. (Found by the reliability soak, whose shards must stay whole numbers.)
+func TestShardRedecidesOnLatestLevels(t *testing.T) {
+	t.Parallel()
+	cfg := ratelimit.Config{Rate: 4, Period: time.Hour, Capacity: 4, Shards: 2} // each shard holds 2
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": cfg})
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	e.set(shardT0, [2]int{0, 1})
+	for _, want := range [][]int{{0}, {1}} { // [2 2] -> [1 2] -> [1 1]
+		r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 1, nil)
+		require.NoError(t, err)
+		require.Equal(t, want, r.Shards)
+	}
+
+	holder, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(e.ctx)
+	c, err := e.lim.Credit(e.ctx, holder, "s", "k", 1, nil) // [2 1], not yet committed
+	require.NoError(t, err)
+	require.Equal(t, 3.0, c.Value)
+
+	done := make(chan ratelimit.Result, 1)
+	go func() {
+		// The lock-free read shows [1 1]: only both together hold 2, so it locks both and waits.
+		r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 2, nil)
+		assert.NoError(t, err)
+		done <- r
+	}()
+	time.Sleep(200 * time.Millisecond)
+	require.NoError(t, holder.Commit(e.ctx))
+	r := <-done
+	require.True(t, r.OK)
+	require.Equal(t, []int{0}, r.Shards, "shard 0 alone holds 2 on the latest versions")
+	v, err := e.lim.Value(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, []float64{0, 1}, v.Shards)
+}

@@ -14,8 +14,10 @@ type State struct {
 	Name, Key string
 	// Config is the config the state was evaluated with.
 	Config Config
-	// Value is the number of tokens available now (refill applied), summed exactly over every
-	// configured shard; a missing shard row counts as full. Negative while reservations are owed.
+	// Value is the number of tokens available now (refill applied), summed over every configured
+	// shard; a missing shard row counts as full. Negative while reservations are owed. Values are
+	// float8: a charge that combines two shards splits its count in halves, so after many of them
+	// the sum can differ from the exact total by rounding (seen: 1e-13 tokens after 300 calls).
 	Value float64
 	// TS is the latest stored timestamp of any shard row; zero when no row exists (a full limit).
 	TS time.Time
@@ -92,7 +94,8 @@ type CreditResult struct {
 	// Credited is how many tokens were given back: count, or less where the limit was too full to
 	// take them all.
 	Credited float64
-	// Value is the number of tokens available after the credit, summed exactly over every shard.
+	// Value is the number of tokens available after the credit, summed over every shard (see
+	// State.Value on rounding).
 	Value float64
 	// Time is the instant the credit was evaluated at.
 	Time time.Time
