@@ -65,19 +65,22 @@
 // held.
 //
 // Concurrent callers of one key are steered to different shards before they read any row. A
-// single request (Limit, LimitN) draws its candidate shards in random order, a and b first, and
-// takes as a the first candidate that no other transaction is deciding on, and as b the candidate
-// after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
-// transaction-scoped advisory lock, pg_try_advisory_xact_lock(k) with k derived from a 64-bit
-// FNV-1a hash of name and key, XOR the shard; it is only ever tried, never waited for, and is
-// released when the transaction ends. It is a hint, not a guard: exactness rests on the row locks
-// alone. When every candidate is taken, under READ COMMITTED the call goes on with its first
-// candidate (and may wait for its row lock); under REPEATABLE READ or SERIALIZABLE it reads and
-// writes nothing and returns a *BusyError, a serialization failure (SQLSTATE 40001) to retry like
-// any other, because waiting there for a row that another transaction is about to commit would
-// only end in one. Check and CheckN take no advisory lock; LimitMany does not use them either. A transaction holds one such
-// lock per sharded key it decided on, so one that decides on thousands of different sharded keys
-// needs Postgres's lock table to have room (max_locks_per_transaction).
+// single request (Limit, LimitN) draws its candidate shards in random order, a and b first (up to
+// 16), and takes as a the first candidate that no other transaction is deciding on, and as b the
+// candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
+// transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
+// FNV-1a hash of name and key, the OID of the state table (so schemas do not share them) and the
+// shard; it is only ever tried, never waited for, and is released when the transaction ends. It
+// is a hint, not a guard: exactness rests on the row locks alone. Under REPEATABLE READ and
+// SERIALIZABLE a candidate is also passed over when it is stale: when a transaction that the
+// caller's snapshot cannot see has changed or locked its row, since locking it from that snapshot
+// could only fail. When every candidate is taken (or stale), under READ COMMITTED the call goes on
+// with its first candidate (and may wait for its row lock); under REPEATABLE READ or SERIALIZABLE
+// it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE 40001) to retry
+// like any other. Check and CheckN take no advisory lock; LimitMany does not use them either. A
+// transaction holds one or more such locks per sharded key it decided on, so one that decides on
+// thousands of different sharded keys needs room in Postgres's lock table
+// (max_locks_per_transaction).
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with

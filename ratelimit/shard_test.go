@@ -978,3 +978,67 @@ func TestShardRedecidesOnLatestLevels(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []float64{0, 1}, v.Shards)
 }
+
+// Under SERIALIZABLE a shard that another transaction charged after this transaction's snapshot
+// cannot be locked from it (that would be a serialization failure), so a call passes over such a
+// stale shard to the next candidate. A shard whose last charge rolled back, or whose last locker
+// committed, before the snapshot is not stale and is taken as usual.
+func TestShardPassesOverStaleShards(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2, +1 per tick
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	full := func(key string) { // both rows exist and hold 2 each at t2
+		t.Helper()
+		e.set(shardT0, [2]int{0, 1})
+		r, err := e.lim.LimitN(e.ctx, e.pool, "s", key, 3, nil) // combines: [0.5 0.5]
+		require.NoError(t, err)
+		require.Equal(t, []int{0, 1}, r.Shards)
+		e.set(shardAt(2), [2]int{0, 1})
+	}
+	serializable := func(key string, afterSnapshot func()) (ratelimit.Result, error) {
+		t.Helper()
+		tx, err := e.pool.BeginTx(e.ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		require.NoError(t, err)
+		defer tx.Rollback(e.ctx)
+		var one int
+		require.NoError(t, tx.QueryRow(e.ctx, "SELECT 1").Scan(&one)) // the snapshot is taken here
+		afterSnapshot()
+		r, err := e.lim.Limit(e.ctx, tx, "s", key, nil)
+		if err != nil {
+			return r, err
+		}
+		return r, tx.Commit(e.ctx)
+	}
+	chargeFirst := func(db ratelimit.Executor, key string) { // [2 2] -> [1 2]: a tie goes to shard 0
+		t.Helper()
+		r, err := e.lim.Limit(e.ctx, db, "s", key, nil)
+		require.NoError(t, err)
+		require.Equal(t, []int{0}, r.Shards)
+	}
+
+	// Stale: shard 0 is charged, and committed, after the snapshot.
+	full("stale")
+	r, err := serializable("stale", func() { chargeFirst(e.pool, "stale") })
+	require.NoError(t, err, "the call should have passed over the stale shard instead of failing")
+	require.Equal(t, []int{1}, r.Shards, "shard 0 is stale, shard 1 is not")
+
+	// Rolled back before the snapshot: the aborted charge's xmax does not make shard 0 stale.
+	full("aborted")
+	tx, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	chargeFirst(tx, "aborted")
+	require.NoError(t, tx.Rollback(e.ctx))
+	r, err = serializable("aborted", func() {})
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Shards, "a rolled-back charge leaves the row usable")
+
+	// Locked, and committed, before the snapshot: visible, so not stale.
+	full("locked")
+	tx, err = e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	testdb.LockRow(t, tx, "s", "locked", 0)
+	require.NoError(t, tx.Commit(e.ctx))
+	r, err = serializable("locked", func() {})
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Shards, "a committed lock before the snapshot leaves the row usable")
+}

@@ -22,42 +22,60 @@ pk AS MATERIALIZED (
            (($3::integer[])[coalesce(f.i, 1)])::integer AS sa,
            (($3::integer[])[coalesce(f.i, 1) % cardinality($3::integer[]) + 1])::integer AS sb
     FROM clock k
+    CROSS JOIN (SELECT pg_current_snapshot() AS snap, pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS r,
+                       $4::bigint # ('txlimit_state'::regclass::oid::bigint << 20) AS base) z
     LEFT JOIN LATERAL (
         SELECT c.i
         FROM unnest($3::integer[]) WITH ORDINALITY AS c(shard, i)
         WHERE CASE WHEN $2::boolean THEN false
-                   ELSE pg_try_advisory_xact_lock($4::bigint # c.shard::bigint)
+                   WHEN NOT pg_try_advisory_xact_lock(z.base # c.shard::bigint) THEN false
+                   WHEN NOT k.snapshot_iso THEN true
+                   ELSE NOT EXISTS (
+                       SELECT 1
+                       FROM txlimit_state st
+                       CROSS JOIN LATERAL (
+                           SELECT z.r + ((st.xmax::text::bigint - (z.r & 4294967295)) % 4294967296
+                                         + 4294967296 + 2147483648) % 4294967296 - 2147483648 AS x
+                       ) wx
+                       CROSS JOIN LATERAL (SELECT CASE WHEN wx.x >= 3 THEN wx.x::text::xid8 END AS x8) q
+                       WHERE st.name = $5::text AND st.key = $6::text AND st.shard = c.shard
+                         AND st.xmax <> '0'::xid
+                         AND NOT pg_visible_in_snapshot(q.x8, z.snap)
+                         AND CASE WHEN wx.x >= z.r THEN true
+                                  ELSE pg_xact_status(q.x8) IS DISTINCT FROM 'aborted'
+                             END
+                   )
               END
         LIMIT 1
     ) f ON true
 ),
 pa AS MATERIALIZED (
     SELECT k.now_us, k.snapshot_iso, k.busy, k.sa, k.sb, s.value, s.ts_us,
-           CASE WHEN s.value IS NULL THEN $5::double precision
-                ELSE txlimit_level($6::smallint, s.value, s.ts_us, k.now_us, $7::double precision,
-                                   $8::bigint, $5::double precision)
+           CASE WHEN s.value IS NULL THEN $7::double precision
+                ELSE txlimit_level($8::smallint, s.value, s.ts_us, k.now_us, $9::double precision,
+                                   $10::bigint, $7::double precision)
            END AS lv
     FROM pk k
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
-        WHERE NOT k.busy AND st.name = $9::text AND st.key = $10::text AND st.shard = k.sa
+        WHERE NOT k.busy AND st.name = $5::text AND st.key = $6::text AND st.shard = k.sa
         LIMIT 1
     ) s ON true
 ),
 pb AS MATERIALIZED (
     SELECT r.read, s.value, s.ts_us,
            CASE WHEN NOT r.read THEN 0
-                WHEN s.value IS NULL THEN $5::double precision
-                ELSE txlimit_level($6::smallint, s.value, s.ts_us, r.now_us, $7::double precision,
-                                   $8::bigint, $5::double precision)
+                WHEN s.value IS NULL THEN $7::double precision
+                ELSE txlimit_level($8::smallint, s.value, s.ts_us, r.now_us, $9::double precision,
+                                   $10::bigint, $7::double precision)
            END AS lv
     FROM (SELECT a.now_us, a.sb, NOT a.busy AND (NOT a.snapshot_iso OR a.lv < $11::double precision) AS read FROM pa a) r
     LEFT JOIN LATERAL (
         SELECT st.value, (extract(epoch FROM st.ts) * 1000000)::bigint AS ts_us
         FROM txlimit_state st
         WHERE r.read
-          AND st.name = $9::text AND st.key = $10::text AND st.shard = r.sb
+          AND st.name = $5::text AND st.key = $6::text AND st.shard = r.sb
         LIMIT 1
     ) s ON true
 ),
@@ -103,7 +121,7 @@ try AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND o.single AND o.pick_exists AND s.name = $9::text AND s.key = $10::text AND s.shard = o.pick
+        WHERE o.locking AND o.single AND o.pick_exists AND s.name = $5::text AND s.key = $6::text AND s.shard = o.pick
         FOR UPDATE SKIP LOCKED
     ) st
 ),
@@ -117,7 +135,7 @@ alt AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.skipped AND o.other_fits AND o.other_exists AND s.name = $9::text AND s.key = $10::text AND s.shard = o.other
+        WHERE o.skipped AND o.other_fits AND o.other_exists AND s.name = $5::text AND s.key = $6::text AND s.shard = o.other
         FOR UPDATE SKIP LOCKED
     ) st
 ),
@@ -131,7 +149,7 @@ wt AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.skipped AND NOT o.switched AND s.name = $9::text AND s.key = $10::text AND s.shard = o.pick
+        WHERE o.skipped AND NOT o.switched AND s.name = $5::text AND s.key = $6::text AND s.shard = o.pick
         FOR UPDATE
     ) st
 ),
@@ -141,7 +159,7 @@ lk1 AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE o.locking AND o.charge = 3 AND s.name = $9::text AND s.key = $10::text AND s.shard = least(o.sa, o.sb)
+        WHERE o.locking AND o.charge = 3 AND s.name = $5::text AND s.key = $6::text AND s.shard = least(o.sa, o.sb)
         FOR UPDATE
     ) st
 ),
@@ -153,7 +171,7 @@ lk2 AS MATERIALIZED (
         FROM txlimit_state s
         WHERE o.locking AND o.charge = 3
           AND (SELECT count(*) FROM lk1) >= 0 -- after lk1: the global lock order
-          AND s.name = $9::text AND s.key = $10::text AND s.shard = greatest(o.sa, o.sb)
+          AND s.name = $5::text AND s.key = $6::text AND s.shard = greatest(o.sa, o.sb)
         FOR UPDATE
     ) st
 ),
@@ -182,25 +200,25 @@ cur AS MATERIALIZED (
 ),
 ev AS MATERIALIZED (
     SELECT c.now_us, c.busy, c.sa, c.sb, c.charge, c.two, c.locking, c.prefill, c.va, c.ta, c.vb, c.tb, c.vanished,
-           CASE WHEN c.va IS NULL THEN $5::double precision
-                ELSE txlimit_level($6::smallint, c.va, c.ta, c.now_us, $7::double precision,
-                                   $8::bigint, $5::double precision)
+           CASE WHEN c.va IS NULL THEN $7::double precision
+                ELSE txlimit_level($8::smallint, c.va, c.ta, c.now_us, $9::double precision,
+                                   $10::bigint, $7::double precision)
            END AS lv_a,
            CASE WHEN NOT c.two THEN 0
-                WHEN c.vb IS NULL THEN $5::double precision
-                ELSE txlimit_level($6::smallint, c.vb, c.tb, c.now_us, $7::double precision,
-                                   $8::bigint, $5::double precision)
+                WHEN c.vb IS NULL THEN $7::double precision
+                ELSE txlimit_level($8::smallint, c.vb, c.tb, c.now_us, $9::double precision,
+                                   $10::bigint, $7::double precision)
            END AS lv_b,
-           CASE WHEN c.va IS NOT NULL THEN txlimit_next_ts($6::smallint, c.ta, c.now_us, $8::bigint)
-                WHEN $6::smallint = 0 THEN c.now_us
-                ELSE c.now_us - ((c.now_us - $14::bigint) % $8::bigint
-                                 + $8::bigint) % $8::bigint
+           CASE WHEN c.va IS NOT NULL THEN txlimit_next_ts($8::smallint, c.ta, c.now_us, $10::bigint)
+                WHEN $8::smallint = 0 THEN c.now_us
+                ELSE c.now_us - ((c.now_us - $14::bigint) % $10::bigint
+                                 + $10::bigint) % $10::bigint
            END AS ts_a,
            CASE WHEN NOT c.two THEN 0
-                WHEN c.vb IS NOT NULL THEN txlimit_next_ts($6::smallint, c.tb, c.now_us, $8::bigint)
-                WHEN $6::smallint = 0 THEN c.now_us
-                ELSE c.now_us - ((c.now_us - $14::bigint) % $8::bigint
-                                 + $8::bigint) % $8::bigint
+                WHEN c.vb IS NOT NULL THEN txlimit_next_ts($8::smallint, c.tb, c.now_us, $10::bigint)
+                WHEN $8::smallint = 0 THEN c.now_us
+                ELSE c.now_us - ((c.now_us - $14::bigint) % $10::bigint
+                                 + $10::bigint) % $10::bigint
            END AS ts_b
     FROM cur c
 ),
@@ -232,8 +250,8 @@ w AS MATERIALIZED (
 ),
 fill AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $9::text, $10::text, m.shard, $5::double precision,
-           'epoch'::timestamptz + (CASE WHEN $6::smallint = 0 THEN 0 ELSE $14::bigint END)
+    SELECT $5::text, $6::text, m.shard, $7::double precision,
+           'epoch'::timestamptz + (CASE WHEN $8::smallint = 0 THEN 0 ELSE $14::bigint END)
                                   * interval '1 microsecond'
     FROM p0 p
     CROSS JOIN LATERAL (VALUES (p.sa, p.a_missing), (p.sb, p.b_missing)) AS m(shard, missing)
@@ -244,7 +262,7 @@ fill AS (
 ),
 ins AS (
     INSERT INTO txlimit_state (name, key, shard, value, ts)
-    SELECT $9::text, $10::text,
+    SELECT $5::text, $6::text,
            CASE WHEN w.write_a THEN w.sa ELSE w.sb END,
            CASE WHEN w.write_a THEN w.end_a ELSE w.end_b END,
            'epoch'::timestamptz + (CASE WHEN w.write_a THEN w.ts_a ELSE w.ts_b END) * interval '1 microsecond'
@@ -258,7 +276,7 @@ upd_a AS (
     SET value = w.end_a, ts = 'epoch'::timestamptz + w.ts_a * interval '1 microsecond'
     FROM w
     WHERE w.write AND w.write_a AND w.va IS NOT NULL
-      AND s.name = $9::text AND s.key = $10::text
+      AND s.name = $5::text AND s.key = $6::text
       AND s.shard = (SELECT x.sa FROM w x WHERE x.write AND x.write_a AND x.va IS NOT NULL)
     RETURNING 1
 ),
@@ -267,7 +285,7 @@ upd_b AS (
     SET value = w.end_b, ts = 'epoch'::timestamptz + w.ts_b * interval '1 microsecond'
     FROM w
     WHERE w.write AND w.write_b AND w.vb IS NOT NULL
-      AND s.name = $9::text AND s.key = $10::text
+      AND s.name = $5::text AND s.key = $6::text
       AND s.shard = (SELECT x.sb FROM w x WHERE x.write AND x.write_b AND x.vb IS NOT NULL)
     RETURNING 1
 )
@@ -298,12 +316,12 @@ type DecideShardedParams struct {
 	Dry         bool
 	Cands       []int32
 	LockBase    int64
+	Name        string
+	Key         string
 	Cap         float64
 	Kind        int16
 	Rate        float64
 	PeriodUs    int64
-	Name        string
-	Key         string
 	Count       float64
 	Reserve     bool
 	MaxReserved float64
@@ -342,15 +360,28 @@ type DecideShardedRow struct {
 // and 4, busy (see pk): nothing read or written.
 // The two picks. cands lists candidate shards in random order (the caller's two picks first). The
 // first pick, a, is the first candidate that no other transaction is deciding on: one whose
-// transaction-scoped advisory lock (lock_base # shard) this transaction can take without waiting.
+// transaction-scoped advisory lock (lock_base, XOR this table's OID shifted left 20 bits so that
+// schemas do not share locks, XOR the shard) this transaction can take without waiting.
 // The lock is a hint, never waited on and never needed for correctness (the row locks below are):
-// it steers concurrent callers of a hot key to different shards before they read any row, which
-// under REPEATABLE READ and SERIALIZABLE is the difference between proceeding and failing, since
-// waiting there for a row that another transaction then commits is a serialization failure. When
-// every candidate is taken, a is the first candidate: under READ COMMITTED the call goes on (and
-// may wait for its row); under REPEATABLE READ or SERIALIZABLE it is busy: it reads and writes
-// nothing, and the Limiter reports a serialization failure at once, since waiting there would
-// almost surely end in one anyway. The second pick, b, is the candidate after a. A dry run takes
+// it steers concurrent callers of a hot key to different shards before they read any row.
+//
+// Under REPEATABLE READ or SERIALIZABLE a candidate must also not be stale: a row that a
+// transaction this snapshot cannot see has updated (or holds) cannot be locked from this snapshot
+// without a serialization failure, so it is passed over too. Stale means the version this snapshot
+// sees has an xmax that is not visible in the snapshot and has not aborted. xmax is 32 bits; it is
+// widened to an xid8 next to the snapshot's xmax r (live xids are within 2^31 of it), and
+// pg_xact_status is asked only about xids below r, which cannot be in the future; an xid at or
+// above r started after the snapshot and counts as stale whatever became of it. The version a
+// charge leaves carries its own transaction as a lock-only xmax, which every later snapshot sees,
+// so a quiet row is never stale. An xmax that is a MultiXactId (left by share locks, or by
+// savepoints locking a row twice) is read as some xid: at worst the row looks stale to snapshot
+// transactions until VACUUM clears it, and they use the other shards meanwhile. A stale candidate
+// keeps its advisory lock until the transaction ends. Missing rows are never stale.
+//
+// When every candidate is taken, a is the first candidate: under READ COMMITTED the call goes on
+// (and may wait for its row); under REPEATABLE READ or SERIALIZABLE it is busy: it reads and
+// writes nothing more, and the Limiter reports a serialization failure at once, since going on
+// would almost surely end in one. The second pick, b, is the candidate after a. A dry run takes
 // no lock: a and b are the first two.
 // The first pick, and the tokens it holds on the lock-free read.
 // The second pick. Under REPEATABLE READ or SERIALIZABLE a row that is read but not charged makes
@@ -383,12 +414,12 @@ func (q *Queries) DecideSharded(ctx context.Context, db DBTX, arg DecideShardedP
 		arg.Dry,
 		arg.Cands,
 		arg.LockBase,
+		arg.Name,
+		arg.Key,
 		arg.Cap,
 		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
-		arg.Name,
-		arg.Key,
 		arg.Count,
 		arg.Reserve,
 		arg.MaxReserved,

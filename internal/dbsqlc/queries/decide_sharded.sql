@@ -19,15 +19,28 @@ WITH clock AS MATERIALIZED (
 ),
 -- The two picks. cands lists candidate shards in random order (the caller's two picks first). The
 -- first pick, a, is the first candidate that no other transaction is deciding on: one whose
--- transaction-scoped advisory lock (lock_base # shard) this transaction can take without waiting.
+-- transaction-scoped advisory lock (lock_base, XOR this table's OID shifted left 20 bits so that
+-- schemas do not share locks, XOR the shard) this transaction can take without waiting.
 -- The lock is a hint, never waited on and never needed for correctness (the row locks below are):
--- it steers concurrent callers of a hot key to different shards before they read any row, which
--- under REPEATABLE READ and SERIALIZABLE is the difference between proceeding and failing, since
--- waiting there for a row that another transaction then commits is a serialization failure. When
--- every candidate is taken, a is the first candidate: under READ COMMITTED the call goes on (and
--- may wait for its row); under REPEATABLE READ or SERIALIZABLE it is busy: it reads and writes
--- nothing, and the Limiter reports a serialization failure at once, since waiting there would
--- almost surely end in one anyway. The second pick, b, is the candidate after a. A dry run takes
+-- it steers concurrent callers of a hot key to different shards before they read any row.
+--
+-- Under REPEATABLE READ or SERIALIZABLE a candidate must also not be stale: a row that a
+-- transaction this snapshot cannot see has updated (or holds) cannot be locked from this snapshot
+-- without a serialization failure, so it is passed over too. Stale means the version this snapshot
+-- sees has an xmax that is not visible in the snapshot and has not aborted. xmax is 32 bits; it is
+-- widened to an xid8 next to the snapshot's xmax r (live xids are within 2^31 of it), and
+-- pg_xact_status is asked only about xids below r, which cannot be in the future; an xid at or
+-- above r started after the snapshot and counts as stale whatever became of it. The version a
+-- charge leaves carries its own transaction as a lock-only xmax, which every later snapshot sees,
+-- so a quiet row is never stale. An xmax that is a MultiXactId (left by share locks, or by
+-- savepoints locking a row twice) is read as some xid: at worst the row looks stale to snapshot
+-- transactions until VACUUM clears it, and they use the other shards meanwhile. A stale candidate
+-- keeps its advisory lock until the transaction ends. Missing rows are never stale.
+--
+-- When every candidate is taken, a is the first candidate: under READ COMMITTED the call goes on
+-- (and may wait for its row); under REPEATABLE READ or SERIALIZABLE it is busy: it reads and
+-- writes nothing more, and the Limiter reports a serialization failure at once, since going on
+-- would almost surely end in one. The second pick, b, is the candidate after a. A dry run takes
 -- no lock: a and b are the first two.
 pk AS MATERIALIZED (
     SELECT k.now_us, k.snapshot_iso,
@@ -35,11 +48,29 @@ pk AS MATERIALIZED (
            ((sqlc.arg('cands')::integer[])[coalesce(f.i, 1)])::integer AS sa,
            ((sqlc.arg('cands')::integer[])[coalesce(f.i, 1) % cardinality(sqlc.arg('cands')::integer[]) + 1])::integer AS sb
     FROM clock k
+    CROSS JOIN (SELECT pg_current_snapshot() AS snap, pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS r,
+                       sqlc.arg('lock_base')::bigint # ('txlimit_state'::regclass::oid::bigint << 20) AS base) z
     LEFT JOIN LATERAL (
         SELECT c.i
         FROM unnest(sqlc.arg('cands')::integer[]) WITH ORDINALITY AS c(shard, i)
         WHERE CASE WHEN sqlc.arg('dry')::boolean THEN false
-                   ELSE pg_try_advisory_xact_lock(sqlc.arg('lock_base')::bigint # c.shard::bigint)
+                   WHEN NOT pg_try_advisory_xact_lock(z.base # c.shard::bigint) THEN false
+                   WHEN NOT k.snapshot_iso THEN true
+                   ELSE NOT EXISTS (
+                       SELECT 1
+                       FROM txlimit_state st
+                       CROSS JOIN LATERAL (
+                           SELECT z.r + ((st.xmax::text::bigint - (z.r & 4294967295)) % 4294967296
+                                         + 4294967296 + 2147483648) % 4294967296 - 2147483648 AS x
+                       ) wx
+                       CROSS JOIN LATERAL (SELECT CASE WHEN wx.x >= 3 THEN wx.x::text::xid8 END AS x8) q
+                       WHERE st.name = sqlc.arg('name')::text AND st.key = sqlc.arg('key')::text AND st.shard = c.shard
+                         AND st.xmax <> '0'::xid
+                         AND NOT pg_visible_in_snapshot(q.x8, z.snap)
+                         AND CASE WHEN wx.x >= z.r THEN true
+                                  ELSE pg_xact_status(q.x8) IS DISTINCT FROM 'aborted'
+                             END
+                   )
               END
         LIMIT 1
     ) f ON true
