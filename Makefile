@@ -9,6 +9,14 @@ SQLC   := $(GOBIN)/sqlc
 
 export TEST_DATABASE_URL ?=
 
+# make reliability: how long the soak runs and with how many workers, how long the fuzz runs, and
+# which tests of internal/reliability run (all by default). By hand: make reliability SOAK=10m FUZZTIME=10m
+SOAK     ?= 60s
+WORKERS  ?= 16
+FUZZTIME ?= 60s
+RELIABILITY_RUN     ?= .
+RELIABILITY_TIMEOUT ?= 30m
+
 .PHONY: help
 help: ## Show the targets and what they do.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -26,6 +34,25 @@ test: ## Run every test with the race detector, one package at a time (needs Pos
 lint: ## gofmt and go vet over every module.
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	$(GO) vet -tags reliability ./internal/reliability/
+
+.PHONY: reliability
+reliability: ## Soak, restart, bad input, least privilege, then the model fuzz; prints one summary line each (SOAK, WORKERS, FUZZTIME).
+	@dir=$$(mktemp -d "$${TMPDIR:-/tmp}/txlimit-reliability.XXXXXX"); log=$$dir/reliability.log; status=0; \
+	echo "== reliability: package tests, soak $(SOAK) with $(WORKERS) workers (log: $$log)"; \
+	TXLIMIT_SOAK_DURATION=$(SOAK) TXLIMIT_SOAK_WORKERS=$(WORKERS) \
+		$(GO) test -tags reliability -race -count=1 -v -timeout $(RELIABILITY_TIMEOUT) -run '$(RELIABILITY_RUN)' ./internal/reliability/ 2>&1 | tee "$$log"; \
+	[ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	echo "== reliability: fuzz FuzzModel for $(FUZZTIME) (log: $$dir/fuzz.log)"; \
+	$(GO) test -run '^$$' -fuzz '^FuzzModel$$' -fuzztime $(FUZZTIME) ./ratelimit/ 2>&1 | tee "$$dir/fuzz.log"; \
+	fuzzstatus=$${PIPESTATUS[0]}; [ $$fuzzstatus -eq 0 ] || status=1; \
+	internal/reliability/fuzz-summary.sh $(FUZZTIME) $$fuzzstatus < "$$dir/fuzz.log" >> "$$log"; \
+	echo "== reliability: summary ($$log)"; \
+	grep -aE '^reliability: |^  (failing input|the fuzz run)' "$$log" || true; \
+	for part in soak restart badinput privilege fuzz; do \
+		grep -aq "^reliability: $$part:" "$$log" || echo "  (no summary line from $$part: it did not run to its end, or RELIABILITY_RUN left it out)"; \
+	done; \
+	exit $$status
 
 .PHONY: generate
 generate: $(SQLC) ## Regenerate the sqlc query layer from migrations/ and internal/dbsqlc/queries/.
