@@ -250,7 +250,15 @@ func TestLeastPrivilege(t *testing.T) {
 	op := func(name string, fn func() error) {
 		t.Helper()
 		operations++
-		if err := fn(); err != nil {
+		err := func() (err error) {
+			defer func() {
+				if r := recover(); r != nil {
+					err = fmt.Errorf("panicked: %v", r)
+				}
+			}()
+			return fn()
+		}()
+		if err != nil {
 			failures++
 			t.Errorf("as the run-time role, %s: %v", name, err)
 			return
