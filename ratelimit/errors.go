@@ -41,15 +41,24 @@ type ArgumentError struct {
 	Arg string
 	// Reason says what is wrong.
 	Reason string
+	// Err is the error of the library that refused the value (River, for a job's arguments or
+	// insert options), when it was not this package. Defaults to nil.
+	Err error
 }
 
 // Error names the call, the argument and what is wrong with it.
 func (e *ArgumentError) Error() string {
+	if e.Err != nil {
+		return fmt.Sprintf("ratelimit: %s: %s %s: %v", e.Op, e.Arg, e.Reason, e.Err)
+	}
 	return fmt.Sprintf("ratelimit: %s: %s %s", e.Op, e.Arg, e.Reason)
 }
 
 // Is makes errors.Is(err, ErrInvalid) true.
 func (e *ArgumentError) Is(target error) bool { return target == ErrInvalid }
+
+// Unwrap returns Err, the other library's refusal, if any.
+func (e *ArgumentError) Unwrap() error { return e.Err }
 
 // UnknownLimitError reports a name that the Limiter does not know, used without an inline config.
 type UnknownLimitError struct {

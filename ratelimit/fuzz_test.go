@@ -966,9 +966,6 @@ func fzSeeds() []fzSeed {
 		{"throw_many_with_reservation", fzNewSeed(0, fzC(tb, 1, time.Second, 0, 0, 1, 0, 0), fzC(tb, 3, time.Second, 0, 0, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("b", 0, 3)).                                       // b empty
 			op(fzOpMany, 0, fzQ("a", 0, 5, fzReserve, fzThrow), fzQ("b", 0, 1)).b}, // a alone: reserved, RetryAt +4s; b denied, RetryAt +1/3s
-		{"throw_many_with_reservation", fzNewSeed(0, fzC(tb, 1, time.Second, 0, 0, 1, 0, 0), fzC(tb, 3, time.Second, 0, 0, 1, 0, 0)).
-			op(fzOpLimit, 0, fzQ("b", 0, 3)).                                       // b empty
-			op(fzOpMany, 0, fzQ("a", 0, 5, fzReserve, fzThrow), fzQ("b", 0, 1)).b}, // a alone: reserved, RetryAt +4s; b denied, RetryAt +1/3s
 		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, 0, 2, 0, 0)).
 			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, 0, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, 0, 1, 0, 0)).

@@ -420,3 +420,29 @@ func TestInSerializableTxExhaustion(t *testing.T) {
 	require.ErrorIs(t, err, other)
 	require.Equal(t, 1, attempts, "a non-retryable error is returned at once")
 }
+
+// A nil db or fn is refused before any transaction begins, and a panicking fn does not leave its
+// connection stuck in a transaction: on a one-connection pool the next call still gets through.
+func TestInSerializableTxInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 1})
+	fn := func(context.Context, pgx.Tx) error { return nil }
+	var nilPool *pgxpool.Pool
+	for what, err := range map[string]error{
+		"nil db":       ratelimit.InSerializableTx(ctx, nil, nil, fn),
+		"typed nil db": ratelimit.InSerializableTx(ctx, nilPool, nil, fn),
+		"nil fn":       ratelimit.InSerializableTx(ctx, pool, nil, nil),
+	} {
+		var argErr *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &argErr, what)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid, what)
+	}
+
+	require.PanicsWithValue(t, "boom", func() {
+		_ = ratelimit.InSerializableTx(ctx, pool, nil, func(context.Context, pgx.Tx) error { panic("boom") })
+	})
+	quick, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	require.NoError(t, ratelimit.InSerializableTx(quick, pool, nil, fn), "the connection was given back")
+}

@@ -148,3 +148,15 @@ func (l *Limiter) prepare(op string, db Executor, name, key string, opts *ValueO
 	}
 	return l.resolve(op, name, key, inline)
 }
+
+// Lookup returns the config that a call on (name, key) would use: cfg when it is not nil,
+// otherwise the one registered under name. It returns the error such a call would return for
+// them (an *ArgumentError for a bad name or key, a *ConfigError for a bad cfg, an
+// *UnknownLimitError for an unregistered name without cfg; all match ErrInvalid), and does no I/O.
+func (l *Limiter) Lookup(name, key string, cfg *Config) (Config, error) {
+	s, err := l.resolve("Lookup", name, key, cfg)
+	if err != nil {
+		return Config{}, err
+	}
+	return s.cfg, nil
+}

@@ -3,7 +3,9 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,10 +32,18 @@ type TxOpts struct {
 // fails with a serialization failure (40001) or deadlock (40P01), it rolls back, sleeps a jittered,
 // bounded backoff and runs fn again in a new transaction. fn must therefore be safe to repeat and
 // do all its database work through tx. Any other error is returned at once. When attempts run out
-// it returns a *RetriesExhaustedError wrapping the last cause.
+// it returns a *RetriesExhaustedError wrapping the last cause. A nil db or fn is an *ArgumentError,
+// returned before any transaction is begun.
 func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	const op = "InSerializableTx"
 	if db == nil {
-		return &ArgumentError{Op: "InSerializableTx", Arg: "db", Reason: "is nil"}
+		return &ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass a *pgxpool.Pool or *pgx.Conn"}
+	}
+	if v := reflect.ValueOf(db); v.Kind() == reflect.Pointer && v.IsNil() {
+		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a nil %T: pass a *pgxpool.Pool or *pgx.Conn", db)}
+	}
+	if fn == nil {
+		return &ArgumentError{Op: op, Arg: "fn", Reason: "is nil: pass the function to run in the transaction"}
 	}
 	o := TxOpts{MaxAttempts: 10, MinBackoff: 2 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
 	if opts != nil {
@@ -74,8 +84,10 @@ func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx p
 	if err != nil {
 		return err
 	}
+	// Rolls back when fn fails or panics (the panic goes on, the connection is not left in a
+	// transaction); after a commit it does nothing.
+	defer func() { _ = tx.Rollback(ctx) }()
 	if err := fn(ctx, tx); err != nil {
-		_ = tx.Rollback(ctx)
 		return err
 	}
 	return tx.Commit(ctx)

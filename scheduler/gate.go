@@ -2,7 +2,6 @@ package scheduler
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -97,15 +96,15 @@ var _ rivertype.WorkerMiddleware = (*Gate)(nil)
 func NewGate(config *GateConfig) (*Gate, error) {
 	switch {
 	case config == nil:
-		return nil, errors.New("scheduler: NewGate: config is nil: set DB, Limit and Limiter")
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "config", Reason: "is nil: set DB, Limit and Limiter"}
 	case config.DB == nil:
-		return nil, errors.New("scheduler: NewGate: GateConfig.DB is nil: set it to the *pgxpool.Pool of the River client")
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.DB", Reason: "is nil: set it to the *pgxpool.Pool of the River client"}
 	case config.Limit == nil:
-		return nil, errors.New("scheduler: NewGate: GateConfig.Limit is nil: set it to a func that maps a job to its limit")
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.Limit", Reason: "is nil: set it to a func that maps a job to its limit"}
 	case config.Limiter == nil:
-		return nil, errors.New("scheduler: NewGate: GateConfig.Limiter is nil: set it to a *ratelimit.Limiter")
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.Limiter", Reason: "is nil: set it to a *ratelimit.Limiter"}
 	case config.Jitter < 0:
-		return nil, fmt.Errorf("scheduler: NewGate: GateConfig.Jitter must be >= 0, got %s", config.Jitter)
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.Jitter", Reason: fmt.Sprintf("must be >= 0, got %s", config.Jitter)}
 	}
 	return &Gate{db: config.DB, jitter: config.Jitter, limit: config.Limit, limiter: config.Limiter, now: time.Now}, nil
 }

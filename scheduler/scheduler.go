@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 
@@ -36,10 +37,10 @@ type Scheduler struct {
 // Config.AllowImprecise), and the queue of the reserved jobs should come from PreciseQueue.
 func New(client *river.Client[pgx.Tx], limiter *ratelimit.Limiter, config *Config) (*Scheduler, error) {
 	if client == nil {
-		return nil, errors.New("scheduler: New: client is nil: pass the *river.Client that inserts the jobs")
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.New", Arg: "client", Reason: "is nil: pass the *river.Client that inserts the jobs"}
 	}
 	if limiter == nil {
-		return nil, errors.New("scheduler: New: limiter is nil: pass a *ratelimit.Limiter from ratelimit.New")
+		return nil, &ratelimit.ArgumentError{Op: "scheduler.New", Arg: "limiter", Reason: "is nil: pass a *ratelimit.Limiter from ratelimit.New"}
 	}
 	if config == nil {
 		config = &Config{}
@@ -103,8 +104,13 @@ type Reservation struct {
 // When the reservation would leave more than the limit's MaxReserved owed, nothing is reserved,
 // no job is inserted, tx is left as it was and the error is a *ratelimit.LimitedError (errors.As)
 // with the RetryAt at which the same call could succeed. Bad input is an error matching
-// ratelimit.ErrInvalid, also with nothing written. Any other error may leave the reservation
-// written in tx without its job: roll tx back.
+// ratelimit.ErrInvalid, also with nothing written; so is a job that River refuses to insert
+// (arguments it cannot encode, invalid insert options), an *ratelimit.ArgumentError wrapping
+// River's error. The reservation and the job are written in a savepoint of tx (two more round
+// trips: SAVEPOINT and RELEASE), so any failure leaves tx as it was, unless the error says to roll
+// tx back (the savepoint itself could not be rolled back). Each call is a subtransaction: one
+// transaction that reserves more than 64 times makes Postgres track its subtransactions in a
+// slower way (a "suboverflowed" snapshot) until it ends.
 func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, count float64, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
 	const op = "ReserveTx"
 	if opts == nil {
@@ -114,12 +120,14 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 	if err != nil {
 		return nil, err
 	}
-	res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, Throw: true})
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
-	}
-	credits := []credit{{name: name, key: key, count: count, config: opts.Config}}
-	return s.schedule(ctx, op, tx, []ratelimit.Result{res}, res.RetryAt, credits, args, insertOpts, opts)
+	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
+		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, Throw: true})
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
+		credits := []credit{{name: name, key: key, count: count, config: opts.Config}}
+		return s.schedule(ctx, op, tx, []ratelimit.Result{res}, res.RetryAt, credits, args, insertOpts, opts)
+	})
 }
 
 // ReserveManyTx is ReserveTx for several limits at once: it reserves every request (each as with
@@ -144,12 +152,48 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 			credits[i].count = 1 // ratelimit.Request's default
 		}
 	}
-	res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{Throw: true})
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: %s: %w", op, err)
-	}
-	return s.schedule(ctx, op, tx, res.Results, res.RetryAt, credits, args, insertOpts, opts)
+	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
+		res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{Throw: true})
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
+		return s.schedule(ctx, op, tx, res.Results, res.RetryAt, credits, args, insertOpts, opts)
+	})
 }
+
+// atomically runs fn, which reserves and inserts the job, in a savepoint of tx: when fn fails,
+// the savepoint is rolled back, so the call either writes the reservation and the job together or
+// leaves tx as it was. River refusing the job without a database error (arguments it cannot
+// encode, invalid insert options) is then bad input: an *ratelimit.ArgumentError wrapping River's
+// error.
+func atomically(ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (*Reservation, error)) (*Reservation, error) {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %s: savepoint: %w", op, err)
+	}
+	r, err := fn(sp)
+	if err == nil {
+		if err := sp.Commit(ctx); err != nil {
+			return nil, fmt.Errorf("scheduler: %s: release savepoint (roll tx back): %w", op, err)
+		}
+		return r, nil
+	}
+	if rbErr := sp.Rollback(ctx); rbErr != nil {
+		return nil, errors.Join(err, fmt.Errorf("scheduler: %s: roll back to savepoint (roll tx back): %w", op, rbErr))
+	}
+	var refused *insertError
+	var pgErr *pgconn.PgError
+	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
+		return nil, &ratelimit.ArgumentError{Op: op, Arg: "args or insert options", Reason: "were refused by River (nothing was reserved)", Err: refused.err}
+	}
+	return nil, err
+}
+
+// insertError is River's error from inserting the job.
+type insertError struct{ err error }
+
+func (e *insertError) Error() string { return "insert job: " + e.err.Error() }
+func (e *insertError) Unwrap() error { return e.err }
 
 // credit is what schedule gives back when River skips the insert as a duplicate.
 type credit struct {
@@ -177,21 +221,21 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 
 	ins, err := s.client.InsertTx(WithPrecise(ctx), tx, args, &insertOpts)
 	if err != nil {
-		return nil, fmt.Errorf("scheduler: %s: insert job (the reservation was made in tx: roll it back): %w", op, err)
+		return nil, fmt.Errorf("scheduler: %s: %w", op, &insertError{err: err})
 	}
 	r.Job = ins.Job
 	if ins.UniqueSkippedAsDuplicate {
 		r.Duplicate = true
 		for _, c := range credits {
 			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.ValueOpts{Config: c.config}); err != nil {
-				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job (roll tx back): %w", op, err)
+				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job: %w", op, err)
 			}
 		}
 		return r, nil
 	}
 	if !r.ScheduledAt.IsZero() && ins.Job.State == rivertype.JobStateScheduled && !s.allowImprecise {
 		return nil, fmt.Errorf("scheduler: %s: River inserted job %d as scheduled, so it would start up to ~5 s late: "+
-			"add &scheduler.PreciseHook{} to river.Config.Hooks of the client, or set scheduler.Config.AllowImprecise (roll tx back)", op, ins.Job.ID)
+			"add &scheduler.PreciseHook{} to river.Config.Hooks of the client, or set scheduler.Config.AllowImprecise (nothing was reserved)", op, ins.Job.ID)
 	}
 	return r, nil
 }

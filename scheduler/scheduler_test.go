@@ -3,6 +3,7 @@ package scheduler_test
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -352,4 +353,57 @@ func TestReserveTxInput(t *testing.T) {
 	}))
 	require.Equal(t, 9.0, value(t, b, "calls", "u1"))
 	require.Len(t, jobs(t, b.client), 1)
+}
+
+type floatArgs struct {
+	F float64 `json:"f"`
+}
+
+func (floatArgs) Kind() string { return "txlimit_float" }
+
+// A job River refuses to insert (here: arguments JSON cannot encode, an invalid priority, a job
+// missing its PreciseHook) leaves tx exactly as it was: the reservation made before the insert is
+// rolled back with the savepoint, and committing tx writes nothing.
+func TestReserveTxRefusedJobWritesNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	noHook, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, nil)
+	require.NoError(t, err)
+	for _, c := range []struct {
+		what  string
+		call  func(tx pgx.Tx) error
+		typed bool // an *ratelimit.ArgumentError
+	}{
+		{"args JSON cannot encode", func(tx pgx.Tx) error {
+			_, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 15, floatArgs{F: math.NaN()}, nil)
+			return err
+		}, true},
+		{"priority 9", func(tx pgx.Tx) error {
+			_, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 15, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Priority: 9}})
+			return err
+		}, true},
+		{"ReserveManyTx, queue name River refuses", func(tx pgx.Tx) error {
+			_, err := b.sched.ReserveManyTx(ctx, tx, []ratelimit.Request{{Name: "calls", Key: "u1", Count: 15}}, callArgs{},
+				&scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Queue: "bad queue!"}})
+			return err
+		}, true},
+		{"no PreciseHook", func(tx pgx.Tx) error {
+			_, err := noHook.ReserveTx(ctx, tx, "calls", "u1", 15, callArgs{}, nil)
+			return err
+		}, false},
+	} {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { // committed
+			err := c.call(tx)
+			require.Error(t, err, c.what)
+			var argErr *ratelimit.ArgumentError
+			require.Equal(t, c.typed, errors.As(err, &argErr), "%s: %v", c.what, err)
+			if c.typed {
+				require.ErrorIs(t, err, ratelimit.ErrInvalid)
+			}
+			return nil
+		}), c.what)
+		require.Empty(t, jobs(t, b.client), c.what)
+		require.Equal(t, 10.0, value(t, b, "calls", "u1"), "%s: nothing reserved", c.what)
+	}
 }

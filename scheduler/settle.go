@@ -65,6 +65,14 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 	if opts == nil {
 		opts = &SettleOpts{}
 	}
+	if db == nil {
+		return SettleResult{}, &ratelimit.ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn"}
+	}
+	// Refuse a bad name, key or config even when there is nothing to settle.
+	cfg, err := l.Lookup(s.Name, s.Key, opts.Config)
+	if err != nil {
+		return SettleResult{}, fmt.Errorf("scheduler: %s: %w", op, err)
+	}
 	switch diff := actual - s.Reserved; {
 	case diff < 0:
 		res, err := l.Credit(ctx, db, s.Name, s.Key, -diff, &ratelimit.ValueOpts{Config: opts.Config})
@@ -73,7 +81,7 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 		}
 		return SettleResult{Credited: res.Credited}, nil
 	case diff > 0:
-		if err := charge(ctx, db, l, s.Name, s.Key, diff, opts.Config); err != nil {
+		if err := charge(ctx, db, l, s.Name, s.Key, diff, cfg); err != nil {
 			return SettleResult{}, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return SettleResult{Charged: diff}, nil
@@ -81,27 +89,18 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 	return SettleResult{}, nil
 }
 
-// charge books count tokens of (name, key) as a reservation that MaxReserved cannot deny. It tries
-// the config as it is first (one round trip); only when that is denied does it look the config up
-// and charge again with MaxReserved lifted.
-func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, name, key string, count float64, cfg *ratelimit.Config) error {
-	res, err := l.LimitN(ctx, db, name, key, count, &ratelimit.LimitOpts{Config: cfg, Reserve: true})
+// charge books count tokens of (name, key), whose config is cfg, as a reservation that
+// MaxReserved cannot deny. It tries the config as it is first (one round trip); only when that is
+// denied, or count exceeds what it could ever grant, does it charge again with MaxReserved lifted.
+func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, name, key string, count float64, cfg ratelimit.Config) error {
+	res, err := l.LimitN(ctx, db, name, key, count, &ratelimit.LimitOpts{Config: &cfg, Reserve: true})
 	switch {
 	case err == nil && res.OK:
 		return nil
 	case err != nil && !errors.Is(err, ratelimit.ErrInvalid):
 		return err
 	}
-	// Denied past MaxReserved, or invalid: count exceeds capacity plus MaxReserved (a bad name or
-	// config fails again below).
-	if cfg == nil {
-		st, err := l.Value(ctx, db, name, key, nil)
-		if err != nil {
-			return err
-		}
-		cfg = &st.Config
-	}
-	unbounded := *cfg
+	unbounded := cfg
 	unbounded.MaxReserved = 0 // no bound
 	res, err = l.LimitN(ctx, db, name, key, count, &ratelimit.LimitOpts{Config: &unbounded, Reserve: true})
 	if err == nil && !res.OK {
