@@ -103,4 +103,12 @@
 // unless LimitOpts.Throw asks for a *LimitedError. Names are 1 to MaxNameLen bytes, keys 0 to
 // MaxKeyLen bytes, both valid UTF-8 without NUL bytes; counts are finite, > 0 and at most
 // MaxAmount.
+//
+// A context that ends while a decision waits (for a row lock, say) makes the call return the
+// context's error. Inside a transaction nothing is then written: pgx gives the connection up, so
+// the transaction cannot commit. On a pool or a *pgx.Conn, though, pgx's default reaction to a
+// cancelled context is to close the connection without telling the server, which may still finish
+// and commit the statement: the caller was told "error" and never acts on a grant, but the tokens
+// may be spent. To have the server cancel the statement instead, set the connection config's
+// BuildContextWatcherHandler to a *pgconn.CancelRequestContextWatcherHandler.
 package ratelimit
