@@ -80,6 +80,11 @@ type Def struct {
 	What string
 	// Family is what it runs on.
 	Family Family
+	// Shards is Config.Shards of a txlimit contender. Defaults to 0, which means 1: unsharded.
+	Shards int
+	// SweepOnly keeps the contender out of the throughput cells, the picture and the over-grant
+	// test: it runs only in the shard comparison. Defaults to false.
+	SweepOnly bool
 	// New builds the contender on env. It returns a *SkipError when it cannot run here (e.g.
 	// Redis is not reachable), which skips it without failing the run.
 	New func(ctx context.Context, env *Env) (Contender, error)

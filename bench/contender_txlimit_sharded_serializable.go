@@ -9,6 +9,7 @@ func init() {
 		Name:   "txlimit 16 shards in SERIALIZABLE tx",
 		What:   "As txlimit in SERIALIZABLE tx with Config.Shards = 16.",
 		Family: FamilyTxlimit,
+		Shards: 16,
 		New: func(_ context.Context, env *Env) (Contender, error) {
 			lim, err := newTxlimit(env, 16)
 			if err != nil {

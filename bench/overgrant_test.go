@@ -24,7 +24,7 @@ func TestOverGrant(t *testing.T) {
 
 	ran := 0
 	for _, def := range Defs() {
-		if def.Family != FamilyTxlimit {
+		if def.Family != FamilyTxlimit || def.SweepOnly { // the sweep's 64 shards cannot hold seed 003's count
 			continue
 		}
 		ran++

@@ -80,7 +80,7 @@ func (rep *Report) SVG() string {
 		w(`<text x="%.0f" y="%d" text-anchor="middle" fill="#444">concurrent callers</text>`+"\n", left+panelW/2, top+panelH+34)
 		w(`<text transform="translate(%.0f %d) rotate(-90)" text-anchor="middle" fill="#444">decisions/s (log scale)</text>`+"\n", left-58, top+panelH/2)
 
-		for _, def := range rep.Defs {
+		for _, def := range rep.cellDefs() {
 			var pts []string
 			for _, n := range callerCounts {
 				r := rep.find(def.ID, Cell{sc, limitAllow, n})
@@ -106,7 +106,7 @@ func (rep *Report) SVG() string {
 
 	// Legend: two columns under the panels.
 	ly := top + panelH + 62
-	for i, def := range rep.Defs {
+	for i, def := range rep.cellDefs() {
 		x := float64(left1) + float64(i%2)*480
 		y := float64(ly + (i/2)*22)
 		col := colour(def)
