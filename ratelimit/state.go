@@ -17,7 +17,7 @@ type State struct {
 	// Value is the number of tokens available now (refill applied), summed over every configured
 	// shard; a missing shard row counts as full. Negative while reservations are owed. Values are
 	// float8: a charge that combines two shards splits its count in halves, so after many of them
-	// the sum can differ from the exact total by rounding (seen: 1e-13 tokens after 300 calls).
+	// the sum can differ from the exact total by rounding (a few units in the last place).
 	Value float64
 	// TS is the latest stored timestamp of any shard row; zero when no row exists (a full limit).
 	TS time.Time

@@ -48,8 +48,9 @@ pk AS MATERIALIZED (
            ((sqlc.arg('cands')::integer[])[coalesce(f.i, 1)])::integer AS sa,
            ((sqlc.arg('cands')::integer[])[coalesce(f.i, 1) % cardinality(sqlc.arg('cands')::integer[]) + 1])::integer AS sb
     FROM clock k
-    CROSS JOIN (SELECT pg_current_snapshot() AS snap, pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS r,
-                       sqlc.arg('lock_base')::bigint # ('txlimit_state'::regclass::oid::bigint << 20) AS base) z
+    CROSS JOIN (SELECT cs.snap, pg_snapshot_xmax(cs.snap)::text::bigint AS r,
+                       sqlc.arg('lock_base')::bigint # ('txlimit_state'::regclass::oid::bigint << 20) AS base
+                FROM (SELECT pg_current_snapshot() AS snap) cs) z
     LEFT JOIN LATERAL (
         SELECT c.i
         FROM unnest(sqlc.arg('cands')::integer[]) WITH ORDINALITY AS c(shard, i)
