@@ -89,6 +89,11 @@
 // it does not, then decides between combining and the second alone exactly as above. Under READ
 // COMMITTED both picks are always read.
 //
+// A single request on a sharded limit is one call of the PL/pgSQL function txlimit_decide_sharded
+// (migration 00004), which runs only the steps that request takes; it is still one statement and
+// one round trip, in the caller's transaction. Apply the migrations before deploying a version of
+// this package that calls it.
+//
 // # Fixed window grid
 //
 // Fixed windows start at anchor + k·Period. The anchor is Config.Start when set, else a phase in
