@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -38,7 +39,8 @@ func Example_quickstart() {
 				return err
 			}
 			if !res.OK {
-				return fmt.Errorf("slow down: retry in %.0fs", res.RetryAfter().Seconds())
+				// Rounded up: never tell the user to come back too soon.
+				return fmt.Errorf("slow down: retry in %.0fs", math.Ceil(res.RetryAfter().Seconds()))
 			}
 			_, err = tx.Exec(ctx, "INSERT INTO messages (user_id, body) VALUES ($1, $2)", userID, body)
 			return err

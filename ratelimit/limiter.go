@@ -114,8 +114,12 @@ type Result struct {
 	// Shards lists the shard rows that were charged ([0] for an unsharded limit); empty when denied.
 	Shards []int
 
-	// Time is the instant the decision was evaluated at: the database's clock unless
-	// LimiterConfig.Now is set.
+	// Time is the clock reading the decision was made with: the database's clock, read once per
+	// statement before any wait for a row lock, unless LimiterConfig.Now is set. A row whose ts is
+	// later (a concurrent call read the clock after this one but committed first) is evaluated at
+	// its ts instead, since time never runs backwards for a row; so under contention Time can trail
+	// the instant the decision took effect by the wait. RetryAt is computed from the row as
+	// evaluated, so it is right either way.
 	Time time.Time
 }
 

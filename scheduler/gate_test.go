@@ -3,6 +3,7 @@ package scheduler_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -54,7 +55,9 @@ func TestGate(t *testing.T) {
 	// step 2: empty: the job reserves the next token, due in 60 s, records the payment and is
 	// snoozed for MaxSnooze, still available (River keeps short snoozes available), its attempt
 	// given back.
+	before := time.Now()
 	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+	after := time.Now()
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 	require.Equal(t, int32(1), ran.Load())
@@ -62,7 +65,7 @@ func TestGate(t *testing.T) {
 	job := res.Job
 	require.Equal(t, 0, job.Attempt, "a snooze does not consume an attempt")
 	require.Equal(t, rivertype.JobStateAvailable, job.State)
-	require.WithinDuration(t, time.Now().Add(scheduler.MaxSnooze), job.ScheduledAt, time.Second)
+	requireSnoozedFor(t, scheduler.MaxSnooze, before, after, job.ScheduledAt)
 	var p struct {
 		Attempt int       `json:"attempt"`
 		Due     time.Time `json:"due"`
@@ -73,11 +76,13 @@ func TestGate(t *testing.T) {
 
 	// step 3: woken before it is due, it snoozes again for the rest, paying nothing.
 	clock = clock.Add(58 * time.Second)
+	before = time.Now()
 	res, err = w.WorkJob(ctx, t, tx, job)
+	after = time.Now()
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 	require.Equal(t, 0, res.Job.Attempt)
-	require.WithinDuration(t, time.Now().Add(2*time.Second), res.Job.ScheduledAt, time.Second)
+	requireSnoozedFor(t, 2*time.Second, before, after, res.Job.ScheduledAt)
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 
 	// step 4: due: it runs without paying again, and its payment is cleared.
@@ -112,6 +117,16 @@ func TestGate(t *testing.T) {
 	require.Equal(t, int32(3), ran.Load())
 }
 
+// requireSnoozedFor asserts that a job worked between before and after was snoozed for d: River
+// schedules it d after the instant it snoozes, which lies between the two (less the microsecond
+// Postgres truncates to).
+func requireSnoozedFor(t *testing.T, d time.Duration, before, after, scheduledAt time.Time) {
+	t.Helper()
+	lo, hi := before.Add(d-time.Microsecond), after.Add(d)
+	require.True(t, !scheduledAt.Before(lo) && !scheduledAt.After(hi),
+		"scheduled at %s, want %s after the snooze: between %s and %s", scheduledAt, d, lo, hi)
+}
+
 // TestGateRate: 50 jobs through a limit of 10/s (burst 10) all complete, at the rate, none failed.
 func TestGateRate(t *testing.T) {
 	t.Parallel()
@@ -143,13 +158,16 @@ func TestGateRate(t *testing.T) {
 
 	// 10 tokens at first and 10 a second after: the 50th cannot start before 4 s.
 	require.GreaterOrEqual(t, elapsed, 4*time.Second)
-	require.Less(t, elapsed, 9*time.Second)
 	var at []time.Time
 	for _, v := range st.at {
 		at = append(at, v)
 	}
 	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
 	require.Len(t, at, n, "each job ran once")
+	// And not much after: from the first start, the 50th is due at 4 s. A job that paid twice
+	// would push the last start towards 9 s. Measured from the first start, so that the client's
+	// start-up does not count; the 3 s of slack are for a loaded machine.
+	require.Less(t, at[n-1].Sub(at[0]), 7*time.Second, "the last job started %s after the first", at[n-1].Sub(at[0]))
 	for k, s := range at { // the k-th start needs k+1 tokens: 10 + 10/s after the first decision
 		if earliest := start.Add(time.Duration(k-9) * 100 * time.Millisecond); s.Before(earliest) {
 			t.Errorf("start %d at %s, before %s: over-granted", k, s.Sub(start), earliest.Sub(start))
@@ -187,15 +205,23 @@ func TestReservedJobsStartOnTime(t *testing.T) {
 			r, err := sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{N: i}, nil)
 			if err == nil && i > 0 {
 				due[r.Job.ID] = r.ScheduledAt
+				// What PreciseHook is for: River's scheduler never has to promote it.
+				require.Equal(t, rivertype.JobStateAvailable, r.Job.State, "job %d reserved for later", i)
 			}
 			return err
 		}))
 	}
 	st.wait(t, n+1, 30*time.Second)
+	// Reserved 250 ms apart, the 8 jobs fall due over 2 s. Left to River's scheduler (a pass every
+	// 5 s) at least half would start a second or more late; a loaded machine may stall one or two.
+	var lateOnes []string
 	for id, at := range due {
 		late := st.at[id].Sub(at)
 		t.Logf("job %d: %s late", id, late)
 		require.GreaterOrEqual(t, late, -2*time.Millisecond, "job %d started before its time", id)
-		require.Less(t, late, bound, "job %d started %s after its time", id, late)
+		if late >= bound {
+			lateOnes = append(lateOnes, fmt.Sprintf("job %d %s", id, late))
+		}
 	}
+	require.LessOrEqual(t, len(lateOnes), 2, "started %s or more after their time: %v", bound, lateOnes)
 }

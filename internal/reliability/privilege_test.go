@@ -271,11 +271,11 @@ func TestLeastPrivilege(t *testing.T) {
 	}()
 
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"api":     {Rate: 10, Period: time.Second, MaxReserved: 10},
+		"api":     {Rate: 10, Period: time.Hour, MaxReserved: 10}, // no refill to speak of: Credit's exact figure holds however slow the steps
 		"sharded": {Rate: 40, Period: time.Second, Shards: 4},
 		"brief":   {Rate: 1000, Period: time.Second},                             // full again a millisecond after a call
 		"llm":     {Rate: 10, Period: time.Second, Capacity: 1, MaxReserved: 10}, // a reservation waits 100 ms a token
-		"gated":   {Rate: 1, Period: 300 * time.Millisecond, Capacity: 1},
+		"gated":   {Rate: 1, Period: 2 * time.Second, Capacity: 1},               // the 2nd and 3rd gated jobs snooze however fast River works them
 	}})
 	if err != nil {
 		t.Fatal(err)
@@ -438,7 +438,8 @@ func TestLeastPrivilege(t *testing.T) {
 	})
 	op("ReserveTx (reserved, scheduled for RetryAt)", func() error {
 		return inTx(func(tx pgx.Tx) error {
-			r, err := sched.ReserveTx(ctx, tx, "llm", "org", 1, privJobArgs{Step: "reserved", Budget: budget(1), Actual: 1.5}, nil)
+			// 2 is more than the capacity of 1: reserved however long since the last call.
+			r, err := sched.ReserveTx(ctx, tx, "llm", "org", 2, privJobArgs{Step: "reserved", Budget: budget(2), Actual: 2.5}, nil)
 			if err != nil {
 				return err
 			}

@@ -130,6 +130,9 @@ type Options struct {
 	NoMigrate bool
 	// Tracer is installed on every connection, e.g. to count statements. Defaults to none.
 	Tracer pgx.QueryTracer
+	// RuntimeParams are set on every connection (e.g. synchronous_commit), besides search_path.
+	// Defaults to none.
+	RuntimeParams map[string]string
 }
 
 // Pool returns a pool whose search_path is a new schema with txlimit's migrations applied. The
@@ -144,6 +147,9 @@ func Pool(tb testing.TB, opts *Options) *pgxpool.Pool {
 	cfg, err := pgxpool.ParseConfig(DSN(tb))
 	if err != nil {
 		tb.Fatalf("testdb: parse DSN: %v", err)
+	}
+	for k, v := range opts.RuntimeParams {
+		cfg.ConnConfig.RuntimeParams[k] = v
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.MaxConns = 8
