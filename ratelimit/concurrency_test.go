@@ -74,23 +74,30 @@ func overGrantRunWindow(t *testing.T, decide func(ctx context.Context) (ok bool,
 	return allowed, in3s, errs, max
 }
 
+// overGrantLimits are seed 003's limit, twice: burst 10, rate 10/s.
+var overGrantLimits = map[string]ratelimit.Config{
+	"hot":    {Rate: 10, Period: time.Second, Capacity: 10},
+	"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},
+}
+
 func overGrantLimiter(t *testing.T) (*pgxpool.Pool, *ratelimit.Limiter) {
 	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16})
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"hot":    {Rate: 10, Period: time.Second, Capacity: 10},
-		"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},
-	}})
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: overGrantLimits})
 	require.NoError(t, err)
 	return pool, lim
 }
 
-// storedTS reads the ts stored for the limit "hot", key "k".
-func storedTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter) func() time.Time {
-	return func() time.Time {
-		st, err := lim.Value(context.Background(), pool, "hot", "k", nil)
-		require.NoError(t, err)
-		return st.TS
-	}
+// storedTS reads the latest ts stored for name and key (over all shards).
+func storedTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) time.Time {
+	t.Helper()
+	st, err := lim.Value(context.Background(), pool, name, key, nil)
+	require.NoError(t, err)
+	return st.TS
+}
+
+// hotTS reads the ts stored for the limit "hot", key "k".
+func hotTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter) func() time.Time {
+	return func() time.Time { return storedTS(t, pool, lim, "hot", "k") }
 }
 
 func requireNoOverGrant(t *testing.T, mode string, allowed, in3s, errs int64, max float64) {
@@ -109,7 +116,7 @@ func TestOverGrantPool(t *testing.T) {
 	allowed, in3s, errs, max := overGrantRunWindow(t, func(ctx context.Context) (bool, time.Time, error) {
 		r, err := lim.Limit(ctx, pool, "hot", "k", nil)
 		return r.OK, r.Time, err
-	}, storedTS(t, pool, lim))
+	}, hotTS(t, pool, lim))
 	require.Zero(t, errs)
 	requireNoOverGrant(t, "pool", allowed, in3s, errs, max)
 }
@@ -127,7 +134,7 @@ func TestOverGrantSerializable(t *testing.T) {
 			return err
 		})
 		return r.OK, r.Time, err
-	}, storedTS(t, pool, lim))
+	}, hotTS(t, pool, lim))
 	requireNoOverGrant(t, "serializable", allowed, in3s, errs, max)
 }
 
@@ -146,7 +153,7 @@ func TestOverGrantMany(t *testing.T) {
 			return false, time.Time{}, err
 		}
 		return m.OK, m.Results[0].Time, nil
-	}, storedTS(t, pool, lim))
+	}, hotTS(t, pool, lim))
 	require.Zero(t, errs)
 	requireNoOverGrant(t, "many", allowed, in3s, errs, max)
 	// All-or-nothing: both limits were charged by the same statements, at the same instants, so
@@ -155,13 +162,7 @@ func TestOverGrantMany(t *testing.T) {
 	a, err := lim.Value(context.Background(), pool, "hot", "k", nil)
 	require.NoError(t, err)
 	at := a.Time
-	pinned, err := ratelimit.New(&ratelimit.LimiterConfig{
-		Limits: map[string]ratelimit.Config{
-			"hot":    {Rate: 10, Period: time.Second, Capacity: 10},
-			"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},
-		},
-		Now: func() time.Time { return at },
-	})
+	pinned, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: overGrantLimits, Now: func() time.Time { return at }})
 	require.NoError(t, err)
 	a, err = pinned.Value(context.Background(), pool, "hot", "k", nil)
 	require.NoError(t, err)

@@ -601,12 +601,8 @@ func (l *shardLoad) max(c, r float64) float64 {
 // the last grant was evaluated at.
 func (l *shardLoad) endAtStoredTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) {
 	t.Helper()
-	st, err := lim.Value(context.Background(), pool, name, key, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if l.granted.Load() > 0 && st.TS.After(l.lastGrant) {
-		l.lastGrant = st.TS
+	if ts := storedTS(t, pool, lim, name, key); l.granted.Load() > 0 && ts.After(l.lastGrant) {
+		l.lastGrant = ts
 	}
 }
 
