@@ -1,8 +1,8 @@
 -- +goose Up
 
 -- One row per (name, key, shard): the two numbers of a limit. A missing row is a full, untouched
--- limit; configs travel with each call, so nothing else is stored. The table is updated on every
--- granted decision: no column that changes is indexed and pages keep free space, so updates are HOT.
+-- limit; configs travel with each call, so nothing else is stored. Every granted decision updates
+-- a row: no column that changes is indexed and pages keep free space, so updates are HOT.
 CREATE TABLE txlimit_state (
     name  text             NOT NULL,
     key   text             NOT NULL,
@@ -13,11 +13,12 @@ CREATE TABLE txlimit_state (
     CONSTRAINT txlimit_state_shard_check CHECK (shard >= 0)
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
 
--- txlimit_level is the number of tokens a row holds at now_us (microseconds since the Unix epoch):
--- the refill since ts_us is added and the sum is capped at cap. kind 0 is a token bucket (continuous
--- refill of rate per period_us), kind 1 a fixed window (rate per whole elapsed period). Time never
--- runs backwards: a now_us before ts_us refills nothing. The Go reference model mirrors this
--- expression operation by operation so that both give bit-identical float8 results.
+-- The algebra, each rule once. Times are microseconds since the Unix epoch; kind 0 is a token
+-- bucket, 1 a fixed window. The Go reference model (ratelimit/model_test.go) performs the same
+-- float8 operations in the same order, so both give bit-identical results.
+
+-- txlimit_level: the tokens a row (value, ts_us) holds at now_us: the refill since ts_us, capped.
+-- Time never runs backwards: a now_us before ts_us refills nothing.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_level(kind smallint, value double precision, ts_us bigint, now_us bigint,
                               rate double precision, period_us bigint, cap double precision)
@@ -33,9 +34,8 @@ AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_next_ts is the timestamp (microseconds since the Unix epoch) a row moves to when it is
--- evaluated at now_us: now for a token bucket, the start of the current window for a fixed window.
--- It is never before ts_us.
+-- txlimit_next_ts: the ts a row moves to when evaluated at now_us: now for a token bucket, the
+-- start of the current window for a fixed window; never before ts_us.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_next_ts(kind smallint, ts_us bigint, now_us bigint, period_us bigint)
 RETURNS bigint
@@ -48,14 +48,22 @@ AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_charge chooses which candidate rows a request charges: 1 (row a), 2 (row b) or 3 (both),
--- given the tokens lv_a and (when two) lv_b they hold. With fixed_charge 0 it chooses freely: the
--- row with more tokens if either alone holds count (a on a tie), else both so they end equal, unless
--- they differ by more than count (then the fuller alone: charging both equal would hand the emptier
--- one tokens). With fixed_charge 1 or 2 that row stays charged; with 3 the choice is between both
--- and the fuller alone. Decide calls it on the lock-free read to pick the rows to lock, then with
--- that choice fixed on the locked rows' latest levels. (Migration 00003 replaces it: with 3, the
--- choice is free again.)
+-- txlimit_missing_ts: the ts that makes a row of value cap evaluate exactly as a missing row at any
+-- later instant (full, and on the key's window grid: a fixed window's grid starts at anchor_us).
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_missing_ts(kind smallint, anchor_us bigint)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN kind = 0 THEN 0 ELSE anchor_us END
+$$;
+-- +goose StatementEnd
+
+-- txlimit_charge: which candidate rows a request charges, 1 (row a), 2 (row b) or 3 (both), given
+-- the tokens lv_a and (when two) lv_b they hold: the fuller alone when it holds count (a on a tie),
+-- else both so that they end equal, unless they differ by more than count (then the fuller alone:
+-- charging both equal would hand the emptier one tokens). fixed_charge 1 or 2 keeps that row (the
+-- only one locked); 0 and 3 choose freely.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_charge(lv_a double precision, lv_b double precision, two boolean,
                                count double precision, fixed_charge integer)
@@ -64,7 +72,7 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
     SELECT CASE WHEN NOT two THEN 1
                 WHEN fixed_charge IN (1, 2) THEN fixed_charge
-                WHEN fixed_charge = 0 AND greatest(lv_a, lv_b) >= count THEN CASE WHEN lv_a >= lv_b THEN 1 ELSE 2 END
+                WHEN greatest(lv_a, lv_b) >= count THEN CASE WHEN lv_a >= lv_b THEN 1 ELSE 2 END
                 WHEN abs(lv_a - lv_b) <= count THEN 3
                 WHEN lv_a >= lv_b THEN 1
                 ELSE 2
@@ -72,9 +80,7 @@ AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_left is what candidate row slot (0: a, 1: b) holds after a request for count is charged
--- as txlimit_charge chose: lv - count for the row charged alone, (lv_a + lv_b - count)/2 for both,
--- its level unchanged when it is not charged.
+-- txlimit_left: what row slot (0: a, 1: b) holds after count is charged as txlimit_charge chose.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_left(slot integer, charge integer, lv_a double precision, lv_b double precision,
                              count double precision)
@@ -90,9 +96,508 @@ AS $$
 $$;
 -- +goose StatementEnd
 
+-- txlimit_granted: the grant rule. low is what the emptiest charged row is left with; allow is
+-- how far below zero the request may take it (0 without Reserve, MaxReserved per shard with it,
+-- +Infinity for no bound). Granted now when low >= 0, as a reservation when -allow <= low < 0.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_granted(charge integer, end_a double precision, end_b double precision,
+                                allow double precision)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE charge WHEN 1 THEN end_a WHEN 2 THEN end_b ELSE least(end_a, end_b) END >= -allow
+$$;
+-- +goose StatementEnd
+
+-- txlimit_grants_at: whether a request for count (allowance allow) on rows (va, ta) and, when two,
+-- (vb, tb) is granted at t_us by the rules above.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_grants_at(kind smallint, rate double precision, period_us bigint, cap double precision,
+                                  count double precision, allow double precision, two boolean,
+                                  va double precision, ta bigint, vb double precision, tb bigint, t_us bigint)
+RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+AS $$
+DECLARE
+    lv_a double precision := txlimit_level(kind, va, ta, t_us, rate, period_us, cap);
+    lv_b double precision := CASE WHEN two THEN txlimit_level(kind, vb, tb, t_us, rate, period_us, cap) ELSE 0 END;
+    ch integer := txlimit_charge(lv_a, lv_b, two, count, 0);
+BEGIN
+    RETURN txlimit_granted(ch, txlimit_left(0, ch, lv_a, lv_b, count), txlimit_left(1, ch, lv_a, lv_b, count), allow);
+END
+$$;
+-- +goose StatementEnd
+
+-- txlimit_first_grant: the first microsecond t >= from_us at which txlimit_grants_at holds (with
+-- count 0 and allow 0 on a single row: when that row is out of debt). It searches on the very rules
+-- a decision applies, so the answer is exact: one microsecond earlier the same request is refused.
+-- It tries the real-arithmetic estimate and the microsecond before it, and only when float8
+-- rounding or a cap puts the answer elsewhere gallops and bisects, so it ends within about 130
+-- evaluations for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
+-- years, ratelimit.MaxRetryWait); a request not granted by then returns that bound.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_first_grant(kind smallint, rate double precision, period_us bigint, cap double precision,
+                                    count double precision, allow double precision, two boolean,
+                                    va double precision, ta bigint, vb double precision, tb bigint,
+                                    from_us bigint)
+RETURNS bigint
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+AS $$
+DECLARE
+    max_wait constant bigint := 2305843009213693952; -- 2^61
+    horizon bigint := from_us + max_wait;
+    lo bigint := from_us; hi bigint; mid bigint; step bigint;
+    lv_a double precision; lv_b double precision := 0; ch integer; est double precision;
+BEGIN
+    IF txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, from_us) THEN
+        RETURN from_us;
+    END IF;
+    -- The estimate: the deficit of the emptiest charged row at from_us, refilled at rate.
+    lv_a := txlimit_level(kind, va, ta, from_us, rate, period_us, cap);
+    IF two THEN lv_b := txlimit_level(kind, vb, tb, from_us, rate, period_us, cap); END IF;
+    ch := txlimit_charge(lv_a, lv_b, two, count, 0);
+    est := -least(CASE WHEN ch IN (1, 3) THEN txlimit_left(0, ch, lv_a, lv_b, count) ELSE 'Infinity' END,
+                  CASE WHEN ch IN (2, 3) THEN txlimit_left(1, ch, lv_a, lv_b, count) ELSE 'Infinity' END) - allow;
+    IF kind = 0 THEN
+        est := ceil(est * period_us::double precision / rate);
+    ELSE
+        est := (txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us) - from_us)::double precision
+               + ceil(est / rate) * period_us::double precision;
+    END IF;
+    hi := from_us + least(greatest(est, 1), max_wait::double precision)::bigint;
+    -- Gallop until granted at hi (not granted at lo).
+    step := greatest(hi - lo, 1);
+    WHILE NOT txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, hi) LOOP
+        IF hi >= horizon THEN
+            RETURN horizon;
+        END IF;
+        lo := hi;
+        hi := least(hi + step, horizon);
+        step := least(step * 2, max_wait);
+    END LOOP;
+    -- Usually the estimate is the answer: refused one microsecond earlier.
+    IF hi - lo > 1 THEN
+        IF NOT txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, hi - 1) THEN
+            RETURN hi;
+        END IF;
+        hi := hi - 1;
+    END IF;
+    WHILE hi - lo > 1 LOOP
+        mid := lo + (hi - lo) / 2;
+        IF txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, mid) THEN
+            hi := mid;
+        ELSE
+            lo := mid;
+        END IF;
+    END LOOP;
+    RETURN hi;
+END
+$$;
+-- +goose StatementEnd
+
+-- txlimit_decide decides a list of requests in one statement; every call of the library is one
+-- call of it (a single Limit is a list of one). Arrays are parallel: one element per request, per
+-- candidate shard, or per row. The caller (ratelimit/engine.go) numbers the rows the list may
+-- touch in the global lock order (name, key, shard, compared as bytes) and tells each request
+-- which rows its candidate shards are.
+--
+-- Requests: p_grp (consecutive requests with the same value are one all-or-nothing group), p_count,
+-- p_allow (how far below zero a reservation may go per shard: 0 without Reserve, +Infinity for no
+-- bound), p_dry (Check: decide, lock and write nothing), p_steer (a lone sharded request: choose
+-- its shards away from concurrent callers), the config per shard (p_kind, p_rate, p_period_us,
+-- p_cap, p_anchor_us), p_lock_base (the advisory-lock hash of (name, key)), and its candidates
+-- p_cand_shard/p_cand_row from p_cand_off, p_cand_n of them (the two random picks first).
+-- Rows: p_row_name, p_row_key, p_row_shard, and p_row_bulk (read in the first pass).
+--
+-- Steps:
+-- 1. Plan, on lock-free reads, request after request in list order, each seeing the planned effect
+--    of the groups before it: which rows each group that would be granted charges.
+-- 2. Lock those rows in row order (the global order), FOR UPDATE, which re-reads their latest
+--    committed version. A missing row is inserted full, stamped so that it evaluates exactly as
+--    missing, and so created and locked here: no caller ever re-runs a decision.
+-- 3. Decide again, in list order, on the locked versions; a request is granted only on rows this
+--    transaction holds (else it is refused: an under-grant, possible only when a concurrent
+--    transaction changed the rows between the passes, never an over-grant).
+-- 4. Write every row a granted group changed; a denied group writes nothing.
+-- Every access is a primary-key probe (sequential and bitmap scans are off for this function), so
+-- under SERIALIZABLE a decision holds predicate locks on the rows it reads only.
+--
+-- Sharded requests: see the package doc of ratelimit ("Shards"). A steered request takes as shard
+-- a the first candidate whose transaction-scoped advisory lock (p_lock_base XOR this table's OID
+-- shifted left 20 bits XOR the shard) it gets without waiting, and under REPEATABLE READ or
+-- SERIALIZABLE that is not stale (its latest version was written or locked by a transaction this
+-- snapshot cannot see: xmax widened to an xid8 next to the snapshot's xmax); b is the candidate
+-- after a. When every candidate is taken, READ COMMITTED goes on with the first and a snapshot
+-- isolation level returns busy for the request, having read and written nothing. Under a snapshot,
+-- b is read only when a alone cannot serve (a row read but not charged makes this transaction a
+-- reader of whoever charges it). A lone request charging one shard that another transaction holds
+-- takes its other pick instead when that one can serve alone (SKIP LOCKED), and waits only when
+-- both are held.
+--
+-- Output, one row per request in list order: ok (granted now), reserved (granted below zero),
+-- busy, level_sum (tokens in the shards looked at: after the charge when granted, before it when
+-- not), shard_a, shard_b (-1 when unsharded), charged (1: a, 2: b, 3: both), retry_at_us (0 when
+-- granted now: see txlimit_first_grant; for a reservation when its debt is paid, for a refusal when
+-- the same request is granted), now_us (the clock reading the list was decided at).
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_decide(
+    p_now timestamptz,
+    p_grp integer[], p_count double precision[], p_allow double precision[], p_dry boolean[],
+    p_steer boolean[], p_kind smallint[], p_rate double precision[], p_period_us bigint[],
+    p_cap double precision[], p_anchor_us bigint[], p_lock_base bigint[],
+    p_cand_off integer[], p_cand_n integer[], p_cand_shard integer[], p_cand_row integer[],
+    p_row_name text[], p_row_key text[], p_row_shard integer[], p_row_bulk boolean[])
+RETURNS TABLE (ok boolean, reserved boolean, busy boolean, level_sum double precision,
+               shard_a integer, shard_b integer, charged integer, retry_at_us bigint, now_us bigint)
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off
+AS $$
+DECLARE
+    n integer := cardinality(p_grp);
+    m integer := cardinality(p_row_name);
+    t_now bigint := (extract(epoch FROM coalesce(p_now, clock_timestamp())) * 1000000)::bigint;
+    snap_iso boolean := current_setting('transaction_isolation') IN ('serializable', 'repeatable read');
+    -- Rows: as read without a lock, as locked, and as the current pass has left them.
+    r_read boolean[] := array_fill(false, ARRAY[m]);
+    r_ex boolean[] := array_fill(false, ARRAY[m]);
+    r_val double precision[] := array_fill(0::double precision, ARRAY[m]);
+    r_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
+    l_got boolean[] := array_fill(false, ARRAY[m]);
+    l_val double precision[] := array_fill(0::double precision, ARRAY[m]);
+    l_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
+    w_mod boolean[]; w_val double precision[] := array_fill(0::double precision, ARRAY[m]);
+    w_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
+    want boolean[] := array_fill(false, ARRAY[m]);
+    ph_val double precision[] := array_fill(0::double precision, ARRAY[m]);
+    ph_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
+    -- Requests: the rows chosen, and the answers.
+    q_a integer[] := array_fill(0, ARRAY[n]); q_b integer[] := array_fill(0, ARRAY[n]);
+    q_two boolean[] := array_fill(false, ARRAY[n]); q_charge integer[] := array_fill(0, ARRAY[n]);
+    q_held boolean[] := array_fill(true, ARRAY[n]); q_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
+    o_ok boolean[] := array_fill(false, ARRAY[n]); o_res boolean[] := array_fill(false, ARRAY[n]);
+    o_busy boolean[] := array_fill(false, ARRAY[n]); o_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
+    o_sa integer[] := array_fill(-1, ARRAY[n]); o_sb integer[] := array_fill(-1, ARRAY[n]);
+    o_ch integer[] := array_fill(0, ARRAY[n]); o_retry bigint[] := array_fill(0::bigint, ARRAY[n]);
+    g_ok boolean; g_end integer; g integer; pass integer;
+    i integer; j integer; r integer; a integer; b integer; off integer; cnt integer; k bigint;
+    kind smallint; fixed integer; ch integer; two boolean; dry boolean;
+    va double precision; ta bigint; vb double precision; tb bigint; mts bigint;
+    lv_a double precision; lv_b double precision; end_a double precision; end_b double precision;
+    granted boolean; now_ok boolean;
+    -- Steering.
+    base bigint; snap pg_snapshot; xr bigint; x bigint; xm bigint; pos integer;
+    -- The lone request's SKIP LOCKED switch.
+    pick integer; other integer; switched boolean := false; tries integer;
+    -- The writes.
+    d_name text[] := '{}'; d_key text[] := '{}'; d_shard integer[] := '{}';
+    d_val double precision[] := '{}'; d_ts bigint[] := '{}';
+    rec record;
+BEGIN
+    IF snap_iso THEN
+        snap := pg_current_snapshot();
+        xr := pg_snapshot_xmax(snap)::text::bigint;
+    END IF;
+    base := 'txlimit_state'::regclass::oid::bigint << 20;
+
+    -- The lock-free read of every row a request without steering may use, in one probe each.
+    FOR rec IN
+        SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
+        FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
+        JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+        WHERE u.bulk
+    LOOP
+        r_ex[rec.i] := true; r_val[rec.i] := rec.v; r_ts[rec.i] := rec.t;
+    END LOOP;
+    FOR r IN 1 .. m LOOP
+        r_read[r] := p_row_bulk[r];
+    END LOOP;
+
+    FOR pass IN 1 .. 2 LOOP
+        w_mod := array_fill(false, ARRAY[m]);
+        g := 1;
+        WHILE g <= n LOOP
+            g_end := g;
+            WHILE g_end < n AND p_grp[g_end + 1] = p_grp[g] LOOP
+                g_end := g_end + 1;
+            END LOOP;
+            g_ok := true;
+            FOR i IN g .. g_end LOOP
+                kind := p_kind[i]; dry := p_dry[i]; off := p_cand_off[i]; cnt := p_cand_n[i];
+                mts := txlimit_missing_ts(kind, p_anchor_us[i]);
+                IF pass = 1 THEN
+                    -- Choose the rows.
+                    pos := 1;
+                    IF p_steer[i] AND NOT dry THEN
+                        pos := NULL;
+                        FOR j IN 1 .. cnt LOOP
+                            CONTINUE WHEN NOT pg_try_advisory_xact_lock(p_lock_base[i] # base # p_cand_shard[off + j - 1]::bigint);
+                            IF snap_iso THEN
+                                r := p_cand_row[off + j - 1];
+                                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint
+                                INTO va, ta, xm
+                                FROM txlimit_state s
+                                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r];
+                                r_read[r] := true; r_ex[r] := FOUND; r_val[r] := va; r_ts[r] := ta;
+                                IF xm IS NOT NULL AND xm <> 0 THEN
+                                    x := xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648) % 4294967296 - 2147483648;
+                                    CONTINUE WHEN x >= 3 AND NOT pg_visible_in_snapshot(x::text::xid8, snap)
+                                                  AND (x >= xr OR pg_xact_status(x::text::xid8) IS DISTINCT FROM 'aborted');
+                                END IF;
+                            END IF;
+                            pos := j;
+                            EXIT;
+                        END LOOP;
+                        IF pos IS NULL AND snap_iso THEN
+                            o_busy[i] := true; g_ok := false;
+                            o_sa[i] := p_cand_shard[off]; o_sb[i] := p_cand_shard[off + 1];
+                            CONTINUE;
+                        END IF;
+                        pos := coalesce(pos, 1);
+                    END IF;
+                    q_a[i] := p_cand_row[off + pos - 1];
+                    IF cnt >= 2 THEN
+                        q_b[i] := p_cand_row[off + pos % cnt];
+                        o_sa[i] := p_cand_shard[off + pos - 1];
+                        o_sb[i] := p_cand_shard[off + pos % cnt];
+                    ELSE
+                        o_sa[i] := p_cand_shard[off];
+                    END IF;
+                END IF;
+                IF o_busy[i] THEN
+                    g_ok := false;
+                    CONTINUE;
+                END IF;
+                a := q_a[i]; b := q_b[i];
+                -- Row a, read without a lock when this is its first use.
+                IF NOT r_read[a] THEN
+                    SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                    FROM txlimit_state s
+                    WHERE s.name = p_row_name[a] AND s.key = p_row_key[a] AND s.shard = p_row_shard[a];
+                    r_read[a] := true; r_ex[a] := FOUND; r_val[a] := va; r_ts[a] := ta;
+                END IF;
+                IF w_mod[a] THEN va := w_val[a]; ta := w_ts[a];
+                ELSIF pass = 2 AND l_got[a] THEN va := l_val[a]; ta := l_ts[a];
+                ELSIF r_ex[a] THEN va := r_val[a]; ta := r_ts[a];
+                ELSE va := p_cap[i]; ta := mts;
+                END IF;
+                lv_a := txlimit_level(kind, va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]);
+                IF pass = 1 THEN
+                    -- Under a snapshot, a lone request reads b only when a cannot serve alone.
+                    q_two[i] := b > 0 AND NOT (p_steer[i] AND snap_iso AND lv_a >= p_count[i]);
+                END IF;
+                two := q_two[i];
+                lv_b := 0; vb := NULL; tb := NULL;
+                IF two THEN
+                    IF NOT r_read[b] THEN
+                        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO vb, tb
+                        FROM txlimit_state s
+                        WHERE s.name = p_row_name[b] AND s.key = p_row_key[b] AND s.shard = p_row_shard[b];
+                        r_read[b] := true; r_ex[b] := FOUND; r_val[b] := vb; r_ts[b] := tb;
+                    END IF;
+                    IF w_mod[b] THEN vb := w_val[b]; tb := w_ts[b];
+                    ELSIF pass = 2 AND l_got[b] THEN vb := l_val[b]; tb := l_ts[b];
+                    ELSIF r_ex[b] THEN vb := r_val[b]; tb := r_ts[b];
+                    ELSE vb := p_cap[i]; tb := mts;
+                    END IF;
+                    lv_b := txlimit_level(kind, vb, tb, t_now, p_rate[i], p_period_us[i], p_cap[i]);
+                END IF;
+                -- Decide: freely on the plan; on the rows held in the second pass.
+                fixed := 0;
+                IF pass = 2 AND NOT dry THEN
+                    fixed := CASE WHEN l_got[a] THEN 1 ELSE 0 END + CASE WHEN two AND l_got[b] THEN 2 ELSE 0 END;
+                END IF;
+                ch := txlimit_charge(lv_a, lv_b, two, p_count[i], fixed);
+                end_a := txlimit_left(0, ch, lv_a, lv_b, p_count[i]);
+                end_b := txlimit_left(1, ch, lv_a, lv_b, p_count[i]);
+                granted := txlimit_granted(ch, end_a, end_b, p_allow[i]);
+                IF pass = 1 THEN
+                    q_charge[i] := ch;
+                    g_ok := g_ok AND granted;
+                    CONTINUE;
+                END IF;
+                now_ok := txlimit_granted(ch, end_a, end_b, 0);
+                -- Held: every row the request charges is locked by this transaction.
+                q_held[i] := dry OR NOT ((ch IN (1, 3) AND NOT l_got[a]) OR (ch IN (2, 3) AND NOT l_got[b]));
+                o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_ch[i] := ch;
+                o_lvl[i] := CASE WHEN granted THEN end_a + CASE WHEN two THEN end_b ELSE 0 END
+                                 ELSE lv_a + lv_b END;
+                q_lvl[i] := lv_a + lv_b;
+                IF NOT granted THEN
+                    o_retry[i] := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], p_count[i], p_allow[i],
+                                                      two, va, ta, vb, tb, t_now);
+                ELSIF NOT now_ok THEN
+                    IF ch IN (1, 3) THEN
+                        o_retry[i] := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], 0, 0, false,
+                                                          end_a, txlimit_next_ts(kind, ta, t_now, p_period_us[i]), NULL, NULL, t_now);
+                    END IF;
+                    IF ch IN (2, 3) THEN
+                        o_retry[i] := greatest(o_retry[i],
+                            txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], 0, 0, false,
+                                                end_b, txlimit_next_ts(kind, tb, t_now, p_period_us[i]), NULL, NULL, t_now));
+                    END IF;
+                END IF;
+                g_ok := g_ok AND granted;
+            END LOOP;
+
+            -- Granted by the rules on rows this transaction does not hold (a concurrent transaction
+            -- changed them between the passes): refused, to be retried at once.
+            IF pass = 2 AND g_ok THEN
+                FOR i IN g .. g_end LOOP
+                    CONTINUE WHEN q_held[i];
+                    g_ok := false;
+                    o_ok[i] := false; o_res[i] := false; o_retry[i] := t_now; o_lvl[i] := q_lvl[i];
+                END LOOP;
+            END IF;
+
+            -- A granted group: its effect is seen by the requests after it; in the first pass its
+            -- rows are to be locked, in the second they are to be written.
+            IF g_ok AND NOT p_dry[g] THEN
+                FOR i IN g .. g_end LOOP
+                    kind := p_kind[i]; a := q_a[i]; b := q_b[i]; two := q_two[i];
+                    mts := txlimit_missing_ts(kind, p_anchor_us[i]);
+                    IF w_mod[a] THEN va := w_val[a]; ta := w_ts[a];
+                    ELSIF pass = 2 AND l_got[a] THEN va := l_val[a]; ta := l_ts[a];
+                    ELSIF r_ex[a] THEN va := r_val[a]; ta := r_ts[a];
+                    ELSE va := p_cap[i]; ta := mts;
+                    END IF;
+                    lv_a := txlimit_level(kind, va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]);
+                    lv_b := 0;
+                    IF two THEN
+                        IF w_mod[b] THEN vb := w_val[b]; tb := w_ts[b];
+                        ELSIF pass = 2 AND l_got[b] THEN vb := l_val[b]; tb := l_ts[b];
+                        ELSIF r_ex[b] THEN vb := r_val[b]; tb := r_ts[b];
+                        ELSE vb := p_cap[i]; tb := mts;
+                        END IF;
+                        lv_b := txlimit_level(kind, vb, tb, t_now, p_rate[i], p_period_us[i], p_cap[i]);
+                    END IF;
+                    ch := CASE WHEN pass = 1 THEN q_charge[i] ELSE o_ch[i] END;
+                    IF ch IN (1, 3) THEN
+                        w_val[a] := txlimit_left(0, ch, lv_a, lv_b, p_count[i]);
+                        w_ts[a] := txlimit_next_ts(kind, ta, t_now, p_period_us[i]);
+                        w_mod[a] := true;
+                        IF pass = 1 AND NOT want[a] THEN
+                            want[a] := true; ph_val[a] := p_cap[i]; ph_ts[a] := mts;
+                        END IF;
+                    END IF;
+                    IF ch IN (2, 3) THEN
+                        w_val[b] := txlimit_left(1, ch, lv_a, lv_b, p_count[i]);
+                        w_ts[b] := txlimit_next_ts(kind, tb, t_now, p_period_us[i]);
+                        w_mod[b] := true;
+                        IF pass = 1 AND NOT want[b] THEN
+                            want[b] := true; ph_val[b] := p_cap[i]; ph_ts[b] := mts;
+                        END IF;
+                    END IF;
+                END LOOP;
+            END IF;
+            g := g_end + 1;
+        END LOOP;
+
+        EXIT WHEN pass = 2;
+
+        -- The locks. A lone sharded request charging one shard tries it without waiting, then its
+        -- other pick when that can serve alone, and waits only when both are held.
+        IF n = 1 AND p_steer[1] AND q_two[1] AND q_charge[1] IN (1, 2) AND want[q_a[1]] <> want[q_b[1]] THEN
+            pick := CASE WHEN q_charge[1] = 1 THEN q_a[1] ELSE q_b[1] END;
+            other := CASE WHEN q_charge[1] = 1 THEN q_b[1] ELSE q_a[1] END;
+            IF r_ex[pick] THEN
+                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                FROM txlimit_state s
+                WHERE s.name = p_row_name[pick] AND s.key = p_row_key[pick] AND s.shard = p_row_shard[pick]
+                FOR UPDATE SKIP LOCKED;
+                IF FOUND THEN
+                    l_got[pick] := true; l_val[pick] := va; l_ts[pick] := ta; want[pick] := false;
+                ELSE
+                    -- The other pick serves alone if its plan level holds the count.
+                    IF r_ex[other] THEN
+                        va := r_val[other]; ta := r_ts[other];
+                    ELSE
+                        va := p_cap[1]; ta := txlimit_missing_ts(p_kind[1], p_anchor_us[1]);
+                    END IF;
+                    IF txlimit_level(p_kind[1], va, ta, t_now, p_rate[1], p_period_us[1], p_cap[1]) >= p_count[1] THEN
+                        IF r_ex[other] THEN
+                            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                            FROM txlimit_state s
+                            WHERE s.name = p_row_name[other] AND s.key = p_row_key[other] AND s.shard = p_row_shard[other]
+                            FOR UPDATE SKIP LOCKED;
+                            IF FOUND THEN
+                                l_got[other] := true; l_val[other] := va; l_ts[other] := ta; want[pick] := false;
+                            END IF;
+                        ELSE
+                            want[pick] := false; want[other] := true;
+                            ph_val[other] := p_cap[1]; ph_ts[other] := txlimit_missing_ts(p_kind[1], p_anchor_us[1]);
+                        END IF;
+                    END IF;
+                END IF;
+            END IF;
+        END IF;
+        FOR r IN 1 .. m LOOP
+            CONTINUE WHEN NOT want[r];
+            tries := 0;
+            LOOP
+                IF r_ex[r] OR tries > 0 THEN
+                    SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                    FROM txlimit_state s
+                    WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
+                    FOR UPDATE;
+                    IF FOUND THEN
+                        l_got[r] := true; l_val[r] := va; l_ts[r] := ta;
+                        EXIT;
+                    END IF;
+                END IF;
+                INSERT INTO txlimit_state (name, key, shard, value, ts)
+                VALUES (p_row_name[r], p_row_key[r], p_row_shard[r], ph_val[r],
+                        'epoch'::timestamptz + ph_ts[r] * interval '1 microsecond')
+                ON CONFLICT DO NOTHING;
+                GET DIAGNOSTICS k = ROW_COUNT;
+                IF k = 1 THEN
+                    l_got[r] := true; l_val[r] := ph_val[r]; l_ts[r] := ph_ts[r];
+                    EXIT;
+                END IF;
+                tries := tries + 1;
+                IF tries > 100 THEN
+                    RAISE EXCEPTION 'txlimit: row (%, %, %) keeps appearing and vanishing', p_row_name[r], p_row_key[r], p_row_shard[r]
+                        USING ERRCODE = '40001';
+                END IF;
+            END LOOP;
+        END LOOP;
+    END LOOP;
+
+    -- The writes: every row a granted group changed, each through its whole primary key.
+    FOR r IN 1 .. m LOOP
+        CONTINUE WHEN NOT w_mod[r];
+        d_name := d_name || p_row_name[r]; d_key := d_key || p_row_key[r]; d_shard := d_shard || p_row_shard[r];
+        d_val := d_val || w_val[r]; d_ts := d_ts || w_ts[r];
+    END LOOP;
+    IF cardinality(d_name) > 0 THEN
+        UPDATE txlimit_state s
+        SET value = u.v, ts = 'epoch'::timestamptz + u.t * interval '1 microsecond'
+        FROM unnest(d_name, d_key, d_shard, d_val, d_ts) AS u(nm, ky, sh, v, t)
+        WHERE s.name = u.nm AND s.key = u.ky AND s.shard = u.sh;
+        GET DIAGNOSTICS k = ROW_COUNT;
+        IF k <> cardinality(d_name) THEN
+            RAISE EXCEPTION 'txlimit: wrote % of % locked rows', k, cardinality(d_name);
+        END IF;
+    END IF;
+
+    RETURN QUERY
+    SELECT u.ok, u.res, u.busy, u.lvl, u.sa, u.sb, u.ch, u.retry, t_now
+    FROM unnest(o_ok, o_res, o_busy, o_lvl, o_sa, o_sb, o_ch, o_retry) AS u(ok, res, busy, lvl, sa, sb, ch, retry);
+END
+$$;
+-- +goose StatementEnd
+
 -- +goose Down
+DROP FUNCTION txlimit_decide(timestamptz, integer[], double precision[], double precision[], boolean[], boolean[],
+                             smallint[], double precision[], bigint[], double precision[], bigint[], bigint[],
+                             integer[], integer[], integer[], integer[], text[], text[], integer[], boolean[]);
+DROP FUNCTION txlimit_first_grant(smallint, double precision, bigint, double precision, double precision,
+                                  double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_grants_at(smallint, double precision, bigint, double precision, double precision,
+                                double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_granted(integer, double precision, double precision, double precision);
 DROP FUNCTION txlimit_left(integer, integer, double precision, double precision, double precision);
 DROP FUNCTION txlimit_charge(double precision, double precision, boolean, double precision, integer);
+DROP FUNCTION txlimit_missing_ts(smallint, bigint);
 DROP FUNCTION txlimit_next_ts(smallint, bigint, bigint, bigint);
 DROP FUNCTION txlimit_level(smallint, double precision, bigint, bigint, double precision, bigint, double precision);
 DROP TABLE txlimit_state;

@@ -68,7 +68,11 @@ func TestBadInputs(t *testing.T) {
 		{what: "capacity negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: -2})), wantConfig: true, contains: "Config.Capacity"},
 		{what: "capacity NaN", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: math.NaN()})), wantConfig: true, contains: "Config.Capacity"},
 		{what: "maxReserved negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: -1})), wantConfig: true, contains: "Config.MaxReserved"},
-		{what: "maxReserved +Inf", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: math.Inf(1)})), wantConfig: true, contains: "Config.MaxReserved"},
+		{what: "maxReserved -Inf", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: math.Inf(-1)})), wantConfig: true, contains: "Config.MaxReserved"},
+		{what: "reserve with MaxReserved 0", call: func() error {
+			_, err := lim.LimitN(ctx, pool, "inline", "k", 1, &ratelimit.LimitOpts{Reserve: true, Config: &ratelimit.Config{Rate: 1, Period: time.Second}})
+			return err
+		}, wantArg: true, contains: "MaxReserved 0"},
 		{what: "shards negative", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Shards: -1})), wantConfig: true, contains: "Config.Shards"},
 		{what: "shards too many", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Rate: 1, Period: time.Second, Shards: ratelimit.MaxShards + 1})), wantConfig: true, contains: "Config.Shards"},
 		{what: "unknown kind", call: limitN("inline", "k", 1, cfg(ratelimit.Config{Kind: 7, Rate: 1, Period: time.Second})), wantConfig: true, contains: "Config.Kind"},
@@ -86,7 +90,7 @@ func TestBadInputs(t *testing.T) {
 		}, wantArg: true, contains: "count must be > 0"},
 		{what: "credit NaN", call: func() error { _, err := lim.Credit(ctx, pool, "ok", "k", math.NaN(), nil); return err }, wantArg: true, contains: "count must be finite"},
 		{what: "credit zero", call: func() error { _, err := lim.Credit(ctx, pool, "ok", "k", 0, nil); return err }, wantArg: true, contains: "count must be > 0"},
-		{what: "value of an unknown name", call: func() error { _, err := lim.Value(ctx, pool, "nope", "k", nil); return err }, wantUnknown: true, contains: `"nope"`},
+		{what: "value of an unknown name", call: func() error { _, err := lim.State(ctx, pool, "nope", "k", nil); return err }, wantUnknown: true, contains: `"nope"`},
 		{what: "reset with an over-long key", call: func() error { return lim.Reset(ctx, pool, "ok", strings.Repeat("x", 2000)) }, wantArg: true, contains: "MaxKeyLen"},
 		{what: "New with a bad config", call: func() error {
 			_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"x": {Rate: 1}}})

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"fmt"
 )
 
@@ -73,32 +72,4 @@ func (l *Limiter) prepareMany(op string, reqs []Request, dry bool) (*call, error
 		c.specs[i] = s
 	}
 	return c, nil
-}
-
-// decideCalls decides calls in list order and returns one outcome per call. An error returned
-// alone (a database error) fails every call: nothing of the list is granted.
-//
-// For now each call is its own statement; the engine will decide the whole list in one.
-func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
-	out := make([]outcome, len(calls))
-	for i, c := range calls {
-		if c.single {
-			r, err := l.one(ctx, db, c.op, c.reqs[0].Name, c.reqs[0].Key, c.counts[0], &LimitOpts{Config: c.reqs[0].Config, Reserve: c.reqs[0].Reserve}, c.dry)
-			if err != nil {
-				if _, busy := err.(*BusyError); busy {
-					out[i].err = err
-					continue
-				}
-				return nil, err
-			}
-			out[i].res = ManyResult{OK: r.OK, RetryAt: r.RetryAt, Results: []Result{r}}
-			continue
-		}
-		r, err := l.many(ctx, db, c.op, c.reqs, c.dry)
-		if err != nil {
-			return nil, err
-		}
-		out[i].res = r
-	}
-	return out, nil
 }

@@ -90,7 +90,7 @@ func overGrantLimiter(t *testing.T) (*pgxpool.Pool, *ratelimit.Limiter) {
 // storedTS reads the latest ts stored for name and key (over all shards).
 func storedTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) time.Time {
 	t.Helper()
-	st, err := lim.Value(context.Background(), pool, name, key, nil)
+	st, err := lim.State(context.Background(), pool, name, key, nil)
 	require.NoError(t, err)
 	return st.TS
 }
@@ -159,14 +159,14 @@ func TestOverGrantMany(t *testing.T) {
 	// All-or-nothing: both limits were charged by the same statements, at the same instants, so
 	// read at one instant they hold the same value and the same ts. The read instant is pinned:
 	// two reads on the database's clock a few milliseconds apart differ by the refill between them.
-	a, err := lim.Value(context.Background(), pool, "hot", "k", nil)
+	a, err := lim.State(context.Background(), pool, "hot", "k", nil)
 	require.NoError(t, err)
 	at := a.Time
 	pinned, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: overGrantLimits, Now: func() time.Time { return at }})
 	require.NoError(t, err)
-	a, err = pinned.Value(context.Background(), pool, "hot", "k", nil)
+	a, err = pinned.State(context.Background(), pool, "hot", "k", nil)
 	require.NoError(t, err)
-	b, err := pinned.Value(context.Background(), pool, "hotToo", "k", nil)
+	b, err := pinned.State(context.Background(), pool, "hotToo", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, a.TS, b.TS, "the two limits were last charged at different instants")
 	require.InDelta(t, a.Value, b.Value, 1e-9, "the two limits drifted apart: %v vs %v", a.Value, b.Value)
@@ -333,12 +333,12 @@ func TestRollbackRestoresState(t *testing.T) {
 	m, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "m", Key: "k", Count: 3}, {Name: "l", Key: "other"}}, nil)
 	require.NoError(t, err)
 	require.True(t, m.OK)
-	inside, err := lim.Value(ctx, tx, "l", "k", nil)
+	inside, err := lim.State(ctx, tx, "l", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 0.0, inside.Value, "the transaction sees its own consumption")
 	require.NoError(t, tx.Rollback(ctx))
 
-	st, err := lim.Value(ctx, pool, "l", "k", nil)
+	st, err := lim.State(ctx, pool, "l", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 7.0, st.Value)
 	after, _ := testdb.RowVersion(t, pool, "l", "k", 0)
@@ -356,14 +356,14 @@ func (c *countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx
 
 func (c *countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// SPEC §7: one decision = one SQL round trip. The documented exception: a call that charges two or
-// more rows and finds some missing first creates them full, then decides (two statements).
+// docs/spec.md §7: one decision = one SQL round trip, always: missing rows are created and locked
+// inside the decision function, so even a call that charges several missing rows is one statement.
 func TestOneRoundTripPerDecision(t *testing.T) {
 	t.Parallel()
 	tracer := &countingTracer{}
 	pool := testdb.Pool(t, &testdb.Options{Tracer: tracer})
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"a": {Rate: 2, Period: time.Hour},
+		"a": {Rate: 2, Period: time.Hour, MaxReserved: ratelimit.Unbounded},
 		"b": {Rate: 5, Period: time.Hour, Shards: 4},
 		"w": {Kind: ratelimit.FixedWindow, Rate: 3, Period: time.Hour},
 	}})
@@ -390,17 +390,17 @@ func TestOneRoundTripPerDecision(t *testing.T) {
 		{"sharded, rows exist", 1, limit("b", "k", nil)},
 		{"many, rows exist", 1, many(ratelimit.Request{Name: "a", Key: "k", Reserve: true}, ratelimit.Request{Name: "w", Key: "k"})},
 		{"credit", 1, func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }},
-		{"value", 1, func(db ratelimit.Executor) error { _, err := lim.Value(ctx, db, "b", "k", nil); return err }},
+		{"value", 1, func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "b", "k", nil); return err }},
 	}
 	calls := append([]call{
 		{"limit on a missing row", 1, limit("a", "k", nil)},
 		{"fixed window on a missing row", 1, limit("w", "k", nil)},
 		{"sharded, charging one missing shard", 1, limit("b", "k", nil)},
-		{"sharded, combining two missing shards (documented exception)", 2, func(db ratelimit.Executor) error {
+		{"sharded, combining two missing shards", 1, func(db ratelimit.Executor) error {
 			_, err := lim.LimitN(ctx, db, "b", "fresh", 2, nil) // each shard holds 1.25: both are charged
 			return err
 		}},
-		{"many, a missing row (documented exception)", 2, many(ratelimit.Request{Name: "a", Key: "k"}, ratelimit.Request{Name: "w", Key: "new"})},
+		{"many, a missing row", 1, many(ratelimit.Request{Name: "a", Key: "k"}, ratelimit.Request{Name: "w", Key: "new"})},
 	}, onExisting...)
 	calls = append(calls, call{"reset", 1, func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "b", "k") }})
 	for _, c := range calls {

@@ -54,7 +54,16 @@ const (
 
 	// MaxPeriod is the longest Config.Period accepted: 100 years of 365 days.
 	MaxPeriod = 100 * 365 * 24 * time.Hour
+
+	// MaxRetryWaitMicros bounds every wait a decision reports, in microseconds: Result.RetryAt is
+	// at most Result.Time plus 2^61 µs (about 73,000 years; more than a time.Duration holds, so
+	// RetryAfter saturates there). A wait that would be longer (a huge debt on a tiny rate, say) is
+	// reported as this bound.
+	MaxRetryWaitMicros = 1 << 61
 )
+
+// Unbounded is the value of Config.MaxReserved that puts no bound on reservations.
+var Unbounded = math.Inf(1)
 
 // Config is the configuration of one limit. It is not stored: every call carries it, so changing it
 // takes effect on the next call (see Shards for what a change of shard count does). The zero value
@@ -68,9 +77,10 @@ type Config struct {
 	Kind Kind
 
 	// MaxReserved bounds how far below zero a reservation (LimitOpts.Reserve) may take the limit:
-	// a reservation that would leave more than MaxReserved tokens owed is denied. Must be >= 0.
-	// Defaults to 0, which means no bound: every reservation is granted and only its RetryAt grows.
-	// Calls without Reserve never go below zero, whatever this is.
+	// a reservation that would leave more than MaxReserved tokens owed is refused, with the RetryAt
+	// at which it would fit. Must be >= 0, or Unbounded for no bound (every reservation is granted
+	// and only its RetryAt grows). Defaults to 0: no reservations; a call with Reserve on such a
+	// limit is an *ArgumentError. Calls without Reserve never go below zero, whatever this is.
 	MaxReserved float64
 
 	// Period is the time over which Rate tokens are added. Must be > 0 and a whole number of
@@ -112,7 +122,9 @@ func (c Config) String() string {
 	if c.Capacity != 0 && c.Capacity != c.Rate {
 		s += fmt.Sprintf(" cap %g", c.Capacity)
 	}
-	if c.MaxReserved != 0 {
+	if math.IsInf(c.MaxReserved, 1) {
+		s += " maxReserved unbounded"
+	} else if c.MaxReserved != 0 {
 		s += fmt.Sprintf(" maxReserved %g", c.MaxReserved)
 	}
 	if c.Shards > 1 {
@@ -135,6 +147,13 @@ func (c Config) shards() int {
 		return 1
 	}
 	return c.Shards
+}
+
+// effective returns the config with its defaults applied: the config in force.
+func (c Config) effective() Config {
+	c.Capacity = c.capacity()
+	c.Shards = c.shards()
+	return c
 }
 
 // validate checks every field and names the first that is wrong.
@@ -174,8 +193,10 @@ func (c Config) validate(name string) error {
 	if err := amount("Capacity", c.Capacity, true); err != nil {
 		return err
 	}
-	if err := amount("MaxReserved", c.MaxReserved, true); err != nil {
-		return err
+	if !math.IsInf(c.MaxReserved, 1) {
+		if err := amount("MaxReserved", c.MaxReserved, true); err != nil {
+			return err
+		}
 	}
 	if c.Shards < 0 || c.Shards > MaxShards {
 		return bad("Shards", c.Shards, fmt.Sprintf("must be between 1 and MaxShards (%d); 0 means 1", MaxShards))
@@ -240,7 +261,7 @@ type spec struct {
 	shards    int
 	rate      float64 // per shard
 	capacity  float64 // per shard
-	maxRes    float64 // per shard; < 0 means unbounded
+	maxRes    float64 // per shard; +Inf means unbounded
 	periodUs  int64
 	anchorUs  int64 // fixed window grid phase in [0, periodUs)
 }
@@ -255,11 +276,8 @@ func newSpec(name, key string, cfg Config) spec {
 		shards:   n,
 		rate:     cfg.Rate / float64(n),
 		capacity: cfg.capacity() / float64(n),
-		maxRes:   -1,
+		maxRes:   allowance(cfg.MaxReserved, n),
 		periodUs: cfg.Period.Microseconds(),
-	}
-	if cfg.MaxReserved > 0 {
-		s.maxRes = cfg.MaxReserved / float64(n)
 	}
 	if cfg.Kind == FixedWindow {
 		s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs)
@@ -287,14 +305,11 @@ func windowPhase(name, key string, start time.Time, periodUs int64) int64 {
 }
 
 // maxCount is the largest count a single call could ever be granted: what one shard holds (or two
-// together when sharded), plus what may be owed when reserving with a bound. With an unbounded
-// reservation any count can be granted, and maxCount returns +Inf.
+// together when sharded), plus what may be owed when reserving. With an unbounded reservation any
+// count can be granted, and maxCount returns +Inf.
 func (s spec) maxCount(reserve bool) float64 {
 	per := s.capacity
 	if reserve {
-		if s.maxRes < 0 {
-			return math.Inf(1)
-		}
 		per += s.maxRes
 	}
 	if s.shards >= 2 {
@@ -303,10 +318,17 @@ func (s spec) maxCount(reserve bool) float64 {
 	return per
 }
 
+// effective is the config in force for this spec: defaults applied.
+func (s spec) effective() Config { return s.cfg.effective() }
+
 // checkRequest validates a count against the spec.
 func (s spec) checkRequest(op string, count float64, reserve bool) error {
 	if err := checkCount(op, count); err != nil {
 		return err
+	}
+	if reserve && s.cfg.MaxReserved == 0 {
+		return &ArgumentError{Op: op, Arg: "Reserve", Reason: fmt.Sprintf(
+			"limit %q has MaxReserved 0, which allows no reservation: set MaxReserved (or Unbounded)", s.name)}
 	}
 	if m := s.maxCount(reserve); count > m {
 		what := "the capacity"

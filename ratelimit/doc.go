@@ -105,7 +105,7 @@
 //
 // Bad input returns a typed error (*ConfigError, *ArgumentError, *UnknownLimitError, all matching
 // errors.Is(err, ErrInvalid)) before any SQL runs. A denial is a Result with OK false, not an error,
-// unless LimitOpts.Throw asks for a *LimitedError. Names are 1 to MaxNameLen bytes, keys 0 to
+// unless LimitOpts.AsError asks for a *LimitedError. Names are 1 to MaxNameLen bytes, keys 0 to
 // MaxKeyLen bytes, both valid UTF-8 without NUL bytes; counts are finite, > 0 and at most
 // MaxAmount.
 //

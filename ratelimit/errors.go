@@ -74,7 +74,7 @@ func (e *UnknownLimitError) Error() string {
 // Is makes errors.Is(err, ErrInvalid) true.
 func (e *UnknownLimitError) Is(target error) bool { return target == ErrInvalid }
 
-// LimitedError is a denial turned into an error, for callers who set Throw so that a denial aborts
+// LimitedError is a denial turned into an error, for callers who set AsError so that a denial aborts
 // their transaction. It is returned only for denials: a granted reservation is never an error.
 type LimitedError struct {
 	// Name and Key identify the (first) denied limit.

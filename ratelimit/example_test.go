@@ -89,7 +89,7 @@ func ExampleLimiter_LimitN_reserve() {
 	// Output:
 	// 30000 tokens granted: run now (budget 10000)
 	// 50000 tokens reserved: run in 1m0s (budget -40000)
-	// 30000 tokens refused: too much reserved, retry in 1m45s
+	// 30000 tokens refused: too much reserved, retry in 15s
 }
 
 // Several limits at once, all or nothing: a sign-up is limited per IP and globally. When the
@@ -115,7 +115,7 @@ func ExampleLimiter_LimitMany() {
 		}
 		fmt.Printf("sign-up %d: ok=%v denied=%d\n", i, m.OK, len(m.Denied()))
 	}
-	st, err := limiter.Value(ctx, pool, "signupsGlobal", "", nil)
+	st, err := limiter.State(ctx, pool, "signupsGlobal", "", nil)
 	if err != nil {
 		panic(err)
 	}
@@ -127,8 +127,8 @@ func ExampleLimiter_LimitMany() {
 	// global sign-ups left: 98
 }
 
-// Throw turns a denial into an error, so a transaction can simply return it and roll back.
-func ExampleLimitOpts_throw() {
+// AsError turns a denial into an error, so a transaction can simply return it and roll back.
+func ExampleLimitOpts_asError() {
 	ctx := context.Background()
 	pool, done := testdb.ForExample()
 	defer done()
@@ -139,14 +139,14 @@ func ExampleLimitOpts_throw() {
 		panic(err)
 	}
 	err = ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
-		_, err := limiter.LimitN(ctx, tx, "failedLogins", "alice", 6, &ratelimit.LimitOpts{Throw: true})
+		_, err := limiter.LimitN(ctx, tx, "failedLogins", "alice", 6, &ratelimit.LimitOpts{AsError: true})
 		return err
 	})
 	fmt.Println(errors.Is(err, ratelimit.ErrInvalid), err)
 
 	for i := 0; i < 6; i++ {
 		err = ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
-			_, err := limiter.Limit(ctx, tx, "failedLogins", "alice", &ratelimit.LimitOpts{Throw: true})
+			_, err := limiter.Limit(ctx, tx, "failedLogins", "alice", &ratelimit.LimitOpts{AsError: true})
 			return err
 		})
 	}

@@ -32,12 +32,13 @@ import (
 // above and below rate, fractional counts that are not exact in binary, periods from 1µs to a
 // day, unbounded and bounded reservations.
 var (
+	inf       = math.Inf(1)
 	fzRates   = []float64{1, 2, 3, 10, 0.5, 7, 100, 2.5}
 	fzPeriods = []time.Duration{time.Second, time.Millisecond, time.Minute, time.Hour, 1500 * time.Millisecond,
 		7 * time.Microsecond, 10 * time.Second, 250 * time.Millisecond, 3 * time.Second, 100 * time.Millisecond,
 		time.Microsecond, 24 * time.Hour, 2 * time.Second, 45 * time.Second, 333 * time.Microsecond, 5 * time.Second}
-	fzCaps   = []float64{0, 1, 2, 5, 20, 0.5, 100, 3.3, 10, 1.5, 7, 0, 4, 12, 0.75, 50} // 0: unset (Rate)
-	fzMaxRes = []float64{0, 0, 0, 0, 1, 5, 0.5, 100, 2, 10, 0, 3, 0.25, 20, 1.5, 1e6}   // 0: unset (no bound)
+	fzCaps   = []float64{0, 1, 2, 5, 20, 0.5, 100, 3.3, 10, 1.5, 7, 0, 4, 12, 0.75, 50}       // 0: unset (Rate)
+	fzMaxRes = []float64{inf, inf, inf, inf, 1, 5, 0.5, 100, 2, 10, 0, 3, 0.25, 20, 1.5, 1e6} // inf: Unbounded; 0: no reservations
 	fzCounts = []float64{1, 1, 2, 0.5, 3, 0.1, 0.3, 5, 10, 2.5, 1.5, 7, 0.25, 4, 20, 0,
 		-1, math.NaN(), math.Inf(1), 1e16, 1e-7, 0.7, 33, 100, 6, 8, 9, 12, 1.0 / 3, 2.0 / 3, 15, 50}
 	// Time steps in µs, applied before each operation: forward and backward.
@@ -58,7 +59,7 @@ var (
 		{Rate: 1, Period: 0},
 		{Rate: 1, Period: 1500 * time.Nanosecond},
 		{Rate: 1, Period: time.Second, Capacity: -1},
-		{Rate: 1, Period: time.Second, MaxReserved: math.Inf(1)},
+		{Rate: 1, Period: time.Second, MaxReserved: math.Inf(-1)},
 		{Rate: 1, Period: time.Second, Shards: ratelimit.MaxShards + 1},
 		{Rate: 1, Period: time.Second, Start: time.Unix(5, 0)}, // Start on a token bucket
 	}
@@ -84,7 +85,7 @@ const (
 	fzBugRetryAtOvershoot = false
 
 	// LimitedError.RetryAt is documented (errors.go) as "when the call could succeed: the latest
-	// RetryAt of all denied limits", but LimitMany with Throw sets it to ManyResult.RetryAt, the
+	// RetryAt of all denied limits", but LimitMany with AsError sets it to ManyResult.RetryAt, the
 	// latest RetryAt of all results, including a request that alone would be granted as a
 	// reservation. Seed throw_many_with_reservation: a (1/s) would reserve 5 with RetryAt +4s,
 	// b (3/s, empty) is denied with RetryAt +1/3s; the call could succeed at +333334µs, the error
@@ -104,7 +105,7 @@ const (
 	fzOpMany         = 9 // LimitMany of 2 requests, 3 when bit 4 is set (also 10)
 	fzOpCheckMany    = 11
 	fzOpLimit1       = 12 // Limit (count 1)
-	fzOpThrow        = 13 // LimitN with Throw
+	fzOpThrow        = 13 // LimitN with AsError
 	fzBit4           = 16
 )
 
@@ -425,8 +426,8 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 	if countOne {
 		count = 1
 	}
-	opts := &ratelimit.LimitOpts{Config: inline, Reserve: q.reserve || forceReserve, Throw: q.throw || forceThrow}
-	r.logf("%s(%q, %q, %v, reserve=%v throw=%v inline=%v) picks=%d/%d", op, name, key, count, opts.Reserve, opts.Throw, inline != nil, q.pickA, q.pickB)
+	opts := &ratelimit.LimitOpts{Config: inline, Reserve: q.reserve || forceReserve, AsError: q.throw || forceThrow}
+	r.logf("%s(%q, %q, %v, reserve=%v throw=%v inline=%v) picks=%d/%d", op, name, key, count, opts.Reserve, opts.AsError, inline != nil, q.pickA, q.pickB)
 
 	// The model's verdict on the arguments, in the library's order: count, then name, key, config,
 	// then count against what the limit could ever grant.
@@ -473,7 +474,7 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 	if r.picked != len(r.picks) {
 		r.fail("%s: shard picker called %d times, want %d", op, r.picked, len(r.picks))
 	}
-	if opts.Throw && !want.OK {
+	if opts.AsError && !want.OK {
 		r.compareLimited(err, []modelResult{want}, []ratelimit.Result{got})
 	} else if err != nil {
 		r.fail("%s: unexpected error %v", op, err)
@@ -531,9 +532,9 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	var got ratelimit.ManyResult
 	var err error
 	if dry {
-		got, err = r.lim.CheckMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{Throw: throw})
+		got, err = r.lim.CheckMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{AsError: throw})
 	} else {
-		got, err = r.lim.LimitMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{Throw: throw})
+		got, err = r.lim.LimitMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{AsError: throw})
 	}
 	if wantErr != nil {
 		r.expectErr(op, err, wantErr)
@@ -580,7 +581,7 @@ func (r *fzRunner) credit(q fzReq) {
 	if wantErr == nil {
 		r.touched[[2]string{name, key}] = true
 	}
-	got, err := r.lim.Credit(r.ctx, r.pool, name, key, q.count, &ratelimit.ValueOpts{Config: inline})
+	got, err := r.lim.Credit(r.ctx, r.pool, name, key, q.count, &ratelimit.KeyOpts{Config: inline})
 	if r.expectErr("Credit", err, wantErr) {
 		return
 	}
@@ -604,7 +605,7 @@ func (r *fzRunner) credit(q fzReq) {
 func (r *fzRunner) value(what string, name, key string, inline, cfg *ratelimit.Config) {
 	r.t.Helper()
 	m, wantErr := modelResolve(name, key, cfg)
-	got, err := r.lim.Value(r.ctx, r.pool, name, key, &ratelimit.ValueOpts{Config: inline})
+	got, err := r.lim.State(r.ctx, r.pool, name, key, &ratelimit.KeyOpts{Config: inline})
 	if r.expectErr(what, err, wantErr) {
 		return
 	}
@@ -818,7 +819,7 @@ type fzSeedBuilder struct{ b []byte }
 func fzNewSeed(base uint16, cfgs ...[4]byte) *fzSeedBuilder {
 	s := &fzSeedBuilder{}
 	for i := 0; i < 3; i++ {
-		c := fzC(ratelimit.TokenBucket, 1, time.Second, 0, 0, 1, 0, 0)
+		c := fzC(ratelimit.TokenBucket, 1, time.Second, 0, inf, 1, 0, 0)
 		if i < len(cfgs) {
 			c = cfgs[i]
 		}
@@ -845,7 +846,7 @@ func fzSeeds() []fzSeed {
 	)
 	sec, minute := time.Second, time.Minute
 	return []fzSeed{
-		{"refill_with_cap", fzNewSeed(0, fzC(tb, 2, sec, 5, 0, 1, 0, 0)).
+		{"refill_with_cap", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("a", 0, 5)).          // SPEC §3: 5 of cap 5
 			op(fzOpLimit, 0, fzQ("a", 0, 1)).          // denied, RetryAt +0.5s
 			op(fzOpLimit, 500000, fzQ("a", 0, 1)).     // exactly refilled
@@ -855,7 +856,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpCheck, 1, fzQ("a", 0, 2)).          // 2: granted
 			op(fzOpLimit, 10000000, fzQ("a", 0, 6)).   // above capacity: argument error
 			op(fzOpValue, 0, fzQ("a", 0, 1)).b},
-		{"partial_consumption", fzNewSeed(7, fzC(tb, 3, minute, 2, 0, 1, 0, 0), fzC(tb, 0.5, 1500*time.Millisecond, 0.75, 0, 1, 0, 0)).
+		{"partial_consumption", fzNewSeed(7, fzC(tb, 3, minute, 2, inf, 1, 0, 0), fzC(tb, 0.5, 1500*time.Millisecond, 0.75, inf, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("a", 1, 0.1)).
 			op(fzOpLimit, 1, fzQ("a", 1, 0.3)).
 			op(fzOpLimit, 7, fzQ("a", 1, 1.0/3)).
@@ -867,7 +868,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpLimit, 100000, fzQ("b", 2, 1e-7)).
 			op(fzOpValue, 123456, fzQ("a", 1, 1)).
 			op(fzOpValue, 0, fzQ("b", 2, 1)).b},
-		{"fixed_window_rollover", fzNewSeed(3, fzC(fw, 3, 10*sec, 5, 0, 1, 0, 0), fzC(fw, 2, sec, 0, 0, 1, 2, 0)).
+		{"fixed_window_rollover", fzNewSeed(3, fzC(fw, 3, 10*sec, 5, inf, 1, 0, 0), fzC(fw, 2, sec, 0, inf, 1, 2, 0)).
 			op(fzOpLimit, 0, fzQ("a", 0, 5)). // SPEC §4: at most cap per window
 			op(fzOpLimit, 1000000, fzQ("a", 0, 1)).
 			op(fzOpLimit, 10000000, fzQ("a", 0, 3)). // one window later: min(0+3, 5)
@@ -878,7 +879,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpLimit, 1, fzQ("b", 1, 1)).
 			op(fzOpLimit, 1000000, fzQ("b", 1, 2)).
 			op(fzOpCheck, 999999, fzQ("b", 1, 1)).b},
-		{"reservations", fzNewSeed(11, fzC(tb, 1, sec, 0, 0, 1, 0, 0), fzC(tb, 2, sec, 0, 3, 1, 0, 0), fzC(fw, 10, minute, 0, 5, 1, 0, 0)).
+		{"reservations", fzNewSeed(11, fzC(tb, 1, sec, 0, inf, 1, 0, 0), fzC(tb, 2, sec, 0, 3, 1, 0, 0), fzC(fw, 10, minute, 0, 5, 1, 0, 0)).
 			op(fzOpReserve, 0, fzQ("a", 0, 3)).     // unbounded: -2, RetryAt +2s
 			op(fzOpReserve, 0, fzQ("a", 0, 20)).    // -22, RetryAt +22s
 			op(fzOpCheck, 1000000, fzQ("a", 0, 1)). // still in debt
@@ -890,7 +891,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpReserve, 0, fzQ("c", 2, 3)).   // debt 5: RetryAt one window on
 			op(fzOpReserve, 0, fzQ("c", 2, 0.1)). // debt 5.1: denied
 			op(fzOpValue, 60000000, fzQ("c", 2, 1)).b},
-		{"time_backwards", fzNewSeed(5, fzC(tb, 10, sec, 0, 0, 1, 0, 0), fzC(fw, 2, sec, 0, 0, 1, 0, 0)).
+		{"time_backwards", fzNewSeed(5, fzC(tb, 10, sec, 0, inf, 1, 0, 0), fzC(fw, 2, sec, 0, inf, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("a", 0, 10)).
 			op(fzOpLimit, -500000, fzQ("a", 0, 1)). // SPEC §2: evaluated at ts, no refill
 			op(fzOpReserve, -1000000, fzQ("a", 0, 2)).
@@ -900,7 +901,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpCredit, -1, fzQ("b", 1, 0.5)).
 			op(fzOpValue, 0, fzQ("b", 1, 1)).
 			op(fzOpValue, 3600000000, fzQ("a", 0, 1)).b},
-		{"sharded_combine", fzNewSeed(9, fzC(tb, 10, sec, 0, 0, 2, 0, 0), fzC(tb, 10, sec, 20, 0, 4, 0, 0), fzC(fw, 100, sec, 0, 0, 3, 3, 5)).
+		{"sharded_combine", fzNewSeed(9, fzC(tb, 10, sec, 0, inf, 2, 0, 0), fzC(tb, 10, sec, 20, inf, 4, 0, 0), fzC(fw, 100, sec, 0, inf, 3, 3, 5)).
 			op(fzOpLimit, 0, fzQ("a", 0, 4, fzPicks(2, 0, 1))). // shard 0 to 1
 			op(fzOpLimit, 0, fzQ("a", 0, 7, fzPicks(2, 1, 0))). // SPEC §8: both, ending at (5+1-7)/2
 			op(fzOpLimit, 0, fzQ("a", 0, 1, fzPicks(2, 0, 1))).
@@ -915,7 +916,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpLimit, 500000, fzQ("c", 2, 20, fzPicks(3, 0, 2))).
 			op(fzOpCredit, 0, fzQ("b", 1, 7)).
 			op(fzOpValue, 1000000, fzQ("b", 1, 1)).b},
-		{"multi_limit_denial", fzNewSeed(13, fzC(tb, 1, sec, 0, 0, 1, 0, 0), fzC(fw, 2, 10*sec, 0, 0, 2, 0, 0), fzC(tb, 3, sec, 0, 0, 1, 0, 0)).
+		{"multi_limit_denial", fzNewSeed(13, fzC(tb, 1, sec, 0, inf, 1, 0, 0), fzC(fw, 2, 10*sec, 0, inf, 2, 0, 0), fzC(tb, 3, sec, 0, inf, 1, 0, 0)).
 			op(fzOpMany, 0, fzQ("a", 0, 1), fzQ("b", 0, 1, fzPicks(2, 0, 1))).
 			op(fzOpMany, 0, fzQ("a", 0, 0.5), fzQ("b", 0, 1, fzPicks(2, 1, 0))). // a denied: nothing written
 			op(fzOpMany|fzBit4, 250000, fzQ("c", 1, 1), fzQ("b", 0, 0.5, fzPicks(2, 1, 0)), fzQ("a", 0, 0.5)).
@@ -925,7 +926,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpMany, 1000000, fzQ("c", 1, 2, fzReserve), fzQ("a", 0, 2, fzReserve)).
 			op(fzOpValue, 0, fzQ("a", 0, 1)).
 			op(fzOpValue, 0, fzQ("c", 1, 1)).b},
-		{"credit_after_reservation", fzNewSeed(17, fzC(tb, 2, sec, 5, 10, 1, 0, 0), fzC(tb, 10, minute, 0, 0, 3, 0, 0), fzC(fw, 7, 3*sec, 0, 0, 1, 0, 0)).
+		{"credit_after_reservation", fzNewSeed(17, fzC(tb, 2, sec, 5, 10, 1, 0, 0), fzC(tb, 10, minute, 0, inf, 3, 0, 0), fzC(fw, 7, 3*sec, 0, inf, 1, 0, 0)).
 			op(fzOpReserve, 0, fzQ("a", 0, 12)). // -7
 			op(fzOpCredit, 0, fzQ("a", 0, 3)).   // LLM settle: -4
 			op(fzOpCredit, 0, fzQ("a", 0, 20)).  // never above cap: 5
@@ -940,7 +941,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpValue, 0, fzQ("c", 2, 1)).
 			op(fzOpCredit, 0, fzQ("x", 0, 1)). // unknown name without config
 			op(fzOpValue, 0, fzQ("b", 1, 1)).b},
-		{"invalid_inputs", fzNewSeed(19, fzC(tb, 1, sec, 0, 0, 1, 0, 0), fzC(tb, 1, sec, 0, 0, 2, 0, 0)).
+		{"invalid_inputs", fzNewSeed(19, fzC(tb, 1, sec, 0, inf, 1, 0, 0), fzC(tb, 1, sec, 0, inf, 2, 0, 0)).
 			op(fzOpLimit, 0, fzQ("a", 0, 0)).
 			op(fzOpLimit, 0, fzQ("a", 0, -1)).
 			op(fzOpLimit, 0, fzQ("a", 0, math.NaN())).
@@ -960,15 +961,15 @@ func fzSeeds() []fzSeed {
 			op(fzOpLimit1, 0, fzQ("a", 0, 1)).
 			op(fzOpThrow, 0, fzQ("a", 0, 1)).
 			op(fzOpValue, 0, fzQ("a", 0, 1)).b},
-		{"retryat_overshoot", fzNewSeed(0, fzC(tb, 1, 24*time.Hour, 0, 0, 1, 0, 0)).
+		{"retryat_overshoot", fzNewSeed(0, fzC(tb, 1, 24*time.Hour, 0, inf, 1, 0, 0)).
 			op(fzOpReserve, 50000, fzQ("a", 0, 20)). // -19
 			op(fzOpLimit, 200, fzQ("a", 0, 1)).b},   // paid when -19 + 20 days·(1/day) - 1 = 0
-		{"throw_many_with_reservation", fzNewSeed(0, fzC(tb, 1, time.Second, 0, 0, 1, 0, 0), fzC(tb, 3, time.Second, 0, 0, 1, 0, 0)).
+		{"throw_many_with_reservation", fzNewSeed(0, fzC(tb, 1, time.Second, 0, inf, 1, 0, 0), fzC(tb, 3, time.Second, 0, inf, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("b", 0, 3)).                                       // b empty
 			op(fzOpMany, 0, fzQ("a", 0, 5, fzReserve, fzThrow), fzQ("b", 0, 1)).b}, // a alone: reserved, RetryAt +4s; b denied, RetryAt +1/3s
-		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, 0, 2, 0, 0)).
+		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, inf, 2, 0, 0)).
 			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
-		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, 0, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, 0, 1, 0, 0)).
+		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
 			op(fzOpMany|fzBit4, 0, fzQ("a", 0, 3, fzPicks(4, 0, 1)), fzQ("a", 1, 1.5, fzPicks(4, 2, 3)), fzQ("b", 0, 7)).
 			op(fzOpResetCredit|fzBit4, 1, fzQ("a", 0, 1)).
 			op(fzOpValue, 1, fzQ("a", 0, 1)).

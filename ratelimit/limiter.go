@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"math"
 	"reflect"
 	"sort"
 	"time"
@@ -11,8 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-
-	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
 
 // Executor runs SQL: a pgx.Tx, *pgxpool.Pool or *pgx.Conn. Inside a transaction a limit's writes
@@ -83,9 +80,9 @@ type LimitOpts struct {
 	// reservation (Result.Reserved) and the caller should act at Result.RetryAt. Defaults to false.
 	Reserve bool
 
-	// Throw turns a denial into a *LimitedError, so that a caller inside a transaction can return it
-	// and roll back. A granted reservation is never an error. Defaults to false.
-	Throw bool
+	// AsError turns a denial into a *LimitedError, so that a caller inside a transaction can return
+	// it and roll back. A granted reservation is never an error. Defaults to false.
+	AsError bool
 }
 
 // Result is the outcome of a decision.
@@ -108,11 +105,15 @@ type Result struct {
 	RetryAt time.Time
 
 	// Value is the number of tokens left after the call (negative after a reservation). With
-	// Shards > 1 it covers only the shards this call looked at; Limiter.Value gives the exact total.
+	// Shards > 1 it covers only the shards this call looked at; Limiter.State gives the exact total.
 	Value float64
 
 	// Shards lists the shard rows that were charged ([0] for an unsharded limit); empty when denied.
 	Shards []int
+
+	// Config is the config the decision was made with, defaults applied (Capacity and Shards as
+	// in force).
+	Config Config
 
 	// Time is the clock reading the decision was made with: the database's clock, read once per
 	// statement before any wait for a row lock, unless LimiterConfig.Now is set. A row whose ts is
@@ -165,85 +166,25 @@ func (l *Limiter) CheckN(ctx context.Context, db Executor, name, key string, cou
 }
 
 func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
-	if opts == nil {
-		opts = &LimitOpts{}
-	}
-	if err := checkCount(op, count); err != nil {
-		return Result{}, err
-	}
-	r, err := l.one(ctx, db, op, name, key, count, opts, dry)
-	if err != nil {
-		return Result{}, err
-	}
-	if opts.Throw && !r.OK {
-		return r, r.Err()
-	}
-	return r, nil
-}
-
-// one decides a single request with a lean single-request statement: DecideOne for an unsharded
-// limit, DecideSharded for a sharded one.
-func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return Result{}, err
 	}
-	s, err := l.resolve(op, name, key, opts.Config)
+	c, err := l.prepareSingle(op, name, key, count, opts, dry)
 	if err != nil {
 		return Result{}, err
 	}
-	if err := s.checkRequest(op, count, opts.Reserve); err != nil {
-		return Result{}, err
+	out, err := l.decideCalls(ctx, db, []*call{c})
+	if err != nil {
+		return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-	a, b := 0, -1
-	var cands []int32
-	if s.shards >= 2 {
-		a, b = l.pick(s.shards)
-		cands = shardCandidates(s.shards, a, b)
+	if out[0].err != nil {
+		return Result{}, out[0].err
 	}
-	q := dbsqlc.New()
-	decide := func(now pgtype.Timestamptz) (dbsqlc.DecideRow, error) {
-		if b < 0 {
-			row, err := q.DecideOne(ctx, db, dbsqlc.DecideOneParams{
-				Now: now, Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
-				Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
-			})
-			return dbsqlc.DecideRow{
-				Status: row.Status, Charge: 1, OkNow: row.OkNow, Reserved: row.Reserved,
-				LevelA: row.Level, EndA: row.EndValue, TsAUs: row.TsUs, NowUs: row.NowUs,
-			}, err
-		}
-		row, err := q.DecideSharded(ctx, db, dbsqlc.DecideShardedParams{
-			Now: now, Name: name, Key: key, Dry: dry, Count: count, Reserve: opts.Reserve, MaxReserved: s.maxRes,
-			Cap: s.capacity, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, AnchorUs: s.anchorUs,
-			Cands: cands, LockBase: shardLockBase(name, key),
-		})
-		a, b = int(row.ShardA), int(row.ShardB)
-		return dbsqlc.DecideRow{
-			Status: row.Status, Charge: row.Charge, OkNow: row.OkNow, Reserved: row.Reserved,
-			LevelA: row.LevelA, LevelB: row.LevelB, EndA: row.EndA, EndB: row.EndB,
-			TsAUs: row.TsAUs, TsBUs: row.TsBUs, NowUs: row.NowUs,
-		}, err
+	r := out[0].res.Results[0]
+	if opts != nil && opts.AsError && !r.OK {
+		return r, r.Err()
 	}
-	for attempt := 1; ; attempt++ {
-		row, err := decide(l.clock())
-		if err != nil {
-			return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
-		}
-		if row.Status == statusBusy {
-			return Result{}, &BusyError{Name: name, Key: key, Candidates: len(cands)}
-		}
-		if row.Status == statusRerun {
-			if attempt == maxReruns {
-				return Result{}, fmt.Errorf("ratelimit: %s: limit row kept appearing concurrently; gave up after %d attempts", op, attempt)
-			}
-			continue
-		}
-		granted := row.OkNow || row.Reserved
-		if !dry && granted && row.Status != statusWritten {
-			return Result{}, fmt.Errorf("ratelimit: %s: internal error: granted but not written (status %d)", op, row.Status)
-		}
-		return toResult(s, row, a, b), nil
-	}
+	return r, nil
 }
 
 // Request is one limit of a LimitMany or CheckMany call.
@@ -262,8 +203,8 @@ type Request struct {
 
 // ManyOpts are the options of LimitMany and CheckMany. A nil *ManyOpts is the zero value.
 type ManyOpts struct {
-	// Throw turns a denial into a *LimitedError listing every denied limit. Defaults to false.
-	Throw bool
+	// AsError turns a denial into a *LimitedError listing every denied limit. Defaults to false.
+	AsError bool
 }
 
 // ManyResult is the outcome of LimitMany or CheckMany.
@@ -277,6 +218,16 @@ type ManyResult struct {
 	// Results has one element per request, in order. When OK is false, each says whether that
 	// limit alone would have been granted; none was consumed.
 	Results []Result
+	// Time is the clock reading the decision was made with (see Result.Time).
+	Time time.Time
+}
+
+// RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
+func (m ManyResult) RetryAfter() time.Duration {
+	if m.RetryAt.IsZero() || !m.RetryAt.After(m.Time) {
+		return 0
+	}
+	return m.RetryAt.Sub(m.Time)
 }
 
 // Denied returns the results that were not granted.
@@ -316,205 +267,25 @@ func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, op
 }
 
 func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []Request, opts *ManyOpts, dry bool) (ManyResult, error) {
-	res, err := l.many(ctx, db, op, reqs, dry)
-	if err != nil {
-		return ManyResult{}, err
-	}
-	if opts != nil && opts.Throw && !res.OK {
-		return res, res.Err()
-	}
-	return res, nil
-}
-
-// maxReruns bounds how often a decision is re-run because a missing row was created concurrently
-// (status 3 of the Decide query). Each re-run sees the rows the previous one found or created.
-const maxReruns = 8
-
-func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Request, dry bool) (ManyResult, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return ManyResult{}, err
 	}
-	if len(reqs) == 0 {
-		return ManyResult{}, &ArgumentError{Op: op, Arg: "requests", Reason: "must not be empty"}
+	c, err := l.prepareMany(op, reqs, dry)
+	if err != nil {
+		return ManyResult{}, err
 	}
-	specs := make([]spec, len(reqs))
-	counts := make([]float64, len(reqs))
-	seen := make(map[[2]string]bool, len(reqs))
-	for i, r := range reqs {
-		s, err := l.resolve(op, r.Name, r.Key, r.Config)
-		if err != nil {
-			return ManyResult{}, err
-		}
-		if seen[[2]string{r.Name, r.Key}] {
-			return ManyResult{}, &ArgumentError{Op: op, Arg: "requests", Reason: fmt.Sprintf("name %q key %q appears twice", r.Name, r.Key)}
-		}
-		seen[[2]string{r.Name, r.Key}] = true
-		counts[i] = r.Count
-		if counts[i] == 0 {
-			counts[i] = 1
-		}
-		if err := s.checkRequest(op, counts[i], r.Reserve); err != nil {
-			return ManyResult{}, err
-		}
-		specs[i] = s
+	out, err := l.decideCalls(ctx, db, []*call{c})
+	if err != nil {
+		return ManyResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-
-	p := dbsqlc.DecideParams{Dry: dry}
-	for i, s := range specs {
-		a, b := 0, -1
-		if s.shards >= 2 {
-			a, b = l.pick(s.shards)
-		}
-		p.Names = append(p.Names, s.name)
-		p.Keys = append(p.Keys, s.key)
-		p.Counts = append(p.Counts, counts[i])
-		p.Kinds = append(p.Kinds, s.kind)
-		p.Rates = append(p.Rates, s.rate)
-		p.PeriodsUs = append(p.PeriodsUs, s.periodUs)
-		p.Caps = append(p.Caps, s.capacity)
-		p.MaxReserved = append(p.MaxReserved, s.maxRes)
-		p.Reserves = append(p.Reserves, reqs[i].Reserve)
-		p.AnchorsUs = append(p.AnchorsUs, s.anchorUs)
-		p.ShardsA = append(p.ShardsA, int32(a))
-		p.ShardsB = append(p.ShardsB, int32(b))
+	if out[0].err != nil {
+		return ManyResult{}, out[0].err
 	}
-
-	q := dbsqlc.New()
-	var rows []dbsqlc.DecideRow
-	for attempt := 1; ; attempt++ {
-		p.Now = l.clock()
-		var err error
-		rows, err = q.Decide(ctx, db, p)
-		if err != nil {
-			return ManyResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
-		}
-		if len(rows) != len(specs) {
-			return ManyResult{}, fmt.Errorf("ratelimit: %s: decision returned %d rows for %d requests", op, len(rows), len(specs))
-		}
-		if rows[0].Status != statusRerun {
-			break
-		}
-		if attempt == maxReruns {
-			return ManyResult{}, fmt.Errorf("ratelimit: %s: limit rows kept appearing concurrently; gave up after %d attempts", op, attempt)
-		}
+	res := out[0].res
+	if opts != nil && opts.AsError && !res.OK {
+		return res, res.Err()
 	}
-
-	// Fail closed: a decision that granted every request must have written it (or be a dry run).
-	if !dry && rows[0].Status != statusWritten && allGranted(rows) {
-		return ManyResult{}, fmt.Errorf("ratelimit: %s: internal error: granted but not written (status %d)", op, rows[0].Status)
-	}
-	out := ManyResult{OK: rows[0].Status == statusWritten || (dry && allGranted(rows)), Results: make([]Result, len(rows))}
-	for i, row := range rows {
-		r := toResult(specs[i], row, int(p.ShardsA[i]), int(p.ShardsB[i]))
-		if !out.OK && !dry {
-			r.Shards = nil // nothing was consumed
-		}
-		out.Results[i] = r
-		// Granted: act when the last reservation is due. Denied: retry when the last denial clears.
-		if (out.OK || !r.OK) && r.RetryAt.After(out.RetryAt) {
-			out.RetryAt = r.RetryAt
-		}
-	}
-	return out, nil
-}
-
-// Statuses of the Decide query.
-const (
-	statusWritten   = 0 // every request granted and written
-	statusDenied    = 1 // decided on locked rows: some request denied, nothing written
-	statusUnwritten = 2 // decided on a lock-free read: dry run, or a denial visible without locking
-	statusRerun     = 3 // a missing row appeared concurrently: nothing written, run again
-	statusBusy      = 4 // DecideSharded only: every candidate shard taken under a snapshot; nothing read or written
-)
-
-func allGranted(rows []dbsqlc.DecideRow) bool {
-	for _, r := range rows {
-		if !r.OkNow && !r.Reserved {
-			return false
-		}
-	}
-	return true
-}
-
-// toResult turns one row of the Decide query into a Result; a and b are the candidate shards
-// (b < 0 for an unsharded limit).
-func toResult(s spec, row dbsqlc.DecideRow, a, b int) Result {
-	r := Result{
-		Name:     s.name,
-		Key:      s.key,
-		OK:       row.OkNow || row.Reserved,
-		Reserved: row.Reserved,
-		Time:     usTime(row.NowUs),
-	}
-	chargedA := row.Charge == 1 || row.Charge == 3
-	chargedB := b >= 0 && (row.Charge == 2 || row.Charge == 3)
-	if r.OK {
-		r.Value = row.EndA
-		if b >= 0 {
-			r.Value += row.EndB
-		}
-		if chargedA {
-			r.Shards = append(r.Shards, a)
-		}
-		if chargedB {
-			r.Shards = append(r.Shards, b)
-		}
-	} else {
-		r.Value = row.LevelA
-		if b >= 0 {
-			r.Value += row.LevelB
-		}
-	}
-	if !row.OkNow {
-		var at int64
-		if chargedA {
-			at = max(at, retryAtUs(s, row.EndA, row.TsAUs))
-		}
-		if chargedB {
-			at = max(at, retryAtUs(s, row.EndB, row.TsBUs))
-		}
-		r.RetryAt = usTime(at)
-	}
-	return r
-}
-
-// maxWaitUs bounds a computed wait so that RetryAt stays a valid time (about 100,000 years).
-const maxWaitUs = 1 << 61
-
-// retryAtUs returns when a shard row left at value end (at tsUs) has accrued back to zero: the
-// first microsecond (token bucket) or window start (fixed window) at which the row, evaluated as the
-// SQL evaluates it, holds >= 0. The exact ceiling is the starting guess; float rounding can put the
-// answer one step either side of it, so it is adjusted both ways.
-func retryAtUs(s spec, end float64, tsUs int64) int64 {
-	if end >= 0 {
-		return tsUs
-	}
-	if s.kind == int16(TokenBucket) {
-		level := func(w float64) float64 { return end + w*s.rate/float64(s.periodUs) }
-		w := math.Ceil(-end * float64(s.periodUs) / s.rate)
-		if w >= maxWaitUs {
-			return tsUs + maxWaitUs
-		}
-		for w > 1 && level(w-1) >= 0 {
-			w--
-		}
-		for level(w) < 0 {
-			w++
-		}
-		return tsUs + int64(w)
-	}
-	level := func(n float64) float64 { return end + float64(s.rate*n) }
-	n := math.Ceil(-end / s.rate)
-	if n*float64(s.periodUs) >= maxWaitUs {
-		return tsUs + maxWaitUs
-	}
-	for n > 1 && level(n-1) >= 0 {
-		n--
-	}
-	for level(n) < 0 {
-		n++
-	}
-	return tsUs + int64(n)*s.periodUs
+	return res, nil
 }
 
 func (l *Limiter) clock() pgtype.Timestamptz {

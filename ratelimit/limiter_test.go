@@ -94,7 +94,7 @@ func sinceT0(t time.Time) any {
 // SPEC §3: v = min(value + (now−ts)·r, cap) − count; RetryAt = ts' + (−v)/r.
 func TestTokenBucketRefillWithCap(t *testing.T) {
 	t.Parallel()
-	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}})
 	runSteps(t, b, "tb", "u1", []step{
 		{at: t0, count: 4, ok: true, value: 6},                                                       // a missing row is full: 10 − 4
 		{at: t0.Add(100 * ms), count: 7, ok: true, value: 0},                                         // 6 + 0.1 s·10/s = 7, all taken
@@ -124,7 +124,7 @@ func TestTokenBucketCapacity(t *testing.T) {
 // SPEC §2: a request evaluated at now < ts is evaluated at ts; the row never moves back.
 func TestClockNeverRunsBackwards(t *testing.T) {
 	t.Parallel()
-	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}})
 	runSteps(t, b, "tb", "k", []step{
 		{at: t0.Add(time.Second), count: 10, ok: true, value: 0},
 		// A skewed caller at t0 (one second earlier) sees no refill and no negative refill.
@@ -134,7 +134,7 @@ func TestClockNeverRunsBackwards(t *testing.T) {
 		// A reservation from the past is timed from the row's ts, not from the caller's clock.
 		{at: t0, count: 2, reserve: true, ok: true, reserved: true, retryAt: t0.Add(time.Second + 300*ms), value: -2},
 	})
-	st, err := b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	st, err := b.lim.State(b.ctx, b.pool, "tb", "k", nil)
 	require.NoError(t, err)
 	require.True(t, st.TS.Equal(t0.Add(time.Second+100*ms)), "ts moved to %v", st.TS)
 
@@ -213,20 +213,23 @@ func TestFixedWindowAtMostCapacityPerWindow(t *testing.T) {
 	require.Equal(t, 6.0, granted, "one window granted %v, want capacity 6", granted)
 }
 
-// SPEC §3 with Reserve: granted below zero while −v ≤ MaxReserved; RetryAt is when the debt is paid.
+// docs/spec.md §3 with Reserve: granted below zero while −v ≤ MaxReserved; RetryAt is when the debt
+// is paid, and for a reservation refused over MaxReserved, when the same reservation fits.
 func TestReservations(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{
 		"bounded":   {Rate: 10, Period: time.Second, MaxReserved: 5},
-		"unbounded": {Rate: 10, Period: time.Second},
+		"unbounded": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded},
 		"fw":        {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: 12, Start: t0},
 	})
 	runSteps(t, b, "bounded", "k", []step{
 		{at: t0, count: 10, ok: true, value: 0},
 		{at: t0, count: 3, reserve: true, ok: true, reserved: true, retryAt: t0.Add(300 * ms), value: -3},
-		{at: t0, count: 3, reserve: true, retryAt: t0.Add(600 * ms), value: -3},                           // −6 > 5: denied, nothing written
+		{at: t0, count: 3, reserve: true, retryAt: t0.Add(100 * ms), value: -3},                                      // −6 > 5: denied, nothing written; −2 − 3 fits
+		{at: t0.Add(100*ms - time.Microsecond), count: 3, reserve: true, retryAt: t0.Add(100 * ms), value: -2.00001}, // one µs early: still refused
+		{at: t0, count: 3, reserve: true, retryAt: t0.Add(100 * ms), value: -3},
 		{at: t0, count: 2, reserve: true, ok: true, reserved: true, retryAt: t0.Add(500 * ms), value: -5}, // −5 ≤ 5
-		{at: t0, count: 0.001, reserve: true, retryAt: t0.Add(500*ms + 100*time.Microsecond), value: -5},
+		{at: t0, count: 0.001, reserve: true, retryAt: t0.Add(100 * time.Microsecond), value: -5},         // fits at −4.999
 		{at: t0.Add(100 * ms), count: 1, reserve: true, ok: true, reserved: true, retryAt: t0.Add(600 * ms), value: -5},
 		{at: t0.Add(600 * ms), count: 1, retryAt: t0.Add(700 * ms), value: 0}, // paid off, but nothing spare
 		{at: t0.Add(700 * ms), count: 1, ok: true, value: 0},
@@ -238,7 +241,7 @@ func TestReservations(t *testing.T) {
 	runSteps(t, b, "fw", "k", []step{
 		// The window started at t0 with 5 tokens; 17 = cap + MaxReserved is the most one call can book.
 		{at: t0.Add(time.Second), count: 17, reserve: true, ok: true, reserved: true, retryAt: t0.Add(3 * time.Minute), value: -12}, // ceil(12/5) windows
-		{at: t0.Add(time.Second), count: 1, reserve: true, retryAt: t0.Add(3 * time.Minute), value: -12},                            // −13 > 12: denied
+		{at: t0.Add(time.Second), count: 1, reserve: true, retryAt: t0.Add(time.Minute), value: -12},                                // −13 > 12: denied; the next window's −7 − 1 fits
 		{at: t0.Add(2 * time.Minute), count: 1, retryAt: t0.Add(3 * time.Minute), value: -2},                                        // two windows: −12 + 10
 		{at: t0.Add(3 * time.Minute), count: 3, ok: true, value: 0},
 	})
@@ -262,8 +265,8 @@ func TestCheckMatchesLimitAndWritesNothing(t *testing.T) {
 
 func TestValueResetCredit(t *testing.T) {
 	t.Parallel()
-	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, Capacity: 20}})
-	st, err := b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, Capacity: 20, MaxReserved: ratelimit.Unbounded}})
+	st, err := b.lim.State(b.ctx, b.pool, "tb", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 20.0, st.Value, "a missing row is full")
 	require.True(t, st.TS.IsZero())
@@ -271,7 +274,7 @@ func TestValueResetCredit(t *testing.T) {
 	_, err = b.lim.LimitN(b.ctx, b.pool, "tb", "k", 15, nil)
 	require.NoError(t, err)
 	b.clock.Set(t0.Add(200 * ms))
-	st, err = b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	st, err = b.lim.State(b.ctx, b.pool, "tb", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 7.0, st.Value) // 5 + 0.2 s·10/s
 	require.True(t, st.TS.Equal(t0))
@@ -298,7 +301,7 @@ func TestValueResetCredit(t *testing.T) {
 	require.Equal(t, ratelimit.CreditResult{Name: "tb", Key: "other", Credited: 0, Value: 20, Time: t0.Add(200 * ms)}, c)
 
 	require.NoError(t, b.lim.Reset(b.ctx, b.pool, "tb", "k"))
-	st, err = b.lim.Value(b.ctx, b.pool, "tb", "k", nil)
+	st, err = b.lim.State(b.ctx, b.pool, "tb", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 20.0, st.Value)
 	require.True(t, st.TS.IsZero(), "reset removed the row")
@@ -328,13 +331,13 @@ func TestInlineConfigAndUnknownName(t *testing.T) {
 }
 
 // SPEC §6 throws-style: a denial becomes a typed error; a reservation never does.
-func TestThrow(t *testing.T) {
+func TestAsError(t *testing.T) {
 	t.Parallel()
-	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 1, Period: time.Second}})
-	throw := &ratelimit.LimitOpts{Throw: true}
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 1, Period: time.Second, MaxReserved: ratelimit.Unbounded}})
+	throw := &ratelimit.LimitOpts{AsError: true}
 	_, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", throw)
 	require.NoError(t, err)
-	res, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", &ratelimit.LimitOpts{Throw: true, Reserve: true})
+	res, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", &ratelimit.LimitOpts{AsError: true, Reserve: true})
 	require.NoError(t, err, "a granted reservation is not an error")
 	require.True(t, res.Reserved)
 	res, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", throw)
@@ -372,10 +375,10 @@ func TestLimitMany(t *testing.T) {
 	for _, r := range m.Results {
 		require.Empty(t, r.Shards, "%s: nothing charged", r.Name)
 	}
-	st, err := b.lim.Value(b.ctx, b.pool, "daily", "u1", nil)
+	st, err := b.lim.State(b.ctx, b.pool, "daily", "u1", nil)
 	require.NoError(t, err)
 	require.Equal(t, 1.0, st.Value, "daily kept its token")
-	st, err = b.lim.Value(b.ctx, b.pool, "global", "", nil)
+	st, err = b.lim.State(b.ctx, b.pool, "global", "", nil)
 	require.NoError(t, err)
 	require.Equal(t, 97.0, st.Value)
 
@@ -383,7 +386,7 @@ func TestLimitMany(t *testing.T) {
 	b.clock.Set(t0.Add(time.Second))
 	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{
 		{Name: "perUser", Key: "u1", Count: 3}, {Name: "daily", Key: "u1", Count: 2}, {Name: "global"},
-	}, &ratelimit.ManyOpts{Throw: true})
+	}, &ratelimit.ManyOpts{AsError: true})
 	var le *ratelimit.LimitedError
 	require.ErrorAs(t, err, &le)
 	require.False(t, m.OK)

@@ -9,14 +9,13 @@ package ratelimit_test
 // are wrapped in float64(...) conversions, which the Go spec says must round, so the compiler
 // cannot fuse a multiply and an add into one FMA.
 //
-// RetryAt (SPEC §3/§4) is the earliest microsecond (window) at which the row, refilled from what
-// the call left it at, is out of debt as float8 arithmetic sees it; see modelLimit.retryAt.
+// RetryAt (docs/spec.md §3/§4) is the first microsecond at which the same request would be granted
+// (a refusal) or at which the charged rows are out of debt (a reservation), as the rules evaluate
+// it in float8; see modelLimit.firstGrant, which searches the way txlimit_first_grant does.
 
 import (
 	"errors"
-	"fmt"
 	"math"
-	"math/big"
 	"sort"
 	"testing"
 	"time"
@@ -51,7 +50,8 @@ type modelLimit struct {
 	shards    int     // N >= 1
 	rate      float64 // Rate/N
 	cap       float64 // Capacity/N (Capacity defaults to Rate)
-	maxRes    float64 // MaxReserved/N; < 0 when MaxReserved is unset (0): no bound
+	maxRes    float64 // MaxReserved/N; +Inf for Unbounded
+	noReserve bool    // MaxReserved is 0: a request with Reserve is an argument error
 	periodUs  int64
 	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs
 }
@@ -76,7 +76,7 @@ func modelValidate(c ratelimit.Config) error {
 		!amount(c.Rate, false),
 		c.Period <= 0, c.Period%time.Microsecond != 0, c.Period > ratelimit.MaxPeriod,
 		!amount(c.Capacity, true),
-		!amount(c.MaxReserved, true),
+		!amount(c.MaxReserved, true) && !math.IsInf(c.MaxReserved, 1),
 		c.Shards < 0, c.Shards > ratelimit.MaxShards,
 		!c.Start.IsZero() && c.Kind != ratelimit.FixedWindow:
 		return errModelConfig
@@ -141,15 +141,13 @@ func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
 	}
 	m := modelLimit{
 		name: name, key: key,
-		fixed:    cfg.Kind == ratelimit.FixedWindow,
-		shards:   n,
-		rate:     cfg.Rate / float64(n),
-		cap:      capacity / float64(n),
-		maxRes:   -1,
-		periodUs: int64(cfg.Period / time.Microsecond),
-	}
-	if cfg.MaxReserved > 0 {
-		m.maxRes = cfg.MaxReserved / float64(n)
+		fixed:     cfg.Kind == ratelimit.FixedWindow,
+		shards:    n,
+		rate:      cfg.Rate / float64(n),
+		cap:       capacity / float64(n),
+		maxRes:    cfg.MaxReserved / float64(n),
+		noReserve: cfg.MaxReserved == 0,
+		periodUs:  int64(cfg.Period / time.Microsecond),
 	}
 	if m.fixed {
 		if !cfg.Start.IsZero() {
@@ -171,12 +169,12 @@ func floorMod(a, m int64) int64 {
 
 // maxGrant is the largest count one call could ever be granted (SPEC §5): a shard's capacity, or
 // what two shards hold together, plus the bounded debt when reserving; +Inf when reserving
-// without a bound.
+// without a bound; -Inf (every count refused) when reserving on a limit with MaxReserved 0.
 func (m modelLimit) maxGrant(reserve bool) float64 {
 	per := m.cap
 	if reserve {
-		if m.maxRes < 0 {
-			return math.Inf(1)
+		if m.noReserve {
+			return math.Inf(-1)
 		}
 		per += m.maxRes
 	}
@@ -226,51 +224,132 @@ func floorDiv(a, b int64) int64 {
 	return q
 }
 
-// retryAt is when a row left at end (< 0) at ts has refilled to zero (SPEC §3/§4, doc.go): the
-// first microsecond ts + w (token bucket) or first window ts + n·Period (fixed window) at which
-// the refill, evaluated as the SQL evaluates a row (end + (w·Rate)/Period, end + Rate·n), is no
-// longer below zero. In real arithmetic that is ts + ceil(debt·Period/Rate) µs and
-// ts + Period·ceil(debt/Rate); the search starts there (computed exactly) and moves by one
-// µs/window while float8 rounding says otherwise, in either direction, so it is the earliest
-// instant at which the debt is paid as the database will see it.
-func (m modelLimit) retryAt(end float64, ts int64) int64 {
-	if end >= 0 {
-		return ts
-	}
-	debt := new(big.Rat).SetFloat64(-end)
-	rate := new(big.Rat).SetFloat64(m.rate)
+// missingRow is how a missing row is evaluated: full, stamped so that it refills nothing and its
+// ts moves to now (token bucket) or to the start of now's window (fixed window).
+func (m modelLimit) missingRow() modelRow {
 	if m.fixed {
-		paid := func(n int64) bool { return end+float64(m.rate*float64(n)) >= 0 }
-		n := ratCeil(new(big.Rat).Quo(debt, rate))
-		for !paid(n) {
-			n++
-		}
-		for n > 1 && paid(n-1) {
-			n--
-		}
-		return ts + n*m.periodUs
+		return modelRow{m.cap, m.anchorUs}
 	}
-	paid := func(w int64) bool { return end+float64(float64(w)*m.rate)/float64(m.periodUs) >= 0 }
-	w := ratCeil(new(big.Rat).Quo(new(big.Rat).Mul(debt, new(big.Rat).SetInt64(m.periodUs)), rate))
-	for !paid(w) {
-		w++
-	}
-	for w > 1 && paid(w-1) {
-		w--
-	}
-	return ts + w
+	return modelRow{m.cap, 0}
 }
 
-// ratCeil rounds a non-negative rational up to an integer (it must fit an int64).
-func ratCeil(r *big.Rat) int64 {
-	q, rem := new(big.Int).QuoRem(r.Num(), r.Denom(), new(big.Int))
-	if rem.Sign() > 0 {
-		q.Add(q, big.NewInt(1))
+// charge is txlimit_charge with a free choice: 1 (row a), 2 (row b) or 3 (both).
+func charge(la, lb float64, two bool, c float64) int {
+	switch {
+	case !two:
+		return 1
+	case max(la, lb) >= c:
+		if la >= lb {
+			return 1
+		}
+		return 2
+	case math.Abs(la-lb) <= c:
+		return 3
+	case la >= lb:
+		return 1
 	}
-	if !q.IsInt64() {
-		panic(fmt.Sprintf("model: wait %v does not fit int64", q))
+	return 2
+}
+
+// left is txlimit_left: what row slot 0 (a) or 1 (b) holds after the charge.
+func left(slot, ch int, la, lb, c float64) float64 {
+	switch {
+	case ch == 3:
+		return (la + lb - c) / 2
+	case slot == 0 && ch == 1:
+		return la - c
+	case slot == 1 && ch == 2:
+		return lb - c
+	case slot == 0:
+		return la
 	}
-	return q.Int64()
+	return lb
+}
+
+// grantedBy is txlimit_granted: the emptiest charged row is left with at least -allow.
+func grantedBy(ch int, ea, eb, allow float64) bool {
+	low := eb
+	switch ch {
+	case 1:
+		low = ea
+	case 3:
+		low = min(ea, eb)
+	}
+	return low >= -allow
+}
+
+// grantsAt is txlimit_grants_at: whether count (allowance allow) on rows a and, when two, b is
+// granted at t.
+func (m modelLimit) grantsAt(count, allow float64, two bool, a, b modelRow, t int64) bool {
+	la, _ := m.level(a, t)
+	lb := 0.0
+	if two {
+		lb, _ = m.level(b, t)
+	}
+	ch := charge(la, lb, two, count)
+	return grantedBy(ch, left(0, ch, la, lb, count), left(1, ch, la, lb, count), allow)
+}
+
+// modelMaxWait is ratelimit.MaxRetryWaitMicros.
+const modelMaxWait = int64(1) << 61
+
+// firstGrant is txlimit_first_grant: the first t >= from at which grantsAt holds, searched the
+// same way (the real-arithmetic estimate, then gallop and bisect), at most from + 2^61 µs.
+func (m modelLimit) firstGrant(count, allow float64, two bool, a, b modelRow, from int64) int64 {
+	if m.grantsAt(count, allow, two, a, b, from) {
+		return from
+	}
+	horizon := from + modelMaxWait
+	la, _ := m.level(a, from)
+	lb := 0.0
+	if two {
+		lb, _ = m.level(b, from)
+	}
+	ch := charge(la, lb, two, count)
+	ea, eb := math.Inf(1), math.Inf(1)
+	if ch == 1 || ch == 3 {
+		ea = left(0, ch, la, lb, count)
+	}
+	if ch == 2 || ch == 3 {
+		eb = left(1, ch, la, lb, count)
+	}
+	est := -min(ea, eb) - allow
+	if !m.fixed {
+		est = math.Ceil(float64(est*float64(m.periodUs)) / m.rate)
+	} else {
+		ref := a
+		if ch == 2 {
+			ref = b
+		}
+		_, ts := m.level(ref, from)
+		est = float64(ts-from) + float64(math.Ceil(est/m.rate)*float64(m.periodUs))
+	}
+	hi := from + int64(min(max(est, 1), float64(modelMaxWait)))
+	lo := from
+	step := max(hi-lo, 1)
+	for !m.grantsAt(count, allow, two, a, b, hi) {
+		if hi >= horizon {
+			return horizon
+		}
+		lo = hi
+		hi = min(hi+step, horizon)
+		step = min(step*2, modelMaxWait)
+	}
+	if hi-lo > 1 {
+		if !m.grantsAt(count, allow, two, a, b, hi-1) {
+			return hi
+		}
+		hi--
+	}
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if m.grantsAt(count, allow, two, a, b, mid) {
+			hi = mid
+		} else {
+			lo = mid
+		}
+	}
+	return hi
 }
 
 // modelReq is one request of a decision; a and b are the candidate shards (b < 0 unsharded).
@@ -304,62 +383,36 @@ type modelMany struct {
 // decide runs one decision over reqs (1 for LimitN/CheckN), all-or-nothing (SPEC §3, §4, §6, §8).
 // dry: Check/CheckMany, no write.
 func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
-	type slot struct {
-		lv  float64
-		ts  int64
-		end float64
-	}
 	type plan struct {
-		a, b            slot
+		ra, rb          modelRow // the rows as they stand (a missing row as missingRow)
+		la, lb          float64  // their levels at now
+		tsA, tsB        int64    // the ts they move to
+		ea, eb          float64  // what they hold after the charge
 		two             bool
-		chargeA, charge bool // charge: b charged
+		ch              int
 		okNow, reserved bool
 	}
 	plans := make([]plan, len(reqs))
 	granted := true
 	for i, r := range reqs {
 		p := &plans[i]
-		eval := func(shard int) slot {
+		row := func(shard int) modelRow {
 			if row, ok := md.rows[modelRowKey{r.lim.name, r.lim.key, shard}]; ok {
-				lv, ts := r.lim.level(row, now)
-				return slot{lv: lv, ts: ts}
+				return row
 			}
-			lv, ts := r.lim.missing(now)
-			return slot{lv: lv, ts: ts}
+			return r.lim.missingRow()
 		}
-		p.a = eval(r.a)
+		p.ra = row(r.a)
+		p.la, p.tsA = r.lim.level(p.ra, now)
 		p.two = r.b >= 0
-		c := r.count
-		var low float64
-		if !p.two {
-			p.chargeA = true
-			p.a.end = p.a.lv - c
-			low = p.a.end
-		} else {
-			p.b = eval(r.b)
-			la, lb := p.a.lv, p.b.lv
-			switch {
-			case max(la, lb) >= c, math.Abs(la-lb) > c:
-				// one shard: the one with more tokens, a on a tie
-				if la >= lb {
-					p.chargeA = true
-					p.a.end, p.b.end = la-c, lb
-					low = p.a.end
-				} else {
-					p.charge = true
-					p.a.end, p.b.end = la, lb-c
-					low = p.b.end
-				}
-			default:
-				// both, ending equal
-				e := (la + lb - c) / 2
-				p.chargeA, p.charge = true, true
-				p.a.end, p.b.end = e, e
-				low = e
-			}
+		if p.two {
+			p.rb = row(r.b)
+			p.lb, p.tsB = r.lim.level(p.rb, now)
 		}
-		p.okNow = low >= 0
-		p.reserved = !p.okNow && r.reserve && (r.lim.maxRes < 0 || -low <= r.lim.maxRes)
+		p.ch = charge(p.la, p.lb, p.two, r.count)
+		p.ea, p.eb = left(0, p.ch, p.la, p.lb, r.count), left(1, p.ch, p.la, p.lb, r.count)
+		p.okNow = grantedBy(p.ch, p.ea, p.eb, 0)
+		p.reserved = !p.okNow && grantedBy(p.ch, p.ea, p.eb, r.allow())
 		if !p.okNow && !p.reserved {
 			granted = false
 		}
@@ -371,11 +424,11 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 		out.OK = true
 		for i, r := range reqs {
 			p := plans[i]
-			if p.chargeA {
-				md.rows[modelRowKey{r.lim.name, r.lim.key, r.a}] = modelRow{p.a.end, p.a.ts}
+			if p.ch == 1 || p.ch == 3 {
+				md.rows[modelRowKey{r.lim.name, r.lim.key, r.a}] = modelRow{p.ea, p.tsA}
 			}
-			if p.charge {
-				md.rows[modelRowKey{r.lim.name, r.lim.key, r.b}] = modelRow{p.b.end, p.b.ts}
+			if p.ch == 2 || p.ch == 3 {
+				md.rows[modelRowKey{r.lim.name, r.lim.key, r.b}] = modelRow{p.eb, p.tsB}
 			}
 		}
 	}
@@ -387,31 +440,36 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 			res.retryStep = r.lim.periodUs
 		}
 		if res.OK {
-			res.Value = p.a.end
+			res.Value = p.ea
 			if p.two {
-				res.Value += p.b.end
+				res.Value += p.eb
 			}
 			if out.OK || dry {
-				if p.chargeA {
+				if p.ch == 1 || p.ch == 3 {
 					res.Shards = append(res.Shards, r.a)
 				}
-				if p.charge {
+				if p.ch == 2 || p.ch == 3 {
 					res.Shards = append(res.Shards, r.b)
 				}
 			}
 		} else {
-			res.Value = p.a.lv
+			res.Value = p.la
 			if p.two {
-				res.Value += p.b.lv
+				res.Value += p.lb
 			}
 		}
-		if !p.okNow {
+		switch {
+		case !res.OK:
+			// Refused: when the same request is granted.
+			res.RetryAt = r.lim.firstGrant(r.count, r.allow(), p.two, p.ra, p.rb, now)
+		case p.reserved:
+			// Reserved: when every charged row is out of debt.
 			at := int64(math.MinInt64)
-			if p.chargeA {
-				at = max(at, r.lim.retryAt(p.a.end, p.a.ts))
+			if p.ch == 1 || p.ch == 3 {
+				at = max(at, r.lim.firstGrant(0, 0, false, modelRow{p.ea, p.tsA}, modelRow{}, now))
 			}
-			if p.charge {
-				at = max(at, r.lim.retryAt(p.b.end, p.b.ts))
+			if p.ch == 2 || p.ch == 3 {
+				at = max(at, r.lim.firstGrant(0, 0, false, modelRow{p.eb, p.tsB}, modelRow{}, now))
 			}
 			res.RetryAt = at
 		}
@@ -424,6 +482,14 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 	return out
 }
 
+// allow is how far below zero the request may take a charged row: 0 without Reserve.
+func (r modelReq) allow() float64 {
+	if !r.reserve {
+		return 0
+	}
+	return r.lim.maxRes
+}
+
 // modelState mirrors ratelimit.State.
 type modelState struct {
 	Value  float64
@@ -432,7 +498,7 @@ type modelState struct {
 	Time   int64
 }
 
-// value is Limiter.Value: every configured shard evaluated at now, missing ones full, summed in
+// value is Limiter.State: every configured shard evaluated at now, missing ones full, summed in
 // shard order (SPEC §6).
 func (md *model) value(now int64, m modelLimit) modelState {
 	st := modelState{TS: -1, Time: now, Shards: make([]float64, m.shards)}
@@ -542,13 +608,13 @@ func TestModelSpecNumbers(t *testing.T) {
 	}
 
 	// SPEC §3: 10/min, cap 10, holding 0.5 after 9.5 taken: a call for 1 waits (1-0.5)/(10/60s) = 3s.
-	tb := lim(ratelimit.Config{Rate: 10, Period: time.Minute}, "k")
+	tb := lim(ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: ratelimit.Unbounded}, "k")
 	md := newModel()
 	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, -1, 0.5)
 	expect("deny 1", one(md, base, tb, 1, false, false), false, false, base+3*s, 0.5)
 	// Refill with cap (SPEC §3 min(.., cap)): an hour later the bucket holds 10, not 600.5.
 	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, -1, 9)
-	// Reservation without MaxReserved: 10 + 5 leaves -5, paid after 5/(10/60s) = 30s.
+	// Reservation with MaxReserved Unbounded: 10 + 5 leaves -5, paid after 5/(10/60s) = 30s.
 	expect("reserve", one(md, base+3600*s, tb, 15, true, false), true, true, base+3630*s, -5)
 	// Time going backwards (SPEC §2): evaluated at ts, so no refill: still -5.
 	expect("backwards", one(md, base+3000*s, tb, 1, false, true), false, false, base+3636*s, -5)

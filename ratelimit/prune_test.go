@@ -14,12 +14,12 @@ import (
 // decision is the same with or without it.
 func TestPruneNeverChangesAFutureDecision(t *testing.T) {
 	t.Parallel()
-	fws := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0}
+	fws := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: ratelimit.Unbounded, Start: t0}
 	b := setup(t, map[string]ratelimit.Config{
-		"tb":  {Rate: 10, Period: time.Second},
-		"fw":  {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute},
+		"tb":  {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded},
+		"fw":  {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: ratelimit.Unbounded},
 		"fws": fws,
-		"sh":  {Rate: 8, Period: time.Second, Shards: 4},
+		"sh":  {Rate: 8, Period: time.Second, MaxReserved: ratelimit.Unbounded, Shards: 4},
 	})
 	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 0, 1 })
 	take := func(at time.Time, name, key string, n float64, reserve bool) {

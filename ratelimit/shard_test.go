@@ -110,7 +110,7 @@ type shardStep struct {
 	value        float64         // Result.Value (tokens left in the two candidates), or CreditResult.Value
 	credited     float64         // CreditResult.Credited
 	retry        time.Duration   // Result.RetryAt - t0; 0 when there is no wait
-	levels       map[int]float64 // Limiter.Value().Shards after the step; unlisted shards are full
+	levels       map[int]float64 // Limiter.State().Shards after the step; unlisted shards are full
 }
 
 // fmtRetry prints a RetryAt relative to t0, "-" when zero.
@@ -122,7 +122,7 @@ func fmtRetry(at time.Time) string {
 }
 
 // runShardSteps runs steps against (name, key) with config cfg and checks each result exactly, then
-// the per-shard state through Limiter.Value: every shard's level and their exact sum.
+// the per-shard state through Limiter.State: every shard's level and their exact sum.
 func runShardSteps(t *testing.T, e *shardEnv, name, key string, cfg ratelimit.Config, steps []shardStep) {
 	t.Helper()
 	for i, s := range steps {
@@ -160,7 +160,7 @@ func runShardSteps(t *testing.T, e *shardEnv, name, key string, cfg ratelimit.Co
 				t.Fatalf("step %d (t%d): decision time %v, want the injected %v", i, s.at, res.Time, at)
 			}
 		case shardCredit:
-			res, err := e.lim.Credit(e.ctx, e.pool, name, key, s.count, &ratelimit.ValueOpts{Config: &c})
+			res, err := e.lim.Credit(e.ctx, e.pool, name, key, s.count, &ratelimit.KeyOpts{Config: &c})
 			if err != nil {
 				t.Fatalf("step %d (t%d): Credit(%g): %v", i, s.at, s.count, err)
 			}
@@ -177,11 +177,11 @@ func runShardSteps(t *testing.T, e *shardEnv, name, key string, cfg ratelimit.Co
 	}
 }
 
-// checkShardLevels checks Limiter.Value against the expected per-shard levels (unlisted shards
+// checkShardLevels checks Limiter.State against the expected per-shard levels (unlisted shards
 // are full) and their sum.
 func checkShardLevels(t *testing.T, e *shardEnv, where, name, key string, c ratelimit.Config, levels map[int]float64) {
 	t.Helper()
-	st, err := e.lim.Value(e.ctx, e.pool, name, key, &ratelimit.ValueOpts{Config: &c})
+	st, err := e.lim.State(e.ctx, e.pool, name, key, &ratelimit.KeyOpts{Config: &c})
 	if err != nil {
 		t.Fatalf("%s: Value: %v", where, err)
 	}
@@ -223,8 +223,9 @@ func shardScenario(n int) []shardStep {
 		// Reserve: the same combination is a reservation, each shard owing 0.25.
 		{at: 0, pick: [2]int{A, B}, count: 1, reserve: true, ok: true, reserved: true, charged: []int{A, B}, value: -0.5, retry: 25 * time.Millisecond,
 			levels: map[int]float64{A: -0.25, B: -0.25}},
-		// MaxReserved is N, so each shard may owe 1: (-0.5 - 2)/2 = -1.25 each is too deep.
-		{at: 0, pick: [2]int{A, B}, count: 2, reserve: true, value: -0.5, retry: 125 * time.Millisecond, levels: map[int]float64{A: -0.25, B: -0.25}},
+		// MaxReserved is N, so each shard may owe 1: (-0.5 - 2)/2 = -1.25 each is too deep. The same
+		// reservation fits 25 ms later, when each shard holds 0: (0 - 2)/2 = -1.
+		{at: 0, pick: [2]int{A, B}, count: 2, reserve: true, value: -0.5, retry: 25 * time.Millisecond, levels: map[int]float64{A: -0.25, B: -0.25}},
 		// (-0.5 - 1.5)/2 = -1 each: exactly at the per-shard bound, granted; paid off at t1.
 		{at: 0, pick: [2]int{A, B}, count: 1.5, reserve: true, ok: true, reserved: true, charged: []int{A, B}, value: -2, retry: 100 * time.Millisecond,
 			levels: map[int]float64{A: -1, B: -1}},
@@ -271,7 +272,7 @@ func TestShardExact(t *testing.T) {
 			{at: 0, count: 2, ok: true, charged: []int{0}, value: 0, levels: map[int]float64{0: 0}},
 			{at: 0, op: shardCheck, count: 1, value: 0, retry: 100 * time.Millisecond, levels: map[int]float64{0: 0}},
 			{at: 0, count: 1, reserve: true, ok: true, reserved: true, charged: []int{0}, value: -1, retry: 100 * time.Millisecond, levels: map[int]float64{0: -1}},
-			{at: 0, count: 0.5, reserve: true, value: -1, retry: 150 * time.Millisecond, levels: map[int]float64{0: -1}}, // would owe 1.5 > 1
+			{at: 0, count: 0.5, reserve: true, value: -1, retry: 50 * time.Millisecond, levels: map[int]float64{0: -1}}, // would owe 1.5 > 1; fits at -0.5
 			{at: 1, op: shardCredit, count: 1.5, credited: 1.5, value: 1.5, levels: map[int]float64{0: 1.5}},
 			{at: 1, op: shardCredit, count: 1, credited: 0.5, value: 2}, // never above capacity
 			{at: 1, count: 1.5, ok: true, charged: []int{0}, value: 0.5, levels: map[int]float64{0: 0.5}},
@@ -314,7 +315,7 @@ func TestShardExact(t *testing.T) {
 			// The largest reservation: two shards' capacity plus their MaxReserved/16 each.
 			{at: 9, pick: [2]int{5, 9}, count: 6, reserve: true, ok: true, reserved: true, charged: []int{5, 9}, value: -2,
 				retry: time.Second, levels: map[int]float64{5: -1, 9: -1}},
-			// Result.Value covers the two candidates (1); Limiter.Value the whole limit (23).
+			// Result.Value covers the two candidates (1); Limiter.State the whole limit (23).
 			{at: 9, pick: [2]int{12, 3}, count: 3, ok: true, charged: []int{12, 3}, value: 1, levels: map[int]float64{3: 0.5, 5: -1, 9: -1, 12: 0.5}},
 			{at: 9, op: shardCredit, count: 4, credited: 4, value: 27, levels: map[int]float64{3: 0.5, 9: 0, 12: 0.5}},
 			{at: 9, op: shardCredit, count: 2, credited: 2, value: 29, levels: map[int]float64{3: 0.5, 12: 0.5}},
@@ -327,7 +328,7 @@ func TestShardExact(t *testing.T) {
 	// same grid, so a shard row created mid-window starts at the window's start.
 	t.Run("Shards=4/fixed-window", func(t *testing.T) {
 		t.Parallel()
-		cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 4, Period: 5 * shardTick, Capacity: 8, Shards: 4, Start: shardT0}
+		cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 4, Period: 5 * shardTick, Capacity: 8, MaxReserved: ratelimit.Unbounded, Shards: 4, Start: shardT0}
 		e := newShardEnv(t, nil)
 		runShardSteps(t, e, "fw", "k", cfg, []shardStep{
 			{at: 0, pick: [2]int{0, 1}, count: 3, ok: true, charged: []int{0, 1}, value: 1, levels: map[int]float64{0: 0.5, 1: 0.5}},
@@ -357,7 +358,7 @@ func TestShardCountValidation(t *testing.T) {
 		mostReserved := most + most/2 // plus MaxReserved/N = 1 per charged shard
 		cfg := shardCfg(n)
 		unbounded := cfg
-		unbounded.MaxReserved = 0
+		unbounded.MaxReserved = ratelimit.Unbounded
 		for i, c := range []struct {
 			cfg     ratelimit.Config
 			count   float64
@@ -369,7 +370,7 @@ func TestShardCountValidation(t *testing.T) {
 			{cfg, 2 * float64(n), false, n <= 2}, // the whole capacity: valid only when two shards hold it
 			{cfg, mostReserved, true, true},
 			{cfg, math.Nextafter(mostReserved, math.Inf(1)), true, false},
-			{unbounded, 1000, true, true}, // MaxReserved 0: no bound on the debt
+			{unbounded, 1000, true, true}, // Unbounded: no bound on the debt
 		} {
 			e.set(shardT0, [2]int{0, n - 1})
 			key := fmt.Sprintf("n%d-%d", n, i)
@@ -397,8 +398,8 @@ func TestShardCountValidation(t *testing.T) {
 // layout had already granted (growing 2 -> 4 below: 2.5 granted, then 3 more at the same instant).
 func TestShardCountChange(t *testing.T) {
 	t.Parallel()
-	two := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, Shards: 2}  // 10/s, cap 2 per shard
-	four := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, Shards: 4} // 5/s, cap 1 per shard
+	two := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, MaxReserved: ratelimit.Unbounded, Shards: 2}  // 10/s, cap 2 per shard
+	four := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, MaxReserved: ratelimit.Unbounded, Shards: 4} // 5/s, cap 1 per shard
 
 	t.Run("grow 2 to 4", func(t *testing.T) {
 		t.Parallel()
@@ -474,7 +475,7 @@ func TestShardCountChange(t *testing.T) {
 			}
 			for _, m := range []int{1, 2, 3, 4, 16} {
 				read := ratelimit.Config{Rate: 16, Period: time.Second, Capacity: 16, Shards: m}
-				st, err := e.lim.Value(e.ctx, e.pool, "bound", "k", &ratelimit.ValueOpts{Config: &read})
+				st, err := e.lim.State(e.ctx, e.pool, "bound", "k", &ratelimit.KeyOpts{Config: &read})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -707,7 +708,7 @@ func TestShardOverGrant(t *testing.T) {
 			},
 		})
 		check(t, l, "hot", "m", 10, 10, 20)
-		st, err := lim.Value(context.Background(), pool, "quota", "m", nil)
+		st, err := lim.State(context.Background(), pool, "quota", "m", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -765,7 +766,7 @@ func TestShardUtilisation(t *testing.T) {
 	l1.endAtStoredTS(t, pool, lim, "single", "k")
 	gs, g1 := float64(ls.granted.Load()), float64(l1.granted.Load())
 	ms, m1 := ls.max(rate, rate), l1.max(rate, rate)
-	st, err := lim.Value(context.Background(), pool, "sharded", "k", nil)
+	st, err := lim.State(context.Background(), pool, "sharded", "k", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -952,7 +953,7 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	require.NoError(t, holder1.Commit(e.ctx))
 	r = <-done
 	require.True(t, r.OK)
-	v, err := e.lim.Value(e.ctx, e.pool, "s", "k", nil)
+	v, err := e.lim.State(e.ctx, e.pool, "s", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 4-3.0, v.Value, "three tokens of four were taken")
 }
@@ -992,7 +993,7 @@ func TestShardRedecidesOnLatestLevels(t *testing.T) {
 	r := <-done
 	require.True(t, r.OK)
 	require.Equal(t, []int{0}, r.Shards, "shard 0 alone holds 2 on the latest versions")
-	v, err := e.lim.Value(e.ctx, e.pool, "s", "k", nil)
+	v, err := e.lim.State(e.ctx, e.pool, "s", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, []float64{0, 1}, v.Shards)
 }

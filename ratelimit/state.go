@@ -8,11 +8,12 @@ import (
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
 
-// State is the current state of one (name, key), as returned by Limiter.Value.
+// State is the current state of one (name, key), as returned by Limiter.State.
 type State struct {
 	// Name and Key identify the limit.
 	Name, Key string
-	// Config is the config the state was evaluated with.
+	// Config is the config the state was evaluated with, defaults applied (Capacity and Shards as
+	// in force).
 	Config Config
 	// Value is the number of tokens available now (refill applied), summed over every configured
 	// shard; a missing shard row counts as full. Negative while reservations are owed. Values are
@@ -27,16 +28,16 @@ type State struct {
 	Time time.Time
 }
 
-// ValueOpts are the options of Value and Reset. A nil *ValueOpts is the zero value.
-type ValueOpts struct {
+// KeyOpts are the options of Value and Reset. A nil *KeyOpts is the zero value.
+type KeyOpts struct {
 	// Config, when set, is used instead of the limit registered under the name. Defaults to nil.
 	Config *Config
 }
 
 // Value returns the current state of (name, key) without locking or writing. Rows of shards beyond
 // Config.Shards (left by an earlier, larger shard count) are ignored, as decisions ignore them.
-func (l *Limiter) Value(ctx context.Context, db Executor, name, key string, opts *ValueOpts) (State, error) {
-	const op = "Value"
+func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts *KeyOpts) (State, error) {
+	const op = "State"
 	s, err := l.prepare(op, db, name, key, opts)
 	if err != nil {
 		return State{}, err
@@ -48,7 +49,7 @@ func (l *Limiter) Value(ctx context.Context, db Executor, name, key string, opts
 	if err != nil {
 		return State{}, fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-	st := State{Name: name, Key: key, Config: s.cfg, Shards: make([]float64, s.shards)}
+	st := State{Name: name, Key: key, Config: s.effective(), Shards: make([]float64, s.shards)}
 	for i := range st.Shards {
 		st.Shards[i] = s.capacity
 	}
@@ -104,7 +105,7 @@ type CreditResult struct {
 // Credit gives count tokens back to (name, key), e.g. to settle a reservation with the actual
 // usage: the value becomes min(value + count, capacity), never above capacity. With shards, the
 // tokens go to the emptiest shards first. To charge more instead, call LimitN with Reserve.
-func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *ValueOpts) (CreditResult, error) {
+func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *KeyOpts) (CreditResult, error) {
 	const op = "Credit"
 	s, err := l.prepare(op, db, name, key, opts)
 	if err != nil {
@@ -137,8 +138,8 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	return res, nil
 }
 
-// prepare validates the common arguments of Value and Credit and resolves the config.
-func (l *Limiter) prepare(op string, db Executor, name, key string, opts *ValueOpts) (spec, error) {
+// prepare validates the common arguments of State and Credit and resolves the config.
+func (l *Limiter) prepare(op string, db Executor, name, key string, opts *KeyOpts) (spec, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return spec{}, err
 	}
@@ -149,8 +150,9 @@ func (l *Limiter) prepare(op string, db Executor, name, key string, opts *ValueO
 	return l.resolve(op, name, key, inline)
 }
 
-// Lookup returns the config that a call on (name, key) would use: cfg when it is not nil,
-// otherwise the one registered under name. It returns the error such a call would return for
+// Lookup returns the config that a call on (name, key) would use, with its defaults applied (the
+// Capacity and Shards in force): cfg when it is not nil, otherwise the one registered under name.
+// It returns the error such a call would return for
 // them (an *ArgumentError for a bad name or key, a *ConfigError for a bad cfg, an
 // *UnknownLimitError for an unregistered name without cfg; all match ErrInvalid), and does no I/O.
 func (l *Limiter) Lookup(name, key string, cfg *Config) (Config, error) {
@@ -158,5 +160,5 @@ func (l *Limiter) Lookup(name, key string, cfg *Config) (Config, error) {
 	if err != nil {
 		return Config{}, err
 	}
-	return s.cfg, nil
+	return s.effective(), nil
 }

@@ -82,7 +82,7 @@ func Example_reserveAndSchedule() {
 			panic(err)
 		}
 	}
-	st, _ := limiter.Value(ctx, pool, "llm-tokens", "org-42", nil)
+	st, _ := limiter.State(ctx, pool, "llm-tokens", "org-42", nil)
 	list, _ := client.JobList(ctx, river.NewJobListParams())
 	fmt.Printf("budget %.0f, %d jobs\n", st.Value, len(list.Jobs))
 	// Output:

@@ -125,12 +125,17 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	if count == 0 {
 		count = 1
 	}
-	res, err := g.limiter.LimitN(ctx, g.db, req.Name, req.Key, count, &ratelimit.LimitOpts{Config: req.Config, Reserve: true})
+	// A limit whose MaxReserved is 0 allows no reservation: its jobs take tokens or wait.
+	cfg, err := g.limiter.Lookup(req.Name, req.Key, req.Config)
+	if err != nil {
+		return fmt.Errorf("scheduler: Gate: job %d (%s): %w", job.ID, job.Kind, err)
+	}
+	res, err := g.limiter.LimitN(ctx, g.db, req.Name, req.Key, count, &ratelimit.LimitOpts{Config: req.Config, Reserve: cfg.MaxReserved != 0})
 	if err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): %w", job.ID, job.Kind, err)
 	}
 	switch {
-	case !res.OK: // past MaxReserved: nothing taken, try again when it could succeed
+	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
 		wait := res.RetryAfter() + jitter(req.JitterKey, g.jitter)
 		return river.JobSnooze(min(max(wait, time.Millisecond), MaxSnooze))
 	case !res.Reserved:

@@ -106,9 +106,9 @@ func TestGate(t *testing.T) {
 	require.Equal(t, int32(2), ran.Load())
 
 	// step 6: a job of ReserveTx was paid when it was scheduled: the gate lets it through.
-	r, err := b.sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{N: 4}, &scheduler.ReserveOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Minute}})
+	r, err := b.sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{N: 4}, &scheduler.ReserveOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Minute, MaxReserved: ratelimit.Unbounded}})
 	require.NoError(t, err)
-	st, err := b.limiter.Value(ctx, tx, "calls", "", nil)
+	st, err := b.limiter.State(ctx, tx, "calls", "", nil)
 	require.NoError(t, err)
 	require.Equal(t, -2.0, st.Value)
 	res, err = w.WorkJob(ctx, t, tx, r.Job)
@@ -132,7 +132,7 @@ func TestGateRate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	const n = 50
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": ratelimit.PerSecond(10)}, maxConns: 16})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}}, maxConns: 16})
 	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
 	require.NoError(t, err)
 	st := newStarts()
@@ -186,7 +186,7 @@ func TestReservedJobsStartOnTime(t *testing.T) {
 	ctx := context.Background()
 	const n = 8
 	bound := time.Second // generous for a loaded CI machine; the benchmark shows the real figures
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 4, Period: time.Second, Capacity: 1}}})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 4, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded}}})
 	st := newStarts()
 	client := newClient(t, b.pool, &clientOpts{
 		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},

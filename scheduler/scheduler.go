@@ -121,7 +121,7 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 		return nil, err
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, Throw: true})
+		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, AsError: true})
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -153,7 +153,7 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 		}
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{Throw: true})
+		res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{AsError: true})
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -227,7 +227,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 	if ins.UniqueSkippedAsDuplicate {
 		r.Duplicate = true
 		for _, c := range credits {
-			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.ValueOpts{Config: c.config}); err != nil {
+			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.KeyOpts{Config: c.config}); err != nil {
 				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job: %w", op, err)
 			}
 		}

@@ -75,7 +75,7 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 	}
 	switch diff := actual - s.Reserved; {
 	case diff < 0:
-		res, err := l.Credit(ctx, db, s.Name, s.Key, -diff, &ratelimit.ValueOpts{Config: opts.Config})
+		res, err := l.Credit(ctx, db, s.Name, s.Key, -diff, &ratelimit.KeyOpts{Config: opts.Config})
 		if err != nil {
 			return SettleResult{}, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -101,7 +101,7 @@ func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, na
 		return err
 	}
 	unbounded := cfg
-	unbounded.MaxReserved = 0 // no bound
+	unbounded.MaxReserved = ratelimit.Unbounded
 	res, err = l.LimitN(ctx, db, name, key, count, &ratelimit.LimitOpts{Config: &unbounded, Reserve: true})
 	if err == nil && !res.OK {
 		err = fmt.Errorf("overrun of %g tokens of %q key %q was denied without a MaxReserved", count, name, key)

@@ -23,7 +23,7 @@ func TestSettle(t *testing.T) {
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"tokens": cfg}, now: frozen(t0)})
 	take := func(n float64) {
 		t.Helper()
-		_, err := b.limiter.LimitN(ctx, b.pool, "tokens", "k", n, &ratelimit.LimitOpts{Reserve: true, Throw: true})
+		_, err := b.limiter.LimitN(ctx, b.pool, "tokens", "k", n, &ratelimit.LimitOpts{Reserve: true, AsError: true})
 		require.NoError(t, err)
 	}
 
@@ -52,7 +52,7 @@ func TestSettle(t *testing.T) {
 	inline := &ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 1}
 	_, err := scheduler.Settlement{Name: "inline", Reserved: 1}.Settle(ctx, b.pool, b.limiter, 20, &scheduler.SettleOpts{Config: inline})
 	require.NoError(t, err)
-	st, err := b.limiter.Value(ctx, b.pool, "inline", "", &ratelimit.ValueOpts{Config: inline})
+	st, err := b.limiter.State(ctx, b.pool, "inline", "", &ratelimit.KeyOpts{Config: inline})
 	require.NoError(t, err)
 	require.Equal(t, -9.0, st.Value)
 

@@ -131,7 +131,7 @@ func jobs(t *testing.T, client *river.Client[pgx.Tx]) []*rivertype.JobRow {
 
 func value(t *testing.T, b *testBundle, name, key string) float64 {
 	t.Helper()
-	st, err := b.limiter.Value(context.Background(), b.pool, name, key, nil)
+	st, err := b.limiter.State(context.Background(), b.pool, name, key, nil)
 	require.NoError(t, err)
 	return st.Value
 }

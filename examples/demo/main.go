@@ -54,7 +54,7 @@ func run(ctx context.Context) error {
 		var res ratelimit.Result
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			var err error
-			if res, err = limiter.Limit(ctx, tx, "sendMessage", user, &ratelimit.LimitOpts{Throw: true}); err != nil {
+			if res, err = limiter.Limit(ctx, tx, "sendMessage", user, &ratelimit.LimitOpts{AsError: true}); err != nil {
 				return err
 			}
 			if _, err := tx.Exec(ctx, "INSERT INTO messages (user_id, body) VALUES ($1, $2)", user, body); err != nil {
@@ -86,13 +86,13 @@ func run(ctx context.Context) error {
 	fmt.Printf("alice has %d messages stored\n", count("alice"))
 
 	fmt.Println("\n== a rollback gives the token back")
-	before, err := limiter.Value(ctx, pool, "sendMessage", "bob", nil)
+	before, err := limiter.State(ctx, pool, "sendMessage", "bob", nil)
 	if err != nil {
 		return err
 	}
 	_, err = send("bob", "will be rolled back", true)
 	fmt.Printf("bob's transaction: %v\n", err)
-	after, err := limiter.Value(ctx, pool, "sendMessage", "bob", nil)
+	after, err := limiter.State(ctx, pool, "sendMessage", "bob", nil)
 	if err != nil {
 		return err
 	}
@@ -135,7 +135,7 @@ func run(ctx context.Context) error {
 			fmt.Printf("sign-up %d: denied by %s; retry at %s; nothing consumed\n", i, d.Name, m.RetryAt.Format(time.TimeOnly))
 		}
 	}
-	global, err := limiter.Value(ctx, pool, "signupsGlobal", "", nil)
+	global, err := limiter.State(ctx, pool, "signupsGlobal", "", nil)
 	if err != nil {
 		return err
 	}

@@ -184,7 +184,7 @@ func run(ctx context.Context) error {
 			case <-stopSampling:
 				return
 			case <-t.C:
-				if st, err := limiter.Value(ctx, pool, limitName, org, nil); err == nil {
+				if st, err := limiter.State(ctx, pool, limitName, org, nil); err == nil {
 					tl.budget(st.Value)
 				}
 			}
@@ -224,7 +224,7 @@ func run(ctx context.Context) error {
 	}
 	close(stopSampling)
 	sampling.Wait()
-	st, err := limiter.Value(ctx, pool, limitName, org, nil)
+	st, err := limiter.State(ctx, pool, limitName, org, nil)
 	if err != nil {
 		return err
 	}

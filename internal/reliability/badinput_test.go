@@ -160,7 +160,7 @@ func badCases() []badCase {
 			return err
 		}
 	}
-	credit := func(name, key string, n float64, opts *ratelimit.ValueOpts) func(context.Context, *badBundle) error {
+	credit := func(name, key string, n float64, opts *ratelimit.KeyOpts) func(context.Context, *badBundle) error {
 		return func(ctx context.Context, b *badBundle) error {
 			_, err := b.lim.Credit(ctx, b.pool, name, key, n, opts)
 			return err
@@ -243,7 +243,7 @@ func badCases() []badCase {
 			}},
 		{name: "key with an overlong encoding of '/' through Value", want: badArgument, contains: []string{"key", "UTF-8"},
 			call: func(ctx context.Context, b *badBundle) error {
-				_, err := b.lim.Value(ctx, b.pool, "ok", "\xc0\xaf", nil)
+				_, err := b.lim.State(ctx, b.pool, "ok", "\xc0\xaf", nil)
 				return err
 			}},
 		{name: "key of a single NUL byte through Credit", want: badArgument, contains: []string{"key", "NUL"}, call: credit("ok", "\x00", 1, nil)},
@@ -257,7 +257,7 @@ func badCases() []badCase {
 
 		// Names.
 		{name: "name over MaxNameLen through Credit", want: badArgument, contains: []string{"name", "MaxNameLen"},
-			call: credit(strings.Repeat("n", ratelimit.MaxNameLen+1), "k", 1, &ratelimit.ValueOpts{Config: cfg(ratelimit.PerSecond(1))})},
+			call: credit(strings.Repeat("n", ratelimit.MaxNameLen+1), "k", 1, &ratelimit.KeyOpts{Config: cfg(ratelimit.PerSecond(1))})},
 		{name: "name with a NUL byte through Reset", want: badArgument, contains: []string{"name", "NUL"},
 			call: func(ctx context.Context, b *badBundle) error { return b.lim.Reset(ctx, b.pool, "ok\x00", "seed") }},
 		{name: "name not UTF-8 through Prune", want: badArgument, contains: []string{"name", "UTF-8"},
@@ -296,9 +296,9 @@ func badCases() []badCase {
 		// Zero-value and out-of-range configs, through every place a config is passed.
 		{name: "zero-value Config inline in LimitOpts", want: badConfig, contains: []string{"Config.Rate must be > 0"},
 			call: limitN("ok", "k", 1, &ratelimit.LimitOpts{Config: &zero})},
-		{name: "zero-value Config in ValueOpts (Value)", want: badConfig, contains: []string{"Config.Rate must be > 0"},
+		{name: "zero-value Config in KeyOpts (Value)", want: badConfig, contains: []string{"Config.Rate must be > 0"},
 			call: func(ctx context.Context, b *badBundle) error {
-				_, err := b.lim.Value(ctx, b.pool, "ok", "seed", &ratelimit.ValueOpts{Config: &zero})
+				_, err := b.lim.State(ctx, b.pool, "ok", "seed", &ratelimit.KeyOpts{Config: &zero})
 				return err
 			}},
 		{name: "zero-value Config in PruneOpts", want: badConfig, contains: []string{"Config.Rate must be > 0"},
@@ -322,7 +322,7 @@ func badCases() []badCase {
 		{name: "Config.Period above MaxPeriod", want: badConfig, contains: []string{"Config.Period", "MaxPeriod"},
 			call: limitN("inline", "k", 1, &ratelimit.LimitOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: 200 * 365 * 24 * time.Hour})})},
 		{name: "Config.Capacity +Inf through Credit", want: badConfig, contains: []string{"Config.Capacity must be finite"},
-			call: credit("inline", "k", 1, &ratelimit.ValueOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: math.Inf(1)})})},
+			call: credit("inline", "k", 1, &ratelimit.KeyOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: math.Inf(1)})})},
 		{name: "Config.MaxReserved NaN in a Request", want: badConfig, contains: []string{"Config.MaxReserved must be finite"},
 			call: many(ratelimit.Request{Name: "inline", Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: math.NaN()}), Reserve: true})},
 		{name: "Config.Kind -1", want: badConfig, contains: []string{"Config.Kind"},
@@ -336,7 +336,7 @@ func badCases() []badCase {
 			}},
 		{name: "nil executor: Value", want: badArgument, contains: []string{"Value", "db is nil"},
 			call: func(ctx context.Context, b *badBundle) error {
-				_, err := b.lim.Value(ctx, nil, "ok", "seed", nil)
+				_, err := b.lim.State(ctx, nil, "ok", "seed", nil)
 				return err
 			}},
 		{name: "nil executor: Reset", want: badArgument, contains: []string{"Reset", "db is nil"},
@@ -689,7 +689,7 @@ func badOrdinaryKeys(t *testing.T, pool *pgxpool.Pool) (checked, failed int) {
 	}
 	value := func(name, key string, c *ratelimit.Config) float64 {
 		t.Helper()
-		st, err := lim.Value(ctx, pool, name, key, &ratelimit.ValueOpts{Config: c})
+		st, err := lim.State(ctx, pool, name, key, &ratelimit.KeyOpts{Config: c})
 		if err != nil {
 			t.Errorf("Value(%q, %q): %v", name, key, err)
 		}

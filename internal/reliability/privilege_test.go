@@ -317,7 +317,7 @@ func TestLeastPrivilege(t *testing.T) {
 		return errors.Join(err, want(r.Credited == 2, "credited %v", r.Credited))
 	})
 	op("Value", func() error {
-		st, err := limiter.Value(ctx, pool, "sharded", "hot", nil)
+		st, err := limiter.State(ctx, pool, "sharded", "hot", nil)
 		return errors.Join(err, want(len(st.Shards) == 4, "shards %v", st.Shards))
 	})
 	op("Reset", func() error { return limiter.Reset(ctx, pool, "api", "user-2") })

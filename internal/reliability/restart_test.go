@@ -610,7 +610,7 @@ func (r *restartRun) verify(t *testing.T) {
 			}
 		}
 		for _, key := range keys {
-			st, err := r.lim.Value(ctx, r.pool, name, key, nil)
+			st, err := r.lim.State(ctx, r.pool, name, key, nil)
 			if err != nil {
 				t.Fatalf("verify: Value(%s/%s): %v", name, key, err)
 			}

@@ -188,7 +188,7 @@ var errSoakRollback = errors.New("soak: deliberate rollback")
 
 // The kinds of operation the workers mix.
 const (
-	soakOpLimit       = "limit"        // LimitN, sometimes with Reserve or Throw
+	soakOpLimit       = "limit"        // LimitN, sometimes with Reserve or AsError
 	soakOpMany        = "many"         // LimitMany over 2 or 3 limits
 	soakOpReserve     = "reserve"      // scheduler.ReserveTx
 	soakOpReserveMany = "reserve_many" // scheduler.ReserveManyTx over 2 limits
@@ -443,7 +443,7 @@ func (s *soakRun) drain(t *testing.T) {
 		for _, key := range l.keys {
 			count := soakCapShard - l.level
 			for attempt := 0; ; attempt++ {
-				st, err := s.lim.Value(ctx, s.pool, l.name, key, nil)
+				st, err := s.lim.State(ctx, s.pool, l.name, key, nil)
 				if err != nil {
 					t.Fatalf("drain %s/%s: %v", l.name, key, err)
 				}
@@ -645,7 +645,7 @@ func (s *soakRun) body(ctx context.Context, tx pgx.Tx, op int64, p *soakPlan) er
 	switch p.kind {
 	case soakOpLimit, soakOpSelfKill:
 		r := p.reqs[0]
-		res, err := s.lim.LimitN(ctx, tx, r.lim.name, r.key, r.count, &ratelimit.LimitOpts{Reserve: r.reserve, Throw: p.throw})
+		res, err := s.lim.LimitN(ctx, tx, r.lim.name, r.key, r.count, &ratelimit.LimitOpts{Reserve: r.reserve, AsError: p.throw})
 		if err != nil && res.OK {
 			s.failf("op %d: LimitN(%s/%s, %g) said OK with error %v", op, r.lim.name, r.key, r.count, err)
 		}
@@ -680,7 +680,7 @@ func (s *soakRun) body(ctx context.Context, tx pgx.Tx, op int64, p *soakPlan) er
 		for i, r := range p.reqs {
 			reqs[i] = ratelimit.Request{Name: r.lim.name, Key: r.key, Count: r.count, Reserve: r.reserve}
 		}
-		res, err := s.lim.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{Throw: p.throw})
+		res, err := s.lim.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{AsError: p.throw})
 		if err != nil && res.OK {
 			s.failf("op %d: LimitMany said OK with error %v", op, err)
 		}
@@ -812,7 +812,7 @@ func (s *soakRun) killer(ctx context.Context, rng *rand.Rand) {
 
 // verify checks the invariants once every worker is done and the pool is closed:
 //
-//   - for every (limit, key), at two instants, the stored value (Limiter.Value, summed over the
+//   - for every (limit, key), at two instants, the stored value (Limiter.State, summed over the
 //     shards) equals N·capacity per shard + the ledger's deltas (drain, grants, reservations,
 //     credits) + the refill from soakT0. Nothing else may have changed it: a denied call that
 //     wrote, a rolled-back write that stayed, or a grant whose ledger row was lost would each show.
@@ -874,7 +874,7 @@ func (s *soakRun) verify(t *testing.T) {
 			n := float64(l.shards())
 			for _, key := range l.keys {
 				k := nk{l.name, key}
-				st, err := s.lim.Value(ctx, conn, l.name, key, nil)
+				st, err := s.lim.State(ctx, conn, l.name, key, nil)
 				if err != nil {
 					t.Fatalf("verify: Value(%s/%s): %v", l.name, key, err)
 				}

@@ -1,0 +1,174 @@
+package ratelimit
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"math"
+	"slices"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
+)
+
+// rowID names one row of txlimit_state.
+type rowID struct {
+	name, key string
+	shard     int32
+}
+
+func compareRows(a, b rowID) int {
+	if c := cmp.Compare(a.name, b.name); c != 0 {
+		return c
+	}
+	if c := cmp.Compare(a.key, b.key); c != 0 {
+		return c
+	}
+	return cmp.Compare(a.shard, b.shard)
+}
+
+// decideCalls decides calls in list order, in one statement (one call of the database function
+// txlimit_decide), and returns one outcome per call. Each call is an all-or-nothing group; a
+// call sees the effect of the calls granted before it in the list. An error returned alone (a
+// database error) fails every call: nothing of the list was granted.
+func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
+	var p dbsqlc.DecideParams
+	p.Now = l.clock()
+	rows := map[rowID]int32{} // row -> index in rowList, renumbered in global order below
+	var rowList []rowID
+	var bulk []bool
+	row := func(id rowID, steer bool) int32 {
+		i, ok := rows[id]
+		if !ok {
+			i = int32(len(rowList))
+			rows[id] = i
+			rowList = append(rowList, id)
+			bulk = append(bulk, false)
+		}
+		if !steer {
+			bulk[i] = true
+		}
+		return i
+	}
+	for g, c := range calls {
+		for i, s := range c.specs {
+			steer := c.single && !c.dry && s.shards >= 2
+			var cands []int32
+			switch {
+			case s.shards < 2:
+				cands = []int32{0}
+			case steer:
+				a, b := l.pick(s.shards)
+				cands = shardCandidates(s.shards, a, b)
+			default:
+				a, b := l.pick(s.shards)
+				cands = []int32{int32(a), int32(b)}
+			}
+			allow := 0.0
+			if c.reqs[i].Reserve {
+				allow = s.maxRes
+			}
+			p.Grp = append(p.Grp, int32(g))
+			p.Count = append(p.Count, c.counts[i])
+			p.Allow = append(p.Allow, allow)
+			p.Dry = append(p.Dry, c.dry)
+			p.Steer = append(p.Steer, steer)
+			p.Kind = append(p.Kind, s.kind)
+			p.Rate = append(p.Rate, s.rate)
+			p.PeriodUs = append(p.PeriodUs, s.periodUs)
+			p.Cap = append(p.Cap, s.capacity)
+			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
+			p.LockBase = append(p.LockBase, shardLockBase(s.name, s.key))
+			p.CandOff = append(p.CandOff, int32(len(p.CandShard)+1))
+			p.CandN = append(p.CandN, int32(len(cands)))
+			for _, sh := range cands {
+				p.CandShard = append(p.CandShard, sh)
+				p.CandRow = append(p.CandRow, row(rowID{s.name, s.key, sh}, steer))
+			}
+		}
+	}
+	// Rows are numbered (from 1) in the global lock order: name, key, shard, as bytes.
+	order := make([]int32, len(rowList))
+	for i := range order {
+		order[i] = int32(i)
+	}
+	slices.SortFunc(order, func(a, b int32) int { return compareRows(rowList[a], rowList[b]) })
+	number := make([]int32, len(rowList))
+	for pos, i := range order {
+		number[i] = int32(pos + 1)
+		id := rowList[i]
+		p.RowName = append(p.RowName, id.name)
+		p.RowKey = append(p.RowKey, id.key)
+		p.RowShard = append(p.RowShard, id.shard)
+		p.RowBulk = append(p.RowBulk, bulk[i])
+	}
+	for i, r := range p.CandRow {
+		p.CandRow[i] = number[r]
+	}
+
+	got, err := dbsqlc.New().Decide(ctx, db, p)
+	if err != nil {
+		return nil, err
+	}
+	if len(got) != len(p.Grp) {
+		return nil, fmt.Errorf("decision returned %d rows for %d requests", len(got), len(p.Grp))
+	}
+	out := make([]outcome, len(calls))
+	k := 0
+	for g, c := range calls {
+		res := ManyResult{OK: true, Results: make([]Result, len(c.specs))}
+		var busy *BusyError
+		for i, s := range c.specs {
+			d := got[k]
+			k++
+			if d.Busy {
+				busy = &BusyError{Name: s.name, Key: s.key, Candidates: min(s.shards, maxCandidates)}
+			}
+			r := Result{
+				Name: s.name, Key: s.key, Config: s.effective(),
+				OK: d.Ok || d.Reserved, Reserved: d.Reserved,
+				Value: d.LevelSum, Time: usTime(d.NowUs),
+			}
+			if d.RetryAtUs != 0 {
+				r.RetryAt = usTime(d.RetryAtUs)
+			}
+			if r.OK {
+				if d.Charged == 1 || d.Charged == 3 {
+					r.Shards = append(r.Shards, int(d.ShardA))
+				}
+				if d.Charged == 2 || d.Charged == 3 {
+					r.Shards = append(r.Shards, int(d.ShardB))
+				}
+			}
+			res.OK = res.OK && r.OK && !d.Busy
+			res.Results[i] = r
+		}
+		if busy != nil {
+			out[g].err = busy
+			continue
+		}
+		for i := range res.Results {
+			r := &res.Results[i]
+			if !res.OK && !c.dry {
+				r.Shards = nil // nothing was consumed
+			}
+			// Granted: act when the last reservation is due. Denied: retry when the last denial clears.
+			if (res.OK || !r.OK) && r.RetryAt.After(res.RetryAt) {
+				res.RetryAt = r.RetryAt
+			}
+			if res.Time.IsZero() {
+				res.Time = r.Time
+			}
+		}
+		out[g].res = res
+	}
+	return out, nil
+}
+
+// allowance is how far below zero a reservation may take one shard: MaxReserved per shard, or
+// +Inf for Unbounded.
+func allowance(maxReserved float64, shards int) float64 {
+	if math.IsInf(maxReserved, 1) {
+		return math.Inf(1)
+	}
+	return maxReserved / float64(shards)
+}
