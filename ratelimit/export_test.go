@@ -1,5 +1,46 @@
 package ratelimit
 
+import "context"
+
 // SetShardPicker replaces how l picks the two candidate shards of a sharded limit (n >= 2), so
 // tests can choose them. It must return two distinct shards in [0, n).
 func SetShardPicker(l *Limiter, pick func(n int) (a, b int)) { l.pick = pick }
+
+// ListCall is one call of a list decided by DecideList: a group of requests, all or nothing.
+type ListCall struct {
+	Reqs   []Request
+	Dry    bool // Check/CheckMany
+	Single bool // a Limit/LimitN/Check/CheckN call (exactly one request)
+}
+
+// DecideList decides calls as one list, in one statement, the way the engine decides any list, and
+// returns each call's result or error (a validation error leaves the list undecided).
+func DecideList(ctx context.Context, l *Limiter, db Executor, calls []ListCall) ([]ManyResult, []error, error) {
+	prepared := make([]*call, len(calls))
+	for i, c := range calls {
+		var err error
+		if c.Single {
+			r := c.Reqs[0]
+			count := r.Count
+			if count == 0 {
+				count = 1
+			}
+			prepared[i], err = l.prepareSingle("LimitN", r.Name, r.Key, count, &LimitOpts{Config: r.Config, Reserve: r.Reserve}, c.Dry)
+		} else {
+			prepared[i], err = l.prepareMany("LimitMany", c.Reqs, c.Dry)
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+	}
+	out, err := l.decideCalls(ctx, db, prepared)
+	if err != nil {
+		return nil, nil, err
+	}
+	res := make([]ManyResult, len(out))
+	errs := make([]error, len(out))
+	for i, o := range out {
+		res[i], errs[i] = o.res, o.err
+	}
+	return res, errs, nil
+}

@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -38,8 +39,8 @@ func TestUpdatesAreHOT(t *testing.T) {
 
 // Under SERIALIZABLE a sequential scan takes a relation-level predicate lock, which makes every
 // decision conflict with every other write to the table (and sharding useless). Even on a table of
-// a few hot limits, with real statistics, decisions must look rows up by primary key (migration
-// 00002's ballast keeps the planner there).
+// a few hot limits, with real statistics, decisions must look rows up by primary key (the decision
+// function runs with sequential and bitmap scans off).
 func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t, nil)
@@ -82,6 +83,53 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 				require.Zero(t, testdb.HeapPagePredicateLocks(t, tx), "%s took a heap-page predicate lock", what)
 			}
 			require.NoError(t, tx.Rollback(ctx))
+		}
+	}
+}
+
+// The smallest table there is: one row, analyzed, where a planner left to itself would scan. A
+// SERIALIZABLE decision still probes the primary key (every statement the decision function
+// runs, read from auto_explain) and holds no relation-level predicate lock.
+func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"one":     {Rate: 100, Period: time.Second},
+		"sharded": {Rate: 100, Period: time.Second, Shards: 4},
+	}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = lim.Limit(ctx, pool, "one", "", nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, testdb.CountRows(t, pool))
+	testdb.Analyze(t, pool)
+	conn, plans := testdb.PlanConn(t, pool)
+	for _, call := range []func(tx pgx.Tx) error{
+		func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "one", "", nil); return err },
+		func(tx pgx.Tx) error { _, err := lim.Check(ctx, tx, "one", "", nil); return err },
+		func(tx pgx.Tx) error {
+			_, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "one"}, {Name: "one", Key: "new"}}, nil)
+			return err
+		},
+		func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
+	} {
+		for range 8 { // past the first custom plans, onto the cached generic ones
+			tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+			require.NoError(t, err)
+			plans()
+			require.NoError(t, call(tx))
+			got := plans()
+			require.Zero(t, testdb.RelationPredicateLocks(t, tx), "a relation-level predicate lock")
+			require.NoError(t, tx.Rollback(ctx))
+			probes := 0
+			for _, p := range got {
+				require.NotContains(t, p, "Seq Scan", "a sequential scan:\n%s", p)
+				require.NotContains(t, p, "Bitmap", "a bitmap scan:\n%s", p)
+				if strings.Contains(p, "txlimit_state_pkey") {
+					probes++
+				}
+			}
+			require.Positive(t, probes, "no primary-key probe among the plans:\n%s", strings.Join(got, "\n"))
 		}
 	}
 }

@@ -3,6 +3,7 @@ package testdb
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -86,6 +87,44 @@ func Conn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) *pgx.Conn {
 	}
 	tb.Cleanup(func() { conn.Close(context.Background()) })
 	return conn
+}
+
+// PlanConn opens a single connection like Conn that records the plan of every statement it runs,
+// nested ones included (the statements inside a PL/pgSQL function), through Postgres's
+// auto_explain module (a superuser may load it in a session). plans returns the plans recorded so
+// far, as text, and forgets them.
+func PlanConn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) (conn *pgx.Conn, plans func() []string) {
+	tb.Helper()
+	var mu sync.Mutex
+	var got []string
+	cfg := pool.Config().ConnConfig.Copy()
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		mu.Lock()
+		defer mu.Unlock()
+		got = append(got, n.Message)
+	}
+	conn, err := pgx.ConnectConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatalf("testdb: connect: %v", err)
+	}
+	tb.Cleanup(func() { conn.Close(context.Background()) })
+	for _, q := range []string{
+		"LOAD 'auto_explain'",
+		"SET auto_explain.log_min_duration = 0",
+		"SET auto_explain.log_nested_statements = on",
+		"SET auto_explain.log_level = notice",
+	} {
+		if _, err := conn.Exec(context.Background(), q); err != nil {
+			tb.Fatalf("testdb: %s: %v", q, err)
+		}
+	}
+	return conn, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		out := got
+		got = nil
+		return out
+	}
 }
 
 // Analyze runs VACUUM ANALYZE on txlimit_state, so the planner sees its real (small) size.

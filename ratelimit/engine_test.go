@@ -1,0 +1,274 @@
+package ratelimit_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// at is t0 plus us microseconds: times too far ahead for a time.Duration.
+func at(us int64) time.Time { return time.UnixMicro(t0.UnixMicro() + us).UTC() }
+
+// docs/spec.md §7: a list is decided in one statement, requests on one key one after another in
+// list order, each group all or nothing and seeing the groups granted before it.
+func TestListDecidesOneKeyInOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second}})
+	one := func(count float64, dry bool) ratelimit.ListCall {
+		return ratelimit.ListCall{Single: true, Dry: dry, Reqs: []ratelimit.Request{{Name: "five", Key: "k", Count: count}}}
+	}
+	got, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, []ratelimit.ListCall{
+		one(4, false), // 5 - 4 = 1
+		one(3, false), // 1 < 3: denied, nothing written
+		one(1, false), // the later, smaller request is still granted: 0 left
+		{Reqs: []ratelimit.Request{{Name: "five", Key: "other"}, {Name: "five", Key: "k"}}}, // k is empty: the group is denied, other untouched
+		one(1, true), // Check sees the 0 left
+		{Reqs: []ratelimit.Request{{Name: "five", Key: "other", Count: 2}}}, // other is still full
+	})
+	require.NoError(t, err)
+	want := []struct {
+		ok      bool
+		value   float64
+		retryAt time.Time
+	}{
+		{true, 1, time.Time{}},
+		{false, 1, t0.Add(400 * ms)}, // 2 more tokens at 5/s
+		{true, 0, time.Time{}},
+		{false, 0, t0.Add(200 * ms)},
+		{false, 0, t0.Add(200 * ms)},
+		{true, 3, time.Time{}},
+	}
+	for i, w := range want {
+		require.NoError(t, errs[i], "call %d", i)
+		g := got[i]
+		last := g.Results[len(g.Results)-1]
+		if g.OK != w.ok || last.Value != w.value || !g.RetryAt.Equal(w.retryAt) || !g.Time.Equal(t0) {
+			t.Errorf("call %d: got ok=%v value=%v retryAt=%v time=%v; want ok=%v value=%v retryAt=%v",
+				i, g.OK, last.Value, sinceT0(g.RetryAt), g.Time, w.ok, w.value, sinceT0(w.retryAt))
+		}
+	}
+	require.True(t, got[3].Results[0].OK, "other alone would have been granted")
+	for key, want := range map[string]float64{"k": 0, "other": 3} {
+		st, err := b.lim.State(b.ctx, b.pool, "five", key, nil)
+		require.NoError(t, err)
+		require.Equal(t, want, st.Value, key)
+	}
+}
+
+// docs/spec.md §5: time arithmetic is bounded for every accepted input. Waits of thousands of
+// years are exact; a wait beyond MaxRetryWaitMicros is reported as that bound. The old loop that
+// adjusted a float64 wait never returned for waits above 2^53 µs.
+func TestRetryAtFarAhead(t *testing.T) {
+	t.Parallel()
+	period := ratelimit.MaxPeriod.Microseconds() // 100 years
+	for _, kind := range []ratelimit.Kind{ratelimit.TokenBucket, ratelimit.FixedWindow} {
+		t.Run(kind.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			start := time.Time{}
+			if kind == ratelimit.FixedWindow {
+				start = t0
+			}
+			b := setup(t, map[string]ratelimit.Config{
+				// One token per century, 50 of them may be owed.
+				"century": {Kind: kind, Rate: 1, Period: ratelimit.MaxPeriod, MaxReserved: 50, Start: start},
+				// The slowest rate there is, with no bound on what may be owed.
+				"glacial": {Kind: kind, Rate: ratelimit.MinAmount, Capacity: 1, Period: ratelimit.MaxPeriod, MaxReserved: ratelimit.Unbounded, Start: start},
+			})
+			limit := func(name string, count float64, reserve bool) ratelimit.Result {
+				t.Helper()
+				res, err := b.lim.LimitN(ctx, b.pool, name, "k", count, &ratelimit.LimitOpts{Reserve: reserve})
+				require.NoError(t, err)
+				return res
+			}
+			// earliest checks that RetryAt is the first microsecond at which the same call is
+			// granted, as the database evaluates it, and within slack µs of the real-arithmetic
+			// wait (float8 counts microseconds exactly only up to 2^53, about 285 years).
+			earliest := func(what string, res ratelimit.Result, count float64, reserve bool, wait int64, slack float64) {
+				t.Helper()
+				require.False(t, res.OK, what)
+				require.InDelta(t, wait, res.RetryAt.UnixMicro()-t0.UnixMicro(), slack, what)
+				if kind == ratelimit.FixedWindow {
+					require.Equal(t, at(wait), res.RetryAt, "%s: window starts are exact", what)
+				}
+				for _, probe := range []struct {
+					at time.Time
+					ok bool
+				}{{res.RetryAt.Add(-time.Microsecond), false}, {res.RetryAt, true}} {
+					b.clock.Set(probe.at)
+					got, err := b.lim.CheckN(ctx, b.pool, "century", "k", count, &ratelimit.LimitOpts{Reserve: reserve})
+					require.NoError(t, err)
+					require.Equal(t, probe.ok, got.OK, "%s at RetryAt%+v", what, probe.at.Sub(res.RetryAt))
+				}
+				b.clock.Set(t0)
+			}
+			require.True(t, limit("century", 1, false).OK)
+			// Denied: the next token comes in a century.
+			earliest("denied", limit("century", 1, false), 1, false, period, 0)
+			// Reserved 50 tokens: due in 5,000 years, when the row is out of debt.
+			res := limit("century", 50, true)
+			require.True(t, res.Reserved)
+			require.InDelta(t, 50*period, res.RetryAt.UnixMicro()-t0.UnixMicro(), 32)
+			if kind == ratelimit.FixedWindow {
+				require.Equal(t, at(50*period), res.RetryAt, "window starts are exact")
+			}
+			due := res.RetryAt
+			for _, probe := range []struct {
+				at   time.Time
+				paid bool
+			}{{due.Add(-time.Microsecond), false}, {due, true}} {
+				b.clock.Set(probe.at)
+				st, err := b.lim.State(ctx, b.pool, "century", "k", nil)
+				require.NoError(t, err)
+				require.Equal(t, probe.paid, st.Value >= 0, "at due%+v: %v", probe.at.Sub(due), st.Value)
+			}
+			b.clock.Set(t0)
+			// One more would owe 51 > 50: it fits a century later.
+			earliest("refused reservation", limit("century", 1, true), 1, true, period, 32)
+
+			// 10^9 centuries per token: far past the bound, which is what is reported.
+			require.True(t, limit("glacial", 1, false).OK)
+			res = limit("glacial", 1, false)
+			require.False(t, res.OK)
+			require.Equal(t, at(ratelimit.MaxRetryWaitMicros), res.RetryAt)
+			res = limit("glacial", 1e6, true)
+			require.True(t, res.Reserved)
+			require.Equal(t, at(ratelimit.MaxRetryWaitMicros), res.RetryAt)
+			require.Equal(t, time.Duration(1<<63-1), res.RetryAfter(), "RetryAfter saturates")
+		})
+	}
+}
+
+// docs/spec.md §3: a reservation refused because it would owe more than MaxReserved gets the
+// RetryAt at which the same reservation is granted: one microsecond earlier it is still refused.
+// The same holds for a plain refusal.
+func TestRefusedRetryAtIsTheEarliestGrant(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name    string
+		cfg     ratelimit.Config
+		setup   []float64 // reservations made at t0 first
+		count   float64
+		reserve bool
+		wait    time.Duration
+	}{
+		// 10/s, up to 5 owed: at -4, 3 more would owe 7; at -2 (200 ms later) they fit.
+		{"token bucket reserve", ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}, []float64{10, 4}, 3, true, 200 * ms},
+		{"token bucket", ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}, []float64{10, 4}, 1, false, 500 * ms},
+		// 5 a minute, up to 12 owed: at -10, 5 more would owe 15; the next window brings -5.
+		{"fixed window reserve", ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: 12, Start: t0}, []float64{5, 10}, 5, true, time.Minute},
+		{"fixed window", ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: 12, Start: t0}, []float64{5, 10}, 1, false, 3 * time.Minute},
+		// 4 shards of 10/s, capacity 2 and 1 owed each; picks 0 and 1, both charged to end equal.
+		// At -1 each, 1 more would leave -1.5 each; at -0.5 each (50 ms later) it fits.
+		{"sharded reserve", ratelimit.Config{Rate: 40, Period: time.Second, Capacity: 8, MaxReserved: 4, Shards: 4}, []float64{4, 2}, 1, true, 50 * ms},
+		// Without Reserve, 1 needs 0.5 on each: 150 ms.
+		{"sharded", ratelimit.Config{Rate: 40, Period: time.Second, Capacity: 8, MaxReserved: 4, Shards: 4}, []float64{4, 2}, 1, false, 150 * ms},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, map[string]ratelimit.Config{"l": c.cfg})
+			ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 0, 1 })
+			for i, n := range c.setup {
+				res, err := b.lim.LimitN(b.ctx, b.pool, "l", "k", n, &ratelimit.LimitOpts{Reserve: i > 0})
+				require.NoError(t, err)
+				require.True(t, res.OK, "setup %d", i)
+			}
+			opts := &ratelimit.LimitOpts{Reserve: c.reserve}
+			res, err := b.lim.LimitN(b.ctx, b.pool, "l", "k", c.count, opts)
+			require.NoError(t, err)
+			require.False(t, res.OK)
+			require.Equal(t, t0.Add(c.wait), res.RetryAt, "RetryAt t0+%v", sinceT0(res.RetryAt))
+
+			b.clock.Set(res.RetryAt.Add(-time.Microsecond))
+			early, err := b.lim.CheckN(b.ctx, b.pool, "l", "k", c.count, opts)
+			require.NoError(t, err)
+			require.False(t, early.OK, "one microsecond early")
+			require.Equal(t, res.RetryAt, early.RetryAt)
+
+			b.clock.Set(res.RetryAt)
+			then, err := b.lim.LimitN(b.ctx, b.pool, "l", "k", c.count, opts)
+			require.NoError(t, err)
+			require.True(t, then.OK, "at RetryAt")
+		})
+	}
+}
+
+// Calls report the config in force: Capacity and Shards with their defaults applied.
+func TestConfigInForce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"pm": ratelimit.PerMinute(5)})
+	want := ratelimit.Config{Rate: 5, Period: time.Minute, Capacity: 5, Shards: 1}
+	cfg, err := b.lim.Lookup("pm", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, want, cfg)
+	st, err := b.lim.State(b.ctx, b.pool, "pm", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, want, st.Config)
+	res, err := b.lim.Limit(b.ctx, b.pool, "pm", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, want, res.Config)
+	require.Equal(t, 4.0, res.Value)
+	require.Equal(t, "token bucket 5/1m0s", ratelimit.PerMinute(5).String())
+}
+
+// docs/spec.md §5: every call returns within its context: at once when it has already ended, and
+// when its deadline passes while it waits for a row another transaction holds.
+func TestEveryCallHonoursItsContext(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, MaxReserved: 5}})
+	_, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", nil) // the row exists
+	require.NoError(t, err)
+	calls := map[string]func(ctx context.Context) error{
+		"Limit":  func(ctx context.Context) error { _, err := b.lim.Limit(ctx, b.pool, "tb", "k", nil); return err },
+		"LimitN": func(ctx context.Context) error { _, err := b.lim.LimitN(ctx, b.pool, "tb", "k", 2, nil); return err },
+		"Reserve": func(ctx context.Context) error {
+			_, err := b.lim.LimitN(ctx, b.pool, "tb", "k", 12, &ratelimit.LimitOpts{Reserve: true})
+			return err
+		},
+		"LimitMany": func(ctx context.Context) error {
+			_, err := b.lim.LimitMany(ctx, b.pool, []ratelimit.Request{{Name: "tb", Key: "k"}}, nil)
+			return err
+		},
+		"Credit": func(ctx context.Context) error { _, err := b.lim.Credit(ctx, b.pool, "tb", "k", 1, nil); return err },
+		"Reset":  func(ctx context.Context) error { return b.lim.Reset(ctx, b.pool, "tb", "k") },
+	}
+	readers := map[string]func(ctx context.Context) error{
+		"Check":  func(ctx context.Context) error { _, err := b.lim.Check(ctx, b.pool, "tb", "k", nil); return err },
+		"CheckN": func(ctx context.Context) error { _, err := b.lim.CheckN(ctx, b.pool, "tb", "k", 2, nil); return err },
+		"CheckMany": func(ctx context.Context) error {
+			_, err := b.lim.CheckMany(ctx, b.pool, []ratelimit.Request{{Name: "tb", Key: "k"}}, nil)
+			return err
+		},
+		"State": func(ctx context.Context) error { _, err := b.lim.State(ctx, b.pool, "tb", "k", nil); return err },
+		"Prune": func(ctx context.Context) error { _, err := b.lim.Prune(ctx, b.pool, "tb", nil); return err },
+	}
+
+	ended, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel()
+	for _, set := range []map[string]func(context.Context) error{calls, readers} {
+		for what, call := range set {
+			require.ErrorIs(t, call(ended), context.DeadlineExceeded, "%s with an ended context", what)
+		}
+	}
+
+	// Another transaction holds the row: every call that writes it waits, until its deadline.
+	holder, err := b.pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(b.ctx) //nolint:errcheck
+	testdb.LockRow(t, holder, "tb", "k", 0)
+	for what, call := range calls {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*ms)
+		err := call(ctx)
+		cancel()
+		require.Error(t, err, what)
+		require.True(t, errors.Is(err, context.DeadlineExceeded) || ctx.Err() != nil, "%s: %v", what, err)
+	}
+}
