@@ -273,7 +273,7 @@ DECLARE
     -- Requests: the rows chosen, and the answers.
     q_a integer[] := array_fill(0, ARRAY[n]); q_b integer[] := array_fill(0, ARRAY[n]);
     q_two boolean[] := array_fill(false, ARRAY[n]); q_charge integer[] := array_fill(0, ARRAY[n]);
-    q_held boolean[] := array_fill(true, ARRAY[n]); q_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
+    q_held boolean[] := array_fill(true, ARRAY[n]); q_planned boolean[] := array_fill(false, ARRAY[n]); q_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
     o_ok boolean[] := array_fill(false, ARRAY[n]); o_res boolean[] := array_fill(false, ARRAY[n]);
     o_busy boolean[] := array_fill(false, ARRAY[n]); o_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
     o_sa integer[] := array_fill(-1, ARRAY[n]); o_sb integer[] := array_fill(-1, ARRAY[n]);
@@ -401,9 +401,10 @@ BEGIN
                     END IF;
                     lv_b := txlimit_level(kind, vb, tb, t_now, p_rate[i], p_period_us[i], p_cap[i]);
                 END IF;
-                -- Decide: freely on the plan; on the rows held in the second pass.
+                -- Decide: freely on the plan; in the second pass, a request whose group was planned
+                -- granted keeps to the rows it holds (a lone request may have switched shards).
                 fixed := 0;
-                IF pass = 2 AND NOT dry THEN
+                IF pass = 2 AND NOT dry AND q_planned[i] THEN
                     fixed := CASE WHEN l_got[a] THEN 1 ELSE 0 END + CASE WHEN two AND l_got[b] THEN 2 ELSE 0 END;
                 END IF;
                 ch := txlimit_charge(lv_a, lv_b, two, p_count[i], fixed);
@@ -453,6 +454,7 @@ BEGIN
             -- rows are to be locked, in the second they are to be written.
             IF g_ok AND NOT p_dry[g] THEN
                 FOR i IN g .. g_end LOOP
+                    q_planned[i] := pass = 1;
                     kind := p_kind[i]; a := q_a[i]; b := q_b[i]; two := q_two[i];
                     mts := txlimit_missing_ts(kind, p_anchor_us[i]);
                     IF w_mod[a] THEN va := w_val[a]; ta := w_ts[a];

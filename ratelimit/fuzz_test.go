@@ -95,7 +95,7 @@ const (
 
 // Operation codes (low four bits of an operation's first byte).
 const (
-	fzOpLimit        = 0 // LimitN (also 1, 2, 14); Reserve from the request byte
+	fzOpLimit        = 0 // LimitN (also 1, 2); Reserve from the request byte
 	fzOpReserve      = 3 // LimitN with Reserve
 	fzOpCheck        = 4 // CheckN
 	fzOpCheckReserve = 5 // CheckN with Reserve
@@ -106,7 +106,13 @@ const (
 	fzOpCheckMany    = 11
 	fzOpLimit1       = 12 // Limit (count 1)
 	fzOpThrow        = 13 // LimitN with AsError
-	fzBit4           = 16
+	// fzOpList decides 2 calls (3 when bit 4 is set) as one list in one statement, the way the
+	// engine decides a batch: each request is a LimitN of its own, except that with bit 6 the
+	// first two form one LimitMany group, and with bit 5 the last is a CheckN.
+	fzOpList = 14
+	fzBit4   = 16
+	fzBit5   = 32
+	fzBit6   = 64
 )
 
 const (
@@ -197,7 +203,7 @@ func fzDecode(data []byte) fzScenario {
 		op := fzOp{code: rest[0], dt: fzSteps[int(rest[1])%len(fzSteps)]}
 		op.reqs = append(op.reqs, fzDecodeReq(rest[2:5]))
 		rest = rest[fzOpLen:]
-		if c := op.code & 15; c == fzOpMany || c == fzOpMany+1 || c == fzOpCheckMany {
+		if c := op.code & 15; c == fzOpMany || c == fzOpMany+1 || c == fzOpCheckMany || c == fzOpList {
 			n := 2
 			if op.code&fzBit4 != 0 {
 				n = 3
@@ -571,6 +577,114 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	}
 }
 
+// inForce is a config with its defaults applied, as State, Lookup and Result report it.
+func inForce(c ratelimit.Config) ratelimit.Config {
+	if c.Capacity == 0 {
+		c.Capacity = c.Rate
+	}
+	if c.Shards == 0 {
+		c.Shards = 1
+	}
+	return c
+}
+
+// list runs fzOpList: calls decided as one list, each as if the calls before it had run one by one.
+func (r *fzRunner) list(op fzOp) {
+	type mcall struct {
+		reqs []modelReq
+		dry  bool
+	}
+	var calls []ratelimit.ListCall
+	var mcalls []mcall
+	var wantErr error
+	r.picks, r.picked = nil, 0
+	groups := [][]fzReq{}
+	if op.code&fzBit6 != 0 && len(op.reqs) >= 2 {
+		groups = append(groups, op.reqs[:2])
+		for _, q := range op.reqs[2:] {
+			groups = append(groups, []fzReq{q})
+		}
+	} else {
+		for _, q := range op.reqs {
+			groups = append(groups, []fzReq{q})
+		}
+	}
+	var desc []string
+	for gi, g := range groups {
+		dry := op.code&fzBit5 != 0 && gi == len(groups)-1
+		lc := ratelimit.ListCall{Dry: dry, Single: len(g) == 1}
+		mc := mcall{dry: dry}
+		seen := map[[2]string]bool{}
+		for _, q := range g {
+			name, key, inline, cfg := r.target(q)
+			count := q.count
+			if count == 0 {
+				count = 1 // Request.Count defaults to 1
+			}
+			lc.Reqs = append(lc.Reqs, ratelimit.Request{Name: name, Key: key, Count: count, Config: inline, Reserve: q.reserve})
+			desc = append(desc, fmt.Sprintf("%d:{%q %q %v reserve=%v dry=%v picks=%d/%d}", gi, name, key, count, q.reserve, dry, q.pickA, q.pickB))
+			if wantErr != nil {
+				continue
+			}
+			m, err := modelResolve(name, key, cfg)
+			switch {
+			case modelCheckCount(count) != nil:
+				wantErr = errModelArgument
+			case err != nil:
+				wantErr = err
+			case seen[[2]string{name, key}]:
+				wantErr = errModelArgument
+			case count > m.maxGrant(q.reserve):
+				wantErr = errModelArgument
+			}
+			seen[[2]string{name, key}] = true
+			mr := modelReq{lim: m, count: count, reserve: q.reserve, a: 0, b: -1}
+			if m.shards >= 2 {
+				mr.a, mr.b = fzPick(q, m.shards)
+			}
+			mc.reqs = append(mc.reqs, mr)
+		}
+		calls = append(calls, lc)
+		mcalls = append(mcalls, mc)
+	}
+	r.logf("List(%s)", strings.Join(desc, ", "))
+	if wantErr == nil {
+		for _, mc := range mcalls {
+			for _, mr := range mc.reqs {
+				if mr.b >= 0 {
+					r.picks = append(r.picks, [2]int{mr.a, mr.b})
+				}
+				if !mc.dry {
+					r.touched[[2]string{mr.lim.name, mr.lim.key}] = true
+				}
+			}
+		}
+	}
+	got, errs, err := ratelimit.DecideList(r.ctx, r.lim, r.pool, calls)
+	if r.expectErr("List", err, wantErr) {
+		return
+	}
+	if r.picked != len(r.picks) {
+		r.fail("List: shard picker called %d times, want %d", r.picked, len(r.picks))
+	}
+	for i, mc := range mcalls {
+		want := r.md.decide(r.now, mc.reqs, mc.dry)
+		r.trace[len(r.trace)-1] += fmt.Sprintf(" -> %d: ok=%v", i, want.OK)
+		if errs[i] != nil {
+			r.fail("List call %d: unexpected error %v", i, errs[i])
+		}
+		if got[i].OK != want.OK || len(got[i].Results) != len(want.Results) {
+			r.fail("List call %d: got ok=%v results=%d; want ok=%v results=%d", i, got[i].OK, len(got[i].Results), want.OK, len(want.Results))
+		}
+		for j := range want.Results {
+			r.compareResult(fmt.Sprintf("List call %d result %d", i, j), got[i].Results[j], want.Results[j])
+		}
+		if !sameTime(got[i].RetryAt, want.RetryAt) {
+			r.fail("List call %d: got retryAt=%s, want %s", i, fmtTime(r.sc.base, got[i].RetryAt), fmtModelTime(r.sc.base, want.RetryAt))
+		}
+	}
+}
+
 func (r *fzRunner) credit(q fzReq) {
 	name, key, inline, cfg := r.target(q)
 	r.logf("Credit(%q, %q, %v, inline=%v)", name, key, q.count, inline != nil)
@@ -611,7 +725,7 @@ func (r *fzRunner) value(what string, name, key string, inline, cfg *ratelimit.C
 	}
 	want := r.md.value(r.now, m)
 	same := sameFloat(got.Value, want.Value) && len(got.Shards) == len(want.Shards) && sameTime(got.TS, want.TS) &&
-		sameTime(got.Time, want.Time) && got.Name == name && got.Key == key && got.Config == *cfg
+		sameTime(got.Time, want.Time) && got.Name == name && got.Key == key && got.Config == inForce(*cfg)
 	for i := 0; same && i < len(got.Shards); i++ {
 		same = sameFloat(got.Shards[i], want.Shards[i])
 	}
@@ -659,6 +773,8 @@ func (r *fzRunner) run() {
 			r.single("Limit", q, false, false, false, true)
 		case c == fzOpThrow:
 			r.single("LimitN", q, false, false, true, false)
+		case c == fzOpList:
+			r.list(op)
 		default:
 			r.single("LimitN", q, false, false, false, false)
 		}
@@ -967,6 +1083,20 @@ func fzSeeds() []fzSeed {
 		{"throw_many_with_reservation", fzNewSeed(0, fzC(tb, 1, time.Second, 0, inf, 1, 0, 0), fzC(tb, 3, time.Second, 0, inf, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("b", 0, 3)).                                       // b empty
 			op(fzOpMany, 0, fzQ("a", 0, 5, fzReserve, fzThrow), fzQ("b", 0, 1)).b}, // a alone: reserved, RetryAt +4s; b denied, RetryAt +1/3s
+		// Lists, as a batch decides them: several calls on one key in list order (a later small
+		// request granted after a larger one is denied), sharded and unsharded limits mixed,
+		// reservations, an all-or-nothing group and a Check in the same statement.
+		{"list_one_key_in_order", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 4), fzQ("a", 0, 3), fzQ("a", 0, 1)).
+			op(fzOpList|fzBit4|fzBit5, 500000, fzQ("a", 0, 1), fzQ("a", 0, 1), fzQ("a", 0, 2)).b},
+		{"list_mixed_shards", fzNewSeed(3, fzC(tb, 10, sec, 20, inf, 4, 0, 0), fzC(tb, 2, sec, 5, 3, 1, 0, 0), fzC(fw, 3, 10*sec, 5, 2, 3, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 7, fzPicks(4, 0, 1)), fzQ("b", 0, 4), fzQ("a", 0, 5, fzPicks(4, 1, 0))).
+			op(fzOpList|fzBit4|fzBit6, 1000, fzQ("a", 0, 6, fzPicks(4, 0, 1)), fzQ("b", 0, 2), fzQ("c", 1, 2, fzPicks(3, 2, 0))).
+			op(fzOpList|fzBit4|fzBit5, 0, fzQ("c", 1, 3, fzPicks(3, 2, 1)), fzQ("c", 1, 2, fzPicks(3, 0, 1)), fzQ("a", 0, 1, fzPicks(4, 2, 3))).b},
+		{"list_reservations", fzNewSeed(5, fzC(tb, 2, sec, 5, 3, 1, 0, 0), fzC(fw, 3, 10*sec, 5, 2, 2, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 5), fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 1, fzReserve)).
+			op(fzOpList|fzBit4|fzBit6, 0, fzQ("b", 1, 5, fzReserve, fzPicks(2, 0, 1)), fzQ("a", 0, 0.5, fzReserve), fzQ("b", 1, 1, fzReserve, fzPicks(2, 1, 0))).
+			op(fzOpList, 250000, fzQ("a", 0, 1, fzReserve), fzQ("a", 0, 0.5)).b},
 		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, inf, 2, 0, 0)).
 			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
