@@ -19,37 +19,44 @@
 // row becomes (v - count, ts'), where ts' is now for a token bucket and ts + n·Period (the start of
 // the current window) for a fixed window. When it is < 0 the request is denied and nothing is
 // written, unless it asked to Reserve and the debt -(v - count) is within MaxReserved: then it is
-// granted as a reservation (Result.Reserved) and the caller should act at Result.RetryAt, when the
-// debt has been refilled: ts' + debt/r for a token bucket, ts' + Period·ceil(debt/Rate) for a fixed
-// window (rounded up to the next microsecond, the database's precision).
+// granted as a reservation (Result.Reserved). A limit whose MaxReserved is 0 allows no
+// reservations (Reserve is then an *ArgumentError); Unbounded puts no bound on the debt.
+//
+// RetryAt is, for a reservation, when the rows it charged are out of debt (the caller should act
+// then); for a denial, the first microsecond at which the same request would be granted: when the
+// tokens it asked for have accrued or, for a reservation refused over MaxReserved, when its debt
+// fits. In real arithmetic that is ts' + debt/r for a token bucket and ts' + Period·ceil(debt/Rate)
+// for a fixed window; the database computes it on the very rules a decision applies, in float8,
+// so one microsecond earlier the same call is still refused. Waits are bounded: RetryAt is at most
+// Time plus MaxRetryWaitMicros (about 73,000 years), and a longer wait is reported as that bound.
+// Beyond 2^53 µs (about 285 years) float8 counts time in steps of more than a microsecond, so such
+// a RetryAt can lie a few microseconds before the real-arithmetic instant.
 //
 // Time never runs backwards for a row: a request evaluated at now < ts is evaluated at ts. The
 // time is the database's clock (clock_timestamp()) read once per statement, unless
 // LimiterConfig.Now supplies one (for tests).
 //
-// # One round trip, any isolation level
+// # One engine, any isolation level
 //
-// Every decision is one SQL statement. It reads the candidate rows without locking; if that read
-// already shows the request cannot be granted, it answers from it and takes no lock (this can
-// under-grant against a concurrent Credit or Reset, never over-grant). Otherwise it locks the rows
-// it would charge, in one global order (name, key, shard), with FOR UPDATE, which re-reads their
-// latest committed versions under READ COMMITTED and raises a serialization failure under REPEATABLE READ or
-// SERIALIZABLE if they changed, decides on them, and writes only if everything is granted. So a
-// decision is exact at every isolation level, and never over-grants: a database error is returned
-// as an error, never as a grant.
+// Every call is one call of one database function, txlimit_decide, over a list of requests: a
+// Limit is a list of one, a LimitMany a list of one all-or-nothing group. Requests on the same key
+// are decided one after another in list order, each group seeing the effect of the groups granted
+// before it. The function first plans on rows read without a lock; a request that is denied there
+// is answered from that read, taking no lock (this can under-grant against a concurrent Credit or
+// Reset, never over-grant). It then locks the rows the granted groups would charge, in one global
+// order (name, key, shard, compared as bytes), with FOR UPDATE, which re-reads their latest
+// committed versions under READ COMMITTED and raises a serialization failure under REPEATABLE READ
+// or SERIALIZABLE if they changed; a missing row is created full (stamped to evaluate exactly as a
+// missing row) and so locked too. It decides again on the locked versions, grants only on rows it
+// holds, and writes only the groups that are granted. So a decision is exact at every isolation
+// level, takes one round trip, never re-runs, and never over-grants: a database error is returned
+// as an error, never as a grant. Every access is a primary-key probe (the function runs with
+// sequential and bitmap scans off), so under SERIALIZABLE a decision holds predicate locks on the
+// rows it reads only, however small the table.
 //
 // Pass a pgx.Tx to make a limit part of your transaction: its consumption commits or rolls back
 // with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own.
 // InSerializableTx runs a function in a SERIALIZABLE transaction with bounded, jittered retries.
-//
-// A decision that writes a single row inserts it if it is missing; if a concurrent caller created
-// it first, the statement writes nothing and the Limiter runs it again at once (a second round
-// trip, only in that race). A decision that would lock two or more rows (LimitMany, or a sharded
-// limit charging both picks) and finds some missing takes no lock: it creates the missing rows
-// full, stamped so that they evaluate exactly as missing rows at any instant, in the global order,
-// and runs again. So such a call on fresh rows costs two statements once, and every multi-row
-// decision locks rows that all exist, in one global order: concurrent calls never deadlock and no
-// race leaves part of it written.
 //
 // # Shards
 //
@@ -60,12 +67,12 @@
 // end equal, each at (va + vb - count)/2: granted when that is >= 0, a reservation when it is not.
 // Otherwise it charges the one with more tokens alone. A reservation's debt is bounded per charged
 // shard by MaxReserved/N. Result.Shards names the charged shards. Only the charged shards are
-// locked and written; when a single charged shard is held by another transaction, the call takes
-// its other pick instead if that one can serve alone (SKIP LOCKED), and waits only when both are
-// held.
+// locked and written; when the shard a call of its own (a list of one request) charges alone is
+// held by another transaction, the call takes its other pick instead if that one can serve alone
+// (SKIP LOCKED), and waits only when both are held.
 //
 // Concurrent callers of one key are steered to different shards before they read any row. A
-// single request (Limit, LimitN) draws its candidate shards in random order, a and b first (up to
+// single request (Limit, LimitN, alone or in a batch) draws its candidate shards in random order, a and b first (up to
 // 16), and takes as a the first candidate that no other transaction is deciding on, and as b the
 // candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
 // transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
@@ -88,11 +95,6 @@
 // request charges its first pick when that shard alone holds count, and reads the second only when
 // it does not, then decides between combining and the second alone exactly as above. Under READ
 // COMMITTED both picks are always read.
-//
-// A single request on a sharded limit is one call of the PL/pgSQL function txlimit_decide_sharded
-// (migration 00004), which runs only the steps that request takes; it is still one statement and
-// one round trip, in the caller's transaction. Apply the migrations before deploying a version of
-// this package that calls it.
 //
 // # Fixed window grid
 //
