@@ -134,7 +134,7 @@ $$;
 -- It tries the real-arithmetic estimate and the microsecond before it, and only when float8
 -- rounding or a cap puts the answer elsewhere gallops and bisects, so it ends within about 130
 -- evaluations for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
--- years, ratelimit.MaxRetryWait); a request not granted by then returns that bound.
+-- years, ratelimit.MaxRetryWaitMicros); a request not granted by then returns that bound.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_first_grant(kind smallint, rate double precision, period_us bigint, cap double precision,
                                     count double precision, allow double precision, two boolean,
@@ -219,7 +219,8 @@ $$;
 --    transaction holds (else it is refused: an under-grant, possible only when a concurrent
 --    transaction changed the rows between the passes, never an over-grant).
 -- 4. Write every row a granted group changed; a denied group writes nothing.
--- Every access is a primary-key probe (sequential and bitmap scans are off for this function), so
+-- Every access is a primary-key probe (sequential and bitmap scans, hash and merge joins are off
+-- for this function), so
 -- under SERIALIZABLE a decision holds predicate locks on the rows it reads only.
 --
 -- Sharded requests: see the package doc of ratelimit ("Shards"). A steered request takes as shard

@@ -15,7 +15,7 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// SPEC §5: bad input gets a clear, typed error naming what is wrong, and nothing is written.
+// docs/spec.md §5: bad input gets a clear, typed error naming what is wrong, and nothing is written.
 func TestBadInputs(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t, nil)

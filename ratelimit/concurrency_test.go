@@ -15,16 +15,16 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// overGrantRunWindow is seed 003's correctness test: burst 10, rate 10/s, cost 1, 64 goroutines on one
+// overGrantRunWindow is the over-grant test (docs/spec.md §7): burst 10, rate 10/s, cost 1, 64 goroutines on one
 // key for 3 s. decide makes one decision and reports whether it was granted and when (database
 // time, Result.Time); lastTS reads the limit's stored ts afterwards. It returns the grants, those
-// whose call returned within 3 s of the run's start (seed 003's window of "at most 40"), the
+// whose call returned within 3 s of the run's start (the test's window of "at most 40"), the
 // errors, and the most the limit could have granted between the first decision and the last
 // grant: 10 + 10·span.
 //
 // Neither bound may trust Result.Time for the end of a span. It is the clock reading a decision
 // was made with, and a call that waited for the row lock while a call with a later reading
-// committed is evaluated at that later ts (SPEC §2). So the window counts by the Go clock (every
+// committed is evaluated at that later ts (docs/spec.md §2). So the window counts by the Go clock (every
 // counted grant was evaluated inside the same 3 s of real time), and the span ends at the stored
 // ts, which is the instant the last grant was evaluated at: only grants write it, and it never
 // moves back.
@@ -74,7 +74,7 @@ func overGrantRunWindow(t *testing.T, decide func(ctx context.Context) (ok bool,
 	return allowed, in3s, errs, max
 }
 
-// overGrantLimits are seed 003's limit, twice: burst 10, rate 10/s.
+// overGrantLimits are the over-grant test's limit, twice: burst 10, rate 10/s.
 var overGrantLimits = map[string]ratelimit.Config{
 	"hot":    {Rate: 10, Period: time.Second, Capacity: 10},
 	"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},
@@ -102,7 +102,7 @@ func hotTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter) func() time
 
 func requireNoOverGrant(t *testing.T, mode string, allowed, in3s, errs int64, max float64) {
 	t.Helper()
-	t.Logf("%s: allowed %d (%d within 3 s, seed 003 max 40), errors %d, max for the whole run %.2f", mode, allowed, in3s, errs, max)
+	t.Logf("%s: allowed %d (%d within 3 s, at most 40), errors %d, max for the whole run %.2f", mode, allowed, in3s, errs, max)
 	require.LessOrEqual(t, float64(allowed), max, "%s over-granted", mode)
 	require.LessOrEqual(t, in3s, int64(40), "%s over-granted within 3 s", mode)
 	// Not vacuous: demand far above the rate must still be served close to the limit.
@@ -251,7 +251,7 @@ func TestFastDenialTakesNoLock(t *testing.T) {
 	require.Error(t, err, "a grant must wait for the row lock")
 }
 
-// SPEC §5/§7 "a denial writes nothing": the row's xmin is unchanged, whether the denial came from
+// docs/spec.md §5/§7 "a denial writes nothing": the row's xmin is unchanged, whether the denial came from
 // the lock-free read or after waiting for the lock.
 func TestDenialWritesNothing(t *testing.T) {
 	t.Parallel()
@@ -310,7 +310,7 @@ func TestDenialWritesNothing(t *testing.T) {
 	require.False(t, found, "a denied LimitMany created a row")
 }
 
-// SPEC §7: inside a transaction the limit commits or rolls back with the caller's work.
+// docs/spec.md §7: inside a transaction the limit commits or rolls back with the caller's work.
 func TestRollbackRestoresState(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t, nil)

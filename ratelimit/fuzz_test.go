@@ -50,9 +50,9 @@ var (
 		4000000, 7000000, 20000000, 0, 1}
 	fzNames = []string{"a", "b", "c", "x"} // "x" is not registered: it needs an inline config
 	fzKeys  = []string{"", "k1", "ü-key"}
-	// Keys that must be rejected (SPEC §5): too long, a NUL byte, not UTF-8.
+	// Keys that must be rejected (docs/spec.md §5): too long, a NUL byte, not UTF-8.
 	fzBadKeys = []string{strings.Repeat("k", ratelimit.MaxKeyLen+1), "a\x00b", "\xff\xfe"}
-	// Configs that must be rejected, each for one field (SPEC §5).
+	// Configs that must be rejected, each for one field (docs/spec.md §5).
 	fzBadConfigs = []ratelimit.Config{
 		{Rate: 0, Period: time.Second},
 		{Rate: math.NaN(), Period: time.Second},
@@ -963,7 +963,7 @@ func fzSeeds() []fzSeed {
 	sec, minute := time.Second, time.Minute
 	return []fzSeed{
 		{"refill_with_cap", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
-			op(fzOpLimit, 0, fzQ("a", 0, 5)).          // SPEC §3: 5 of cap 5
+			op(fzOpLimit, 0, fzQ("a", 0, 5)).          // docs/spec.md §3: 5 of cap 5
 			op(fzOpLimit, 0, fzQ("a", 0, 1)).          // denied, RetryAt +0.5s
 			op(fzOpLimit, 500000, fzQ("a", 0, 1)).     // exactly refilled
 			op(fzOpValue, 3600000000, fzQ("a", 0, 1)). // capped at 5, not 7200
@@ -985,7 +985,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpValue, 123456, fzQ("a", 1, 1)).
 			op(fzOpValue, 0, fzQ("b", 2, 1)).b},
 		{"fixed_window_rollover", fzNewSeed(3, fzC(fw, 3, 10*sec, 5, inf, 1, 0, 0), fzC(fw, 2, sec, 0, inf, 1, 2, 0)).
-			op(fzOpLimit, 0, fzQ("a", 0, 5)). // SPEC §4: at most cap per window
+			op(fzOpLimit, 0, fzQ("a", 0, 5)). // docs/spec.md §4: at most cap per window
 			op(fzOpLimit, 1000000, fzQ("a", 0, 1)).
 			op(fzOpLimit, 10000000, fzQ("a", 0, 3)). // one window later: min(0+3, 5)
 			op(fzOpLimit, 0, fzQ("a", 0, 0.5)).
@@ -1009,7 +1009,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpValue, 60000000, fzQ("c", 2, 1)).b},
 		{"time_backwards", fzNewSeed(5, fzC(tb, 10, sec, 0, inf, 1, 0, 0), fzC(fw, 2, sec, 0, inf, 1, 0, 0)).
 			op(fzOpLimit, 0, fzQ("a", 0, 10)).
-			op(fzOpLimit, -500000, fzQ("a", 0, 1)). // SPEC §2: evaluated at ts, no refill
+			op(fzOpLimit, -500000, fzQ("a", 0, 1)). // docs/spec.md §2: evaluated at ts, no refill
 			op(fzOpReserve, -1000000, fzQ("a", 0, 2)).
 			op(fzOpLimit, 3000000, fzQ("a", 0, 1)).
 			op(fzOpLimit, 0, fzQ("b", 1, 2)).
@@ -1019,7 +1019,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpValue, 3600000000, fzQ("a", 0, 1)).b},
 		{"sharded_combine", fzNewSeed(9, fzC(tb, 10, sec, 0, inf, 2, 0, 0), fzC(tb, 10, sec, 20, inf, 4, 0, 0), fzC(fw, 100, sec, 0, inf, 3, 3, 5)).
 			op(fzOpLimit, 0, fzQ("a", 0, 4, fzPicks(2, 0, 1))). // shard 0 to 1
-			op(fzOpLimit, 0, fzQ("a", 0, 7, fzPicks(2, 1, 0))). // SPEC §8: both, ending at (5+1-7)/2
+			op(fzOpLimit, 0, fzQ("a", 0, 7, fzPicks(2, 1, 0))). // docs/spec.md §8: both, ending at (5+1-7)/2
 			op(fzOpLimit, 0, fzQ("a", 0, 1, fzPicks(2, 0, 1))).
 			op(fzOpReserve, 100000, fzQ("a", 0, 3, fzPicks(2, 1, 0))).
 			op(fzOpValue, 0, fzQ("a", 0, 1)).

@@ -97,11 +97,12 @@ type Result struct {
 	// should act at RetryAt, not now. Always false without LimitOpts.Reserve.
 	Reserved bool
 
-	// RetryAt is when the call can go ahead: for a reservation, when its tokens have accrued and the
-	// caller should act; for a denial, when the tokens the call asked for will have accrued (SPEC
-	// §3: ts' + (−v)/r), so the same call without Reserve is granted then, all else equal. Zero when
-	// OK and not Reserved. Microsecond precision, rounded up. For a 10/minute token bucket holding
-	// 0.5 tokens, a call for 1 is denied with RetryAt three seconds after the decision.
+	// RetryAt is when the call can go ahead: for a reservation, when the rows it charged are out
+	// of debt and the caller should act; for a denial, the first microsecond at which the same call
+	// is granted, all else equal (for a reservation refused over MaxReserved: when its debt fits).
+	// See docs/spec.md §3 and §4. Zero when OK and not Reserved. At most Time plus
+	// MaxRetryWaitMicros. For a 10/minute token bucket holding 0.5 tokens, a call for 1 is denied
+	// with RetryAt three seconds after the decision.
 	RetryAt time.Time
 
 	// Value is the number of tokens left after the call (negative after a reservation). With

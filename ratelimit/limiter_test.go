@@ -91,7 +91,7 @@ func sinceT0(t time.Time) any {
 	return t.Sub(t0)
 }
 
-// SPEC §3: v = min(value + (now−ts)·r, cap) − count; RetryAt = ts' + (−v)/r.
+// docs/spec.md §3: v = min(value + (now−ts)·r, cap) − count; RetryAt = ts' + (−v)/r.
 func TestTokenBucketRefillWithCap(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}})
@@ -121,7 +121,7 @@ func TestTokenBucketCapacity(t *testing.T) {
 	})
 }
 
-// SPEC §2: a request evaluated at now < ts is evaluated at ts; the row never moves back.
+// docs/spec.md §2: a request evaluated at now < ts is evaluated at ts; the row never moves back.
 func TestClockNeverRunsBackwards(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}})
@@ -146,7 +146,7 @@ func TestClockNeverRunsBackwards(t *testing.T) {
 	})
 }
 
-// SPEC §4: n = floor((now − ts)/Period), v = min(value + Rate·n, cap) − count,
+// docs/spec.md §4: n = floor((now − ts)/Period), v = min(value + Rate·n, cap) − count,
 // RetryAt = ts' + Period·ceil(−v/Rate).
 func TestFixedWindowRollover(t *testing.T) {
 	t.Parallel()
@@ -197,7 +197,7 @@ func TestFixedWindowDerivedPhase(t *testing.T) {
 	require.Greater(t, len(ends), 3, "six keys share %d window ends: phases are not spread", len(ends))
 }
 
-// SPEC §4: without reservations, at most cap tokens within one window.
+// docs/spec.md §4: without reservations, at most cap tokens within one window.
 func TestFixedWindowAtMostCapacityPerWindow(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 4, Period: time.Second, Capacity: 6, Start: t0}})
@@ -330,7 +330,7 @@ func TestInlineConfigAndUnknownName(t *testing.T) {
 	require.True(t, res.OK)
 }
 
-// SPEC §6 throws-style: a denial becomes a typed error; a reservation never does.
+// docs/spec.md §6 (denials as errors): a denial becomes a typed error; a reservation never does.
 func TestAsError(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 1, Period: time.Second, MaxReserved: ratelimit.Unbounded}})

@@ -1,6 +1,6 @@
 package ratelimit_test
 
-// A reference model of txlimit, written from SPEC.md and the package doc, not from the library's
+// A reference model of txlimit, written from docs/spec.md and the package doc, not from the library's
 // code: an in-memory map of (name, key, shard) -> (value, ts). FuzzModel (fuzz_test.go) replays
 // random request sequences against it and against Postgres and requires identical answers.
 //
@@ -30,7 +30,7 @@ type modelRowKey struct {
 	shard     int
 }
 
-// modelRow is one row: the two numbers of SPEC §1, ts in microseconds since the Unix epoch.
+// modelRow is one row: the two numbers of docs/spec.md §1, ts in microseconds since the Unix epoch.
 type modelRow struct {
 	value float64
 	ts    int64
@@ -43,7 +43,7 @@ type model struct {
 
 func newModel() *model { return &model{rows: map[modelRowKey]modelRow{}} }
 
-// modelLimit is a validated config resolved for one (name, key), in per-shard numbers (SPEC §8).
+// modelLimit is a validated config resolved for one (name, key), in per-shard numbers (docs/spec.md §8).
 type modelLimit struct {
 	name, key string
 	fixed     bool    // FixedWindow
@@ -56,14 +56,14 @@ type modelLimit struct {
 	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs
 }
 
-// Model errors: the classes of typed error the library must return (SPEC §5).
+// Model errors: the classes of typed error the library must return (docs/spec.md §5).
 var (
 	errModelConfig   = errors.New("model: config error")   // *ratelimit.ConfigError
 	errModelArgument = errors.New("model: argument error") // *ratelimit.ArgumentError
 	errModelUnknown  = errors.New("model: unknown limit")  // *ratelimit.UnknownLimitError
 )
 
-// modelValidate checks a config against SPEC §5 and the documented bounds.
+// modelValidate checks a config against docs/spec.md §5 and the documented bounds.
 func modelValidate(c ratelimit.Config) error {
 	amount := func(v float64, zeroOK bool) bool {
 		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || v > ratelimit.MaxAmount {
@@ -167,7 +167,7 @@ func floorMod(a, m int64) int64 {
 	return r
 }
 
-// maxGrant is the largest count one call could ever be granted (SPEC §5): a shard's capacity, or
+// maxGrant is the largest count one call could ever be granted (docs/spec.md §5): a shard's capacity, or
 // what two shards hold together, plus the bounded debt when reserving; +Inf when reserving
 // without a bound; -Inf (every count refused) when reserving on a limit with MaxReserved 0.
 func (m modelLimit) maxGrant(reserve bool) float64 {
@@ -184,12 +184,12 @@ func (m modelLimit) maxGrant(reserve bool) float64 {
 	return per
 }
 
-// level evaluates a stored row at now: the tokens it holds and the ts it moves to (SPEC §2-§4).
+// level evaluates a stored row at now: the tokens it holds and the ts it moves to (docs/spec.md §2-§4).
 // Same float8 operations, in the same order, as txlimit_level and txlimit_next_ts.
 func (m modelLimit) level(r modelRow, now int64) (float64, int64) {
 	el := now - r.ts
 	if el < 0 {
-		el = 0 // time never runs backwards for a row (SPEC §2)
+		el = 0 // time never runs backwards for a row (docs/spec.md §2)
 	}
 	var v float64
 	var ts int64
@@ -380,7 +380,7 @@ type modelMany struct {
 	Results []modelResult
 }
 
-// decide runs one decision over reqs (1 for LimitN/CheckN), all-or-nothing (SPEC §3, §4, §6, §8).
+// decide runs one decision over reqs (1 for LimitN/CheckN), all-or-nothing (docs/spec.md §3, §4, §6, §8).
 // dry: Check/CheckMany, no write.
 func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 	type plan struct {
@@ -499,7 +499,7 @@ type modelState struct {
 }
 
 // value is Limiter.State: every configured shard evaluated at now, missing ones full, summed in
-// shard order (SPEC §6).
+// shard order (docs/spec.md §6).
 func (md *model) value(now int64, m modelLimit) modelState {
 	st := modelState{TS: -1, Time: now, Shards: make([]float64, m.shards)}
 	for s := range st.Shards {
@@ -521,7 +521,7 @@ type modelCredit struct {
 	Time            int64
 }
 
-// credit is Limiter.Credit (SPEC §6): count tokens go back to the existing shard rows, emptiest
+// credit is Limiter.Credit (docs/spec.md §6): count tokens go back to the existing shard rows, emptiest
 // first (ties by shard), each up to the per-shard capacity; missing rows are full, take nothing
 // and are not created.
 func (md *model) credit(now int64, m modelLimit, count float64) modelCredit {
@@ -583,7 +583,7 @@ func (md *model) reset(name, key string) {
 	}
 }
 
-// TestModelSpecNumbers pins the model to the exact numbers the SPEC's algebra gives, so that the
+// TestModelSpecNumbers pins the model to the exact numbers the algebra of docs/spec.md gives, so that the
 // fuzz target compares the library with something that is itself right.
 func TestModelSpecNumbers(t *testing.T) {
 	const s = int64(time.Second / time.Microsecond)
@@ -607,23 +607,23 @@ func TestModelSpecNumbers(t *testing.T) {
 		}
 	}
 
-	// SPEC §3: 10/min, cap 10, holding 0.5 after 9.5 taken: a call for 1 waits (1-0.5)/(10/60s) = 3s.
+	// docs/spec.md §3: 10/min, cap 10, holding 0.5 after 9.5 taken: a call for 1 waits (1-0.5)/(10/60s) = 3s.
 	tb := lim(ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: ratelimit.Unbounded}, "k")
 	md := newModel()
 	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, -1, 0.5)
 	expect("deny 1", one(md, base, tb, 1, false, false), false, false, base+3*s, 0.5)
-	// Refill with cap (SPEC §3 min(.., cap)): an hour later the bucket holds 10, not 600.5.
+	// Refill with cap (docs/spec.md §3 min(.., cap)): an hour later the bucket holds 10, not 600.5.
 	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, -1, 9)
 	// Reservation with MaxReserved Unbounded: 10 + 5 leaves -5, paid after 5/(10/60s) = 30s.
 	expect("reserve", one(md, base+3600*s, tb, 15, true, false), true, true, base+3630*s, -5)
-	// Time going backwards (SPEC §2): evaluated at ts, so no refill: still -5.
+	// Time going backwards (docs/spec.md §2): evaluated at ts, so no refill: still -5.
 	expect("backwards", one(md, base+3000*s, tb, 1, false, true), false, false, base+3636*s, -5)
-	// Credit after the reservation (SPEC §6): -5 + 20 is capped at 10.
+	// Credit after the reservation (docs/spec.md §6): -5 + 20 is capped at 10.
 	if c := md.credit(base+3600*s, tb, 20); c.Credited != 15 || c.Value != 10 {
 		t.Errorf("credit: got %+v, want credited 15 value 10", c)
 	}
 
-	// SPEC §4: fixed window 5 per 10s, cap 5, grid at base: 5 taken, the 6th waits for the next
+	// docs/spec.md §4: fixed window 5 per 10s, cap 5, grid at base: 5 taken, the 6th waits for the next
 	// window; three windows later the value is min(0 + 3·5, 5) = 5.
 	fw := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: time.UnixMicro(base)}, "k")
 	md = newModel()
@@ -636,7 +636,7 @@ func TestModelSpecNumbers(t *testing.T) {
 	expect("fw reserve 8", one(md, base+1*s, fwr, 8, true, false), true, true, base+10*s, -3)
 	expect("fw deny reserve 1", one(md, base+2*s, fwr, 1, true, false), false, false, base+10*s, -3)
 
-	// SPEC §8: 2 shards of 10/s cap 10 are 5/s cap 5 each. Shard 0 at 4, shard 1 at 1; a call for
+	// docs/spec.md §8: 2 shards of 10/s cap 10 are 5/s cap 5 each. Shard 0 at 4, shard 1 at 1; a call for
 	// 5: neither alone, difference 3 <= 5, so both end at (4+1-5)/2 = 0.
 	sh := lim(ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2}, "s")
 	md = newModel()
@@ -650,7 +650,7 @@ func TestModelSpecNumbers(t *testing.T) {
 		t.Errorf("sharded value: got %+v, want 0.5+0.5", st)
 	}
 
-	// Multi-limit denial (SPEC §6): nothing written, the denial named, the latest RetryAt.
+	// Multi-limit denial (docs/spec.md §6): nothing written, the denial named, the latest RetryAt.
 	md = newModel()
 	m1 := lim(ratelimit.Config{Rate: 1, Period: time.Second}, "a")
 	m2 := lim(ratelimit.Config{Rate: 2, Period: time.Second}, "b")

@@ -10,7 +10,7 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// SPEC §10: pruning deletes only rows provably equivalent to a missing row, so every future
+// docs/spec.md §10: pruning deletes only rows provably equivalent to a missing row, so every future
 // decision is the same with or without it.
 func TestPruneNeverChangesAFutureDecision(t *testing.T) {
 	t.Parallel()

@@ -21,7 +21,7 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// Sharding tests (SPEC §8, package doc "Shards"). The exact tests give every shard the same
+// Sharding tests (docs/spec.md §8, package doc "Shards"). The exact tests give every shard the same
 // numbers whatever the shard count N: Rate 10N/s, Capacity 2N and MaxReserved N, so each shard
 // refills 10 tokens/s (1 per tick of 100 ms), holds at most 2 and may owe at most 1. Times are
 // symbolic, x/time/rate style: t<k> is shardT0 + k ticks. The candidate shards of each call are
@@ -598,7 +598,7 @@ func (l *shardLoad) max(c, r float64) float64 {
 // endAtStoredTS moves the end of the grants' span to the latest ts stored for name and key when
 // that is later. Result.Time is the clock reading a decision was made with; a call that waited
 // for a shard's lock while a call with a later reading committed is evaluated at that shard's ts
-// (SPEC §2). Only grants write a ts and none moves back, so the latest one stored is the instant
+// (docs/spec.md §2). Only grants write a ts and none moves back, so the latest one stored is the instant
 // the last grant was evaluated at.
 func (l *shardLoad) endAtStoredTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) {
 	t.Helper()
@@ -624,7 +624,7 @@ func runShardLoad(g int, d time.Duration, loads []*shardLoad, fns []func(ctx con
 	wg.Wait()
 }
 
-// TestShardOverGrant is seed 003's correctness test on a limit split over 16 shards: burst 10,
+// TestShardOverGrant is the over-grant test (docs/spec.md §7) on a limit split over 16 shards: burst 10,
 // rate 10/s, so each shard holds at most 0.625 and a single token always needs two shards
 // combined. 64 goroutines on one key for 3 s may be granted at most 10 + 10·span (40 for 3 s),
 // span running from the first to the last grant. The same holds for the limit scaled to burst

@@ -28,13 +28,13 @@ type State struct {
 	Time time.Time
 }
 
-// KeyOpts are the options of Value and Reset. A nil *KeyOpts is the zero value.
+// KeyOpts are the options of State and Credit. A nil *KeyOpts is the zero value.
 type KeyOpts struct {
 	// Config, when set, is used instead of the limit registered under the name. Defaults to nil.
 	Config *Config
 }
 
-// Value returns the current state of (name, key) without locking or writing. Rows of shards beyond
+// State returns the current state of (name, key) without locking or writing. Rows of shards beyond
 // Config.Shards (left by an earlier, larger shard count) are ignored, as decisions ignore them.
 func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts *KeyOpts) (State, error) {
 	const op = "State"
@@ -70,7 +70,7 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 }
 
 // Reset removes every shard row of (name, key), so the limit is full again. Resetting a limit that
-// has no rows is not an error. opts may be nil; a name needs no config to be reset.
+// has no rows is not an error; a name needs no config to be reset.
 func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) error {
 	const op = "Reset"
 	if err := checkExecutor(op, db); err != nil {

@@ -7,10 +7,11 @@ import (
 )
 
 // JitterFor returns a delay in [0, max) that depends only on identity: a 64-bit FNV-1a hash of
-// identity, mixed with MurmurHash3's finaliser so that short identities spread too, scaled to max and truncated to the microsecond (Postgres's precision). The same identity always
-// gets the same delay and different identities spread evenly over [0, max), so clients that were
-// limited together do not all come back together, yet each one's schedule is reproducible (as in
-// seed 001's deterministic per-identity Retry-After jitter). max <= 0 returns 0.
+// identity, mixed with MurmurHash3's finaliser so that short identities spread too, scaled to max
+// and truncated to the microsecond (Postgres's precision). The same identity always gets the same
+// delay and different identities spread evenly over [0, max), so clients that were limited
+// together do not all come back together, yet each one's schedule is reproducible (the same idea
+// as the deterministic per-identity Retry-After jitter of docs/spec.md §11). max <= 0 returns 0.
 func JitterFor(identity string, max time.Duration) time.Duration {
 	if max <= 0 {
 		return 0

@@ -69,8 +69,8 @@ func (badArgs) Kind() string { return "txlimit_bad_job" }
 
 // badSnapshot is everything a call could have written: the state rows and River's jobs.
 type badSnapshot struct {
-	stateRows int64  // rows of txlimit_state, not counting the planner ballast
-	stateSum  string // md5 of every row of txlimit_state, ballast included
+	stateRows int64  // rows of txlimit_state
+	stateSum  string // md5 of every row of txlimit_state
 	jobs      int64
 	jobsSum   string // md5 of every river_job row
 }
@@ -265,7 +265,7 @@ func badCases() []badCase {
 				_, err := b.lim.Prune(ctx, b.pool, "\xfe\xff", &ratelimit.PruneOpts{Config: cfg(ratelimit.PerSecond(1))})
 				return err
 			}},
-		{name: "empty name through Prune (the reserved ballast name)", want: badArgument, contains: []string{"name must not be empty"},
+		{name: "empty name through Prune", want: badArgument, contains: []string{"name must not be empty"},
 			call: func(ctx context.Context, b *badBundle) error {
 				_, err := b.lim.Prune(ctx, b.pool, "", &ratelimit.PruneOpts{Config: cfg(ratelimit.PerSecond(1))})
 				return err
@@ -334,7 +334,7 @@ func badCases() []badCase {
 				_, err := b.lim.Credit(ctx, nil, "ok", "seed", 1, nil)
 				return err
 			}},
-		{name: "nil executor: Value", want: badArgument, contains: []string{"Value", "db is nil"},
+		{name: "nil executor: State", want: badArgument, contains: []string{"State", "db is nil"},
 			call: func(ctx context.Context, b *badBundle) error {
 				_, err := b.lim.State(ctx, nil, "ok", "seed", nil)
 				return err
@@ -579,7 +579,7 @@ func TestBadInput(t *testing.T) {
 		t.Fatal(err)
 	}
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"ok":      {Rate: 10, Period: time.Second},
+		"ok":      {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded},
 		"bounded": {Rate: 10, Period: time.Second, MaxReserved: 5},
 		"sharded": {Rate: 8, Period: time.Second, Shards: 4},
 	}})
@@ -607,7 +607,7 @@ func TestBadInput(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := sched.ReserveTx(ctx, tx, "ok", "job", 2, badArgs{F: 2}, nil)
+		_, err := sched.ReserveTx(ctx, tx, "bounded", "job", 2, badArgs{F: 2}, nil)
 		return err
 	}); err != nil {
 		t.Fatal(err)

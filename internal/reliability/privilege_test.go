@@ -272,7 +272,7 @@ func TestLeastPrivilege(t *testing.T) {
 
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		"api":     {Rate: 10, Period: time.Hour, MaxReserved: 10}, // no refill to speak of: Credit's exact figure holds however slow the steps
-		"sharded": {Rate: 40, Period: time.Second, Shards: 4},
+		"sharded": {Rate: 40, Period: time.Second, MaxReserved: 100, Shards: 4},
 		"brief":   {Rate: 1000, Period: time.Second},                             // full again a millisecond after a call
 		"llm":     {Rate: 10, Period: time.Second, Capacity: 1, MaxReserved: 10}, // a reservation waits 100 ms a token
 		"gated":   {Rate: 1, Period: 2 * time.Second, Capacity: 1},               // the 2nd and 3rd gated jobs snooze however fast River works them
@@ -316,7 +316,7 @@ func TestLeastPrivilege(t *testing.T) {
 		r, err := limiter.Credit(ctx, pool, "api", "user-1", 2, nil)
 		return errors.Join(err, want(r.Credited == 2, "credited %v", r.Credited))
 	})
-	op("Value", func() error {
+	op("State", func() error {
 		st, err := limiter.State(ctx, pool, "sharded", "hot", nil)
 		return errors.Join(err, want(len(st.Shards) == 4, "shards %v", st.Shards))
 	})

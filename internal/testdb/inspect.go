@@ -32,12 +32,11 @@ func RowVersion(tb testing.TB, db Querier, name, key string, shard int) (xmin ui
 	return xmin, true
 }
 
-// CountRows returns the number of limit rows in txlimit_state (the planner ballast of migration
-// 00002, under the reserved name ”, is not counted).
+// CountRows returns the number of rows in txlimit_state.
 func CountRows(tb testing.TB, db Querier) int {
 	tb.Helper()
 	var n int
-	if err := db.QueryRow(context.Background(), "SELECT count(*) FROM txlimit_state WHERE name <> ''").Scan(&n); err != nil {
+	if err := db.QueryRow(context.Background(), "SELECT count(*) FROM txlimit_state").Scan(&n); err != nil {
 		tb.Fatalf("testdb: count rows: %v", err)
 	}
 	return n
