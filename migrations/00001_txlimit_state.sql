@@ -280,7 +280,7 @@ DECLARE
     o_sa integer[] := array_fill(-1, ARRAY[n]); o_sb integer[] := array_fill(-1, ARRAY[n]);
     o_ch integer[] := array_fill(0, ARRAY[n]); o_retry bigint[] := array_fill(0::bigint, ARRAY[n]);
     g_ok boolean; g_end integer; g integer; pass integer;
-    i integer; j integer; r integer; a integer; b integer; off integer; cnt integer; k bigint;
+    i integer; j integer; r integer; e integer; a integer; b integer; off integer; cnt integer; k bigint;
     kind smallint; fixed integer; ch integer; two boolean; dry boolean;
     va double precision; ta bigint; vb double precision; tb bigint; mts bigint;
     lv_a double precision; lv_b double precision; end_a double precision; end_b double precision;
@@ -533,35 +533,64 @@ BEGIN
                 END IF;
             END IF;
         END IF;
-        FOR r IN 1 .. m LOOP
-            CONTINUE WHEN NOT want[r];
-            tries := 0;
-            LOOP
-                IF r_ex[r] OR tries > 0 THEN
-                    SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
-                    FROM txlimit_state s
-                    WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
-                    FOR UPDATE;
-                    IF FOUND THEN
-                        l_got[r] := true; l_val[r] := va; l_ts[r] := ta;
+        -- Rows believed to exist are locked a run at a time (one statement, in row order, up to the
+        -- next row to create); a row to create is inserted, and so locked, in its turn. A row of a
+        -- run that was deleted since it was read is created right after its run.
+        r := 1;
+        WHILE r <= m LOOP
+            IF want[r] AND r_ex[r] AND NOT l_got[r] THEN
+                e := r;
+                WHILE e < m AND (NOT want[e + 1] OR r_ex[e + 1]) LOOP
+                    e := e + 1;
+                END LOOP;
+                FOR rec IN
+                    SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
+                    FROM unnest(p_row_name[r:e], p_row_key[r:e], p_row_shard[r:e], want[r:e], l_got[r:e])
+                         WITH ORDINALITY AS u(nm, ky, sh, w, got, i)
+                    JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+                    WHERE u.w AND NOT u.got
+                    ORDER BY u.i
+                    FOR UPDATE OF s
+                LOOP
+                    j := r + rec.i - 1;
+                    l_got[j] := true; l_val[j] := rec.v; l_ts[j] := rec.t;
+                END LOOP;
+                FOR j IN r .. e LOOP
+                    IF want[j] AND NOT l_got[j] THEN
+                        r_ex[j] := false;
+                    END IF;
+                END LOOP;
+            END IF;
+            IF want[r] AND NOT l_got[r] THEN
+                tries := 0;
+                LOOP
+                    IF r_ex[r] OR tries > 0 THEN
+                        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                        FROM txlimit_state s
+                        WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
+                        FOR UPDATE;
+                        IF FOUND THEN
+                            l_got[r] := true; l_val[r] := va; l_ts[r] := ta;
+                            EXIT;
+                        END IF;
+                    END IF;
+                    INSERT INTO txlimit_state (name, key, shard, value, ts)
+                    VALUES (p_row_name[r], p_row_key[r], p_row_shard[r], ph_val[r],
+                            'epoch'::timestamptz + ph_ts[r] * interval '1 microsecond')
+                    ON CONFLICT DO NOTHING;
+                    GET DIAGNOSTICS k = ROW_COUNT;
+                    IF k = 1 THEN
+                        l_got[r] := true; l_val[r] := ph_val[r]; l_ts[r] := ph_ts[r];
                         EXIT;
                     END IF;
-                END IF;
-                INSERT INTO txlimit_state (name, key, shard, value, ts)
-                VALUES (p_row_name[r], p_row_key[r], p_row_shard[r], ph_val[r],
-                        'epoch'::timestamptz + ph_ts[r] * interval '1 microsecond')
-                ON CONFLICT DO NOTHING;
-                GET DIAGNOSTICS k = ROW_COUNT;
-                IF k = 1 THEN
-                    l_got[r] := true; l_val[r] := ph_val[r]; l_ts[r] := ph_ts[r];
-                    EXIT;
-                END IF;
-                tries := tries + 1;
-                IF tries > 100 THEN
-                    RAISE EXCEPTION 'txlimit: row (%, %, %) keeps appearing and vanishing', p_row_name[r], p_row_key[r], p_row_shard[r]
-                        USING ERRCODE = '40001';
-                END IF;
-            END LOOP;
+                    tries := tries + 1;
+                    IF tries > 100 THEN
+                        RAISE EXCEPTION 'txlimit: row (%, %, %) keeps appearing and vanishing', p_row_name[r], p_row_key[r], p_row_shard[r]
+                            USING ERRCODE = '40001';
+                    END IF;
+                END LOOP;
+            END IF;
+            r := r + 1;
         END LOOP;
     END LOOP;
 
