@@ -320,6 +320,16 @@ func parseKind(s string) (ratelimit.Kind, error) {
 	return 0, fmt.Errorf("unknown kind %q: token-bucket or fixed-window", s)
 }
 
+// unknownHint adds to an unknown limit's error where the command finds configs.
+func unknownHint(err error) error {
+	var unknown *ratelimit.UnknownLimitError
+	if errors.As(err, &unknown) {
+		return fmt.Errorf("%w (the command knows the limits of --config FILE and of the application embedding it; "+
+			"or give an ad-hoc config with --rate and --period)", err)
+	}
+	return err
+}
+
 // connConfig parses the DSN and applies --schema.
 func (c *command) connConfig() (*pgx.ConnConfig, error) {
 	dsn := c.dsn
@@ -494,7 +504,7 @@ func (c *command) inspect(ctx context.Context, name, key string) error {
 	}
 	cfg, err := lim.Lookup(name, key, adhoc)
 	if err != nil {
-		return err
+		return unknownHint(err)
 	}
 	pool, err := c.pool(ctx)
 	if err != nil {
@@ -582,7 +592,7 @@ func (c *command) prune(ctx context.Context, names []string) error {
 	switch {
 	case len(names) == 1:
 		if _, err := lim.Lookup(names[0], "", adhoc); err != nil {
-			return err
+			return unknownHint(err)
 		}
 	case adhoc != nil:
 		return usagef("an ad-hoc config needs the limit's NAME: prune NAME --rate ... --period ...")
