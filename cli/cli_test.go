@@ -227,7 +227,7 @@ func TestLoadLimits(t *testing.T) {
 
 	for _, bad := range []string{
 		`{"a": {"rate": 1, "period": "1s", "burst": 3}}`, // unknown field
-		`{"a": {"rate": 1}}`,                              // no period
+		`{"a": {"rate": 1}}`,                             // no period
 		`{"a": {"rate": 1, "period": "soon"}}`,
 		`{"a": {"rate": 1, "period": "1s", "kind": "leaky"}}`,
 		`[1, 2]`,

@@ -311,7 +311,7 @@ func (r *sqlRows) Scan(dest ...any) error {
 }
 
 func (r *sqlRows) Values() ([]any, error) {
-	cols, err := r.rows.Columns()
+	cols, err := r.rows.ColumnTypes()
 	if err != nil {
 		return nil, sqlError(err)
 	}
@@ -324,7 +324,7 @@ func (r *sqlRows) Values() ([]any, error) {
 		return nil, sqlError(err)
 	}
 	for i, v := range vals {
-		if b, ok := v.([]byte); ok {
+		if b, ok := v.([]byte); ok && cols[i].DatabaseTypeName() != "BYTEA" {
 			vals[i] = string(b) // lib/pq returns text as bytes; pgx would decode it
 		}
 	}

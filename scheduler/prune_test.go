@@ -34,8 +34,12 @@ type syncBuffer struct {
 	b  bytes.Buffer
 }
 
-func (s *syncBuffer) Write(p []byte) (int, error) { s.mu.Lock(); defer s.mu.Unlock(); return s.b.Write(p) }
-func (s *syncBuffer) String() string              { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
 
 // mutableClock is a limiter clock the test moves.
 type mutableClock struct {
@@ -43,7 +47,7 @@ type mutableClock struct {
 	t  time.Time
 }
 
-func (c *mutableClock) Now() time.Time   { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *mutableClock) Now() time.Time  { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
 func (c *mutableClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
 
 // workPrune runs one prune job with rivertest's worker and returns its recorded output.

@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib" // registers database/sql driver "pgx"
-	_ "github.com/lib/pq"           // registers database/sql driver "postgres"
+	_ "github.com/lib/pq"            // registers database/sql driver "postgres"
 
 	"github.com/txlimit/txlimit/migrations"
 )
