@@ -26,7 +26,7 @@
 //	--schema NAME      the schema txlimit's table is in (sets search_path); defaults to the DSN's
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
-//	--timeout D        bound on the whole command; defaults to 30s
+//	--timeout D        bound on the whole command; defaults to 5m
 //	--rate R --period D [--capacity C] [--kind token-bucket|fixed-window] [--shards N]
 //	[--max-reserved M] [--start RFC3339]
 //	                   an ad-hoc config for NAME, used instead of a registered one
@@ -172,7 +172,7 @@ func (c *command) flags() *flag.FlagSet {
 	fs.StringVar(&c.dsn, "dsn", "", "database URL (default $DATABASE_URL)")
 	fs.StringVar(&c.schema, "schema", "", "schema of txlimit's table: sets search_path (default: the DSN's)")
 	fs.StringVar(&c.configFile, "config", "", "JSON file of named limits")
-	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "bound on the whole command")
+	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "bound on the whole command")
 	fs.Float64Var(&c.rate, "rate", 0, "ad-hoc config: tokens per period")
 	fs.DurationVar(&c.period, "period", 0, "ad-hoc config: the period, e.g. 1m")
 	fs.Float64Var(&c.capacity, "capacity", 0, "ad-hoc config: capacity (default: rate)")

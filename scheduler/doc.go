@@ -32,7 +32,8 @@
 //
 // # Housekeeping
 //
-// PrunePeriodicJob and PruneWorker run Limiter.PruneAll as a River periodic job (hourly by default).
+// PrunePeriodicJob and PruneWorker run Limiter.PruneAll as a River periodic job, every DefaultPruneInterval
+// unless PruneConfig.Interval says otherwise.
 //
 // # Setup
 //
