@@ -218,6 +218,42 @@ func TestSQLAdapterErrors(t *testing.T) {
 	}
 }
 
+// TestSQLAdapterSerializationFailure: a serialization failure through database/sql is retryable
+// with either driver, so InSerializableTx-style retry loops work on *sql.Tx too.
+func TestSQLAdapterSerializationFailure(t *testing.T) {
+	t.Parallel()
+	for _, driver := range testdb.SQLDrivers {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			db, _ := testdb.SQLDB(t, driver, true)
+			lim := newSQLLimiter(t)
+			_, err := lim.Limit(ctx, ratelimit.SQL(db), "msg", "u", nil) // the row exists
+			require.NoError(t, err)
+
+			late, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelSerializable})
+			require.NoError(t, err)
+			defer late.Rollback()
+			_, err = lim.Check(ctx, ratelimit.SQL(late), "msg", "u", nil) // takes late's snapshot
+			require.NoError(t, err)
+
+			early, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelSerializable})
+			require.NoError(t, err)
+			r, err := lim.Limit(ctx, ratelimit.SQL(early), "msg", "u", nil)
+			require.NoError(t, err)
+			require.True(t, r.OK)
+			require.NoError(t, early.Commit())
+
+			// late's snapshot predates early's write: locking the row cannot succeed.
+			_, err = lim.Limit(ctx, ratelimit.SQL(late), "msg", "u", nil)
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, "40001", pgErr.Code)
+			require.True(t, ratelimit.IsRetryable(err))
+		})
+	}
+}
+
 // TestSQLAdapterRoundTrip sends the argument types the engine uses through each driver and back,
 // and compares with what pgx itself returns.
 func TestSQLAdapterRoundTrip(t *testing.T) {
