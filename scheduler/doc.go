@@ -30,6 +30,11 @@
 // not consume one of its attempts; when the limit is past MaxReserved it is snoozed until RetryAt
 // and tries again. Jobs so run at the limit's rate, in order, without failing or spinning.
 //
+// # Housekeeping
+//
+// PrunePeriodicJob and PruneWorker run Limiter.PruneAll as a River periodic job, every DefaultPruneInterval
+// unless PruneConfig.Interval says otherwise.
+//
 // # Setup
 //
 // Migrate applies River's own migrations (rivermigrate) next to txlimit's (migrations.Up). The

@@ -1,0 +1,75 @@
+package cli
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// LimitJSON is one limit in a file read by LoadLimits: the fields of ratelimit.Config, with
+// durations as Go duration strings ("1m", "24h") and times in RFC 3339.
+type LimitJSON struct {
+	// Kind is "token-bucket" or "fixed-window". Defaults to "token-bucket".
+	Kind string `json:"kind,omitempty"`
+	// Rate is Config.Rate. Required.
+	Rate float64 `json:"rate"`
+	// Period is Config.Period, e.g. "1m". Required.
+	Period string `json:"period"`
+	// Capacity is Config.Capacity. Defaults to 0: Rate.
+	Capacity float64 `json:"capacity,omitempty"`
+	// MaxReserved is Config.MaxReserved. Defaults to 0 (see Config.MaxReserved).
+	MaxReserved float64 `json:"max_reserved,omitempty"`
+	// Shards is Config.Shards. Defaults to 0: one shard.
+	Shards int `json:"shards,omitempty"`
+	// Start is Config.Start, RFC 3339. Defaults to "": the zero time.
+	Start string `json:"start,omitempty"`
+}
+
+// LoadLimits reads a JSON object of named limits, the format of --config, so that an application
+// and the command read the same definitions:
+//
+//	{
+//	  "sendMessage": {"rate": 10, "period": "1m", "capacity": 3},
+//	  "llm-tokens":  {"rate": 100000, "period": "1h", "max_reserved": 50000, "shards": 4},
+//	  "daily":       {"kind": "fixed-window", "rate": 1000, "period": "24h", "start": "2026-01-01T00:00:00Z"}
+//	}
+//
+// Unknown fields are an error. Each config is validated as ratelimit.New validates it: an invalid
+// one is a *ratelimit.ConfigError (errors.Is(err, ratelimit.ErrInvalid)); malformed JSON or a
+// malformed duration or time is a plain error.
+func LoadLimits(r io.Reader) (map[string]ratelimit.Config, error) {
+	dec := json.NewDecoder(r)
+	dec.DisallowUnknownFields()
+	var raw map[string]LimitJSON
+	if err := dec.Decode(&raw); err != nil {
+		return nil, fmt.Errorf("limits: %w", err)
+	}
+	out := make(map[string]ratelimit.Config, len(raw))
+	for name, l := range raw {
+		cfg := ratelimit.Config{Rate: l.Rate, Capacity: l.Capacity, MaxReserved: l.MaxReserved, Shards: l.Shards}
+		k, err := parseKind(l.Kind)
+		if err != nil {
+			return nil, fmt.Errorf("limits: %q: %w", name, err)
+		}
+		cfg.Kind = k
+		if l.Period == "" {
+			return nil, fmt.Errorf("limits: %q: period is required, e.g. \"1m\"", name)
+		}
+		if cfg.Period, err = time.ParseDuration(l.Period); err != nil {
+			return nil, fmt.Errorf("limits: %q: period: %w", name, err)
+		}
+		if l.Start != "" {
+			if cfg.Start, err = time.Parse(time.RFC3339Nano, l.Start); err != nil {
+				return nil, fmt.Errorf("limits: %q: start: %w", name, err)
+			}
+		}
+		out[name] = cfg
+	}
+	if _, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: out}); err != nil {
+		return nil, err
+	}
+	return out, nil
+}

@@ -1,0 +1,63 @@
+package ratelimit_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// An application on database/sql (sqlx, GORM, ent, bun...) passes its *sql.Tx through SQL: the
+// invitation and the token it costs commit together, or neither does.
+func ExampleSQL() {
+	ctx := context.Background()
+	pool, done := testdb.ForExample()
+	defer done()
+	// In an application: db, err := sql.Open("pgx", dsn) with the pgx stdlib driver, or
+	// sql.Open("postgres", dsn) with lib/pq. Here, a *sql.DB over the example's pool.
+	var db *sql.DB = stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"invite": {Rate: 2, Period: 24 * time.Hour},
+	}})
+	if err != nil {
+		panic(err)
+	}
+
+	errLater := errors.New("the invitation failed; rolled back")
+	invite := func(userID string, fail bool) error {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback() // a no-op after Commit
+		res, err := limiter.Limit(ctx, ratelimit.SQL(tx), "invite", userID, nil)
+		if err != nil {
+			return err
+		}
+		if !res.OK {
+			return fmt.Errorf("limited: retry in %s", res.RetryAfter().Round(time.Hour))
+		}
+		// ... the application's own writes through tx ...
+		if fail {
+			return errLater
+		}
+		return tx.Commit()
+	}
+	fmt.Println(invite("user-7", false))
+	fmt.Println(invite("user-7", true)) // rolled back: its token was not spent
+	fmt.Println(invite("user-7", false))
+	fmt.Println(invite("user-7", false))
+	// Output:
+	// <nil>
+	// the invitation failed; rolled back
+	// <nil>
+	// limited: retry in 12h0m0s
+}
