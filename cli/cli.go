@@ -511,7 +511,7 @@ func (c *command) inspect(ctx context.Context, name, key string) error {
 		return err
 	}
 	defer pool.Close()
-	st, err := lim.Value(ctx, pool, name, key, &ratelimit.ValueOpts{Config: adhoc})
+	st, err := lim.State(ctx, pool, name, key, &ratelimit.KeyOpts{Config: adhoc})
 	if err != nil {
 		return &dbError{err: err}
 	}

@@ -148,7 +148,7 @@ func TestCommand(t *testing.T) {
 	// reset, then the key is full again.
 	r = run(t, dsn, nil, append([]string{"reset", "century", "user-42"}, s...)...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	st2, err := lim.Value(ctx, pool, "century", "user-42", nil)
+	st2, err := lim.State(ctx, pool, "century", "user-42", nil)
 	require.NoError(t, err)
 	require.Equal(t, 5.0, st2.Value)
 

@@ -42,7 +42,7 @@ func newSQLLimiter(t *testing.T) *ratelimit.Limiter {
 // state returns Limiter's view of (name, key) (Value today, State after the engine rewrite).
 func state(t *testing.T, lim *ratelimit.Limiter, db ratelimit.Executor, name, key string) ratelimit.State {
 	t.Helper()
-	st, err := lim.Value(context.Background(), db, name, key, nil)
+	st, err := lim.State(context.Background(), db, name, key, nil)
 	require.NoError(t, err)
 	return st
 }
@@ -202,7 +202,7 @@ func TestSQLAdapterErrors(t *testing.T) {
 			_, err := lim.Limit(ctx, ratelimit.SQL(db), "msg", "u1", nil)
 			var pgErr *pgconn.PgError
 			require.ErrorAs(t, err, &pgErr)
-			require.Equal(t, "42P01", pgErr.Code) // undefined_table
+			require.Equal(t, "42883", pgErr.Code) // undefined_function: txlimit_decide
 			require.Contains(t, err.Error(), "txlimit_state")
 			require.False(t, ratelimit.IsRetryable(err))
 
