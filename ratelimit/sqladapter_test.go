@@ -203,7 +203,7 @@ func TestSQLAdapterErrors(t *testing.T) {
 			var pgErr *pgconn.PgError
 			require.ErrorAs(t, err, &pgErr)
 			require.Equal(t, "42883", pgErr.Code) // undefined_function: txlimit_decide
-			require.Contains(t, err.Error(), "txlimit_state")
+			require.Contains(t, err.Error(), "txlimit_decide")
 			require.False(t, ratelimit.IsRetryable(err))
 
 			var n int
