@@ -91,7 +91,7 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 				}
 				return nil, err
 			}
-			out[i].res = ManyResult{OK: r.OK, RetryAt: r.RetryAt, Results: []Result{r}}
+			out[i].res = ManyResult{OK: r.OK, RetryAt: r.RetryAt, Results: []Result{r}, Time: r.Time}
 			continue
 		}
 		r, err := l.many(ctx, db, c.op, c.reqs, c.dry)

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math"
 	"reflect"
 	"sort"
@@ -11,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
@@ -29,6 +31,17 @@ type LimiterConfig struct {
 	// takes precedence over a registered one. Defaults to none.
 	Limits map[string]Config
 
+	// Logger receives the Limiter's logs: a database error of a decision (warn), a serializable
+	// transaction retried (debug) or given up (warn) when InSerializableTx is given this Limiter
+	// in TxOpts.Limiter. Defaults to nil: silent.
+	Logger *slog.Logger
+
+	// MeterProvider provides the meter (MeterName) of the Limiter's metrics: decisions by limit
+	// and outcome, their duration, serialization retries, busy shards and batch sizes (the
+	// Metric* constants). Attributes never include a key. Defaults to nil: no metrics (a no-op
+	// provider, not the global one).
+	MeterProvider metric.MeterProvider
+
 	// Now, when set, supplies the time every decision is evaluated at instead of the database's
 	// clock (clock_timestamp()). It exists for tests; production should leave it nil so that app
 	// servers with skewed clocks agree. Defaults to nil: the database's clock.
@@ -46,6 +59,7 @@ type Limiter struct {
 	now    func() time.Time
 	// pick chooses two distinct shards of n (n >= 2). Tests replace it.
 	pick func(n int) (int, int)
+	obs  *observer // metrics and logs (metrics.go)
 }
 
 // New returns a Limiter for the named limits. It returns a *ConfigError naming the first invalid
@@ -54,7 +68,8 @@ func New(config *LimiterConfig) (*Limiter, error) {
 	if config == nil {
 		config = &LimiterConfig{}
 	}
-	l := &Limiter{limits: make(map[string]Config, len(config.Limits)), now: config.Now, pick: pickTwo}
+	l := &Limiter{limits: make(map[string]Config, len(config.Limits)), now: config.Now, pick: pickTwo,
+		obs: newObserver(config.MeterProvider, config.Logger)}
 	names := make([]string, 0, len(config.Limits))
 	for name := range config.Limits {
 		names = append(names, name)
@@ -136,7 +151,7 @@ func (r Result) Err() error {
 	if r.OK {
 		return nil
 	}
-	return &LimitedError{Name: r.Name, Key: r.Key, RetryAt: r.RetryAt, Denied: []Result{r}}
+	return &LimitedError{Name: r.Name, Key: r.Key, RetryAt: r.RetryAt, Time: r.Time, Denied: []Result{r}}
 }
 
 // Limit consumes one token of the limit name for key. It is shorthand for
@@ -171,7 +186,9 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	if err := checkCount(op, count); err != nil {
 		return Result{}, err
 	}
+	start := time.Now()
 	r, err := l.one(ctx, db, op, name, key, count, opts, dry)
+	l.obs.decided(ctx, op, start, []Request{{Name: name}}, ManyResult{OK: r.OK, Results: []Result{r}}, err)
 	if err != nil {
 		return Result{}, err
 	}
@@ -230,6 +247,7 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 			return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
 		}
 		if row.Status == statusBusy {
+			l.obs.busy(ctx, name)
 			return Result{}, &BusyError{Name: name, Key: key, Candidates: len(cands)}
 		}
 		if row.Status == statusRerun {
@@ -277,6 +295,18 @@ type ManyResult struct {
 	// Results has one element per request, in order. When OK is false, each says whether that
 	// limit alone would have been granted; none was consumed.
 	Results []Result
+	// Time is the clock reading the call was decided with, as Result.Time: the database's clock
+	// unless LimiterConfig.Now is set. Zero when Results is empty.
+	Time time.Time
+}
+
+// RetryAfter returns RetryAt - Time, the wait before acting or retrying, on the clock the call was
+// decided with (0 when there is none).
+func (m ManyResult) RetryAfter() time.Duration {
+	if m.RetryAt.IsZero() || !m.RetryAt.After(m.Time) {
+		return 0
+	}
+	return m.RetryAt.Sub(m.Time)
 }
 
 // Denied returns the results that were not granted.
@@ -296,7 +326,7 @@ func (m ManyResult) Err() error {
 		return nil
 	}
 	d := m.Denied()
-	e := &LimitedError{RetryAt: m.RetryAt, Denied: d}
+	e := &LimitedError{RetryAt: m.RetryAt, Time: m.Time, Denied: d}
 	if len(d) > 0 {
 		e.Name, e.Key = d[0].Name, d[0].Key
 	}
@@ -316,7 +346,9 @@ func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, op
 }
 
 func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []Request, opts *ManyOpts, dry bool) (ManyResult, error) {
+	start := time.Now()
 	res, err := l.many(ctx, db, op, reqs, dry)
+	l.obs.decided(ctx, op, start, reqs, res, err)
 	if err != nil {
 		return ManyResult{}, err
 	}
@@ -403,7 +435,7 @@ func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Reque
 	if !dry && rows[0].Status != statusWritten && allGranted(rows) {
 		return ManyResult{}, fmt.Errorf("ratelimit: %s: internal error: granted but not written (status %d)", op, rows[0].Status)
 	}
-	out := ManyResult{OK: rows[0].Status == statusWritten || (dry && allGranted(rows)), Results: make([]Result, len(rows))}
+	out := ManyResult{OK: rows[0].Status == statusWritten || (dry && allGranted(rows)), Results: make([]Result, len(rows)), Time: usTime(rows[0].NowUs)}
 	for i, row := range rows {
 		r := toResult(specs[i], row, int(p.ShardsA[i]), int(p.ShardsB[i]))
 		if !out.OK && !dry {
