@@ -426,7 +426,7 @@ func TestInvalidInput(t *testing.T) {
 	res = get(t, url+"?cost=3", "X-API-Key", "k")
 	require.Equal(t, 200, res.status)
 	require.Equal(t, `"perKey";r=0;t=6;pk=:`+b64(pk("perKey", "k"))+`:`, res.header.Get("RateLimit"))
-	require.Equal(t, int64(3), requests(t, b, "perUser", "skipped")) // the requests that got to the keys
+	require.Equal(t, int64(3), requests(t, b, "perUser", "skipped"))      // the requests that got to the keys
 	require.Equal(t, 200, get(t, url+"?cost=0", "X-API-Key", "k").status) // not limited
 }
 
