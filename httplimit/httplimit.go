@@ -22,7 +22,8 @@ type Decider interface {
 	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error)
 }
 
-// OnPool returns a Decider that decides with limiter on pool, one statement per request.
+// OnPool returns a Decider that decides with limiter on pool, one statement per request: LimitN
+// for a single policy (the leaner statement), LimitMany for several.
 func OnPool(limiter *ratelimit.Limiter, pool *pgxpool.Pool) Decider {
 	return poolDecider{limiter: limiter, pool: pool}
 }
@@ -33,7 +34,19 @@ type poolDecider struct {
 }
 
 func (d poolDecider) LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
-	return d.limiter.LimitMany(ctx, d.pool, reqs, opts)
+	if len(reqs) != 1 || opts != nil {
+		return d.limiter.LimitMany(ctx, d.pool, reqs, opts)
+	}
+	r := reqs[0]
+	count := r.Count
+	if count == 0 {
+		count = 1 // Request's default
+	}
+	res, err := d.limiter.LimitN(ctx, d.pool, r.Name, r.Key, count, &ratelimit.LimitOpts{Config: r.Config, Reserve: r.Reserve})
+	if err != nil {
+		return ratelimit.ManyResult{}, err
+	}
+	return ratelimit.ManyResult{OK: res.OK, RetryAt: res.RetryAt, Results: []ratelimit.Result{res}, Time: res.Time}, nil
 }
 
 // MissingKey is what a policy does with a request for which its KeyFunc finds no key.

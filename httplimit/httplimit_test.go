@@ -187,7 +187,7 @@ func TestHeadersAndDenial(t *testing.T) {
 	require.Equal(t, int64(3), requests(t, b, "perIP", "granted"))
 	require.Equal(t, int64(2), requests(t, b, "perIP", "denied"))
 	lim := func(outcome string) int64 {
-		return counter(t, b.lreader, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitMany"),
+		return counter(t, b.lreader, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"), // one policy: OnPool uses LimitN
 			attribute.String("txlimit.limit", "perIP"), attribute.String("txlimit.outcome", outcome))
 	}
 	require.Equal(t, int64(3), lim("granted"))
