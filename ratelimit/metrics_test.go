@@ -2,9 +2,13 @@ package ratelimit_test
 
 import (
 	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -123,4 +127,37 @@ func TestManyResultTimeAndRetryAfter(t *testing.T) {
 	require.ErrorAs(t, r.Err(), &le)
 	require.Equal(t, t0, le.Time)
 	require.Equal(t, 6*time.Second, le.RetryAfter())
+}
+
+func TestMetricsTxRetries(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, nil)
+	reader := sdkmetric.NewManualReader()
+	var logs strings.Builder
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	conflict := &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
+	runs := 0
+	err = ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter, MinBackoff: time.Microsecond},
+		func(ctx context.Context, tx pgx.Tx) error {
+			if runs++; runs <= 2 {
+				return conflict
+			}
+			return nil
+		})
+	require.NoError(t, err)
+	// Then one that never succeeds: 3 attempts, 2 retries, a warning.
+	err = ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter, MaxAttempts: 3, MinBackoff: time.Microsecond},
+		func(ctx context.Context, tx pgx.Tx) error { return conflict })
+	var exhausted *ratelimit.RetriesExhaustedError
+	require.ErrorAs(t, err, &exhausted)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	require.Equal(t, int64(4), sumOf(t, rm, ratelimit.MetricTxRetries))
+	require.Equal(t, 1, strings.Count(logs.String(), "retries exhausted"), logs.String())
 }
