@@ -50,7 +50,8 @@
 // longer than ratelimit.MaxKeyLen taken from a header or a negative cost, is 400 Bad Request
 // (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets the policy's
 // MissingKey outcome: 400 by default, or the policy is skipped, or shared by every keyless request.
-// Config.Shadow decides and counts but never denies, to watch a new limit before enforcing it.
+// Config.Shadow decides and counts but never refuses a request (not even on a database error), to
+// watch a new limit before enforcing it.
 //
 // # Deciding in the handler
 //

@@ -119,8 +119,10 @@ type Config struct {
 	// Middleware.
 	Secret []byte
 
-	// Shadow decides and counts every request (outcome "shadow_denied" for a denial) but never
-	// denies, and sends no RateLimit fields. Defaults to false.
+	// Shadow decides and counts every request but never refuses one: every request goes on to
+	// the next handler, without RateLimit fields. A denial is counted as "shadow_denied"; a
+	// database error as "fail_open", as with FailOpen; a missing key or invalid input under its
+	// usual outcome. Defaults to false.
 	Shadow bool
 }
 
@@ -189,12 +191,20 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	ctx := r.Context()
+	// refuse answers status for the limiter, or under Shadow lets the request go on.
+	refuse := func(status int, detail string) {
+		if m.cfg.Shadow {
+			next.ServeHTTP(w, r)
+			return
+		}
+		writeProblem(w, status, detail)
+	}
 	cost := 1.0
 	if m.cfg.Cost != nil {
 		c, err := m.cfg.Cost(r)
 		if err != nil || math.IsNaN(c) || c < 0 {
 			m.obs.count(ctx, m.decided, outcomeInvalid)
-			writeProblem(w, http.StatusBadRequest, "the request's cost is invalid")
+			refuse(http.StatusBadRequest, "the request's cost is invalid")
 			return
 		}
 		if c == 0 {
@@ -213,7 +223,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if err != nil {
 			if !errors.Is(err, ErrNoKey) {
 				m.obs.count(ctx, []*Policy{p}, outcomeInvalid)
-				writeProblem(w, http.StatusBadRequest, fmt.Sprintf("policy %q: no key can be derived from the request", p.Name))
+				refuse(http.StatusBadRequest, fmt.Sprintf("policy %q: no key can be derived from the request", p.Name))
 				return
 			}
 			switch p.MissingKey {
@@ -224,7 +234,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				key = ""
 			default:
 				m.obs.count(ctx, []*Policy{p}, outcomeNoKey)
-				writeProblem(w, http.StatusBadRequest, fmt.Sprintf("policy %q: the request has no key", p.Name))
+				refuse(http.StatusBadRequest, fmt.Sprintf("policy %q: the request has no key", p.Name))
 				return
 			}
 		}
@@ -239,9 +249,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	switch {
 	case err != nil && errors.Is(err, ratelimit.ErrInvalid):
 		m.obs.count(ctx, used, outcomeInvalid)
-		writeProblem(w, http.StatusBadRequest, "the request's rate limit input is invalid")
+		refuse(http.StatusBadRequest, "the request's rate limit input is invalid")
 		return
-	case err != nil && m.cfg.FailOpen:
+	case err != nil && (m.cfg.FailOpen || m.cfg.Shadow):
 		m.obs.count(ctx, used, outcomeFailOpen)
 		m.obs.log.WarnContext(ctx, "httplimit: rate limit decision failed; request let through (FailOpen)", "method", r.Method, "path", r.URL.Path, "error", err)
 		next.ServeHTTP(w, r)

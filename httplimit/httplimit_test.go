@@ -338,9 +338,8 @@ func TestIPv6Grouping(t *testing.T) {
 	require.Equal(t, "2001:db8:1::/48", k)
 }
 
-// A database that does not answer: 503 by default, let through and counted with FailOpen.
-func TestDatabaseDown(t *testing.T) {
-	t.Parallel()
+// deadPool is a pool on a port where nothing listens.
+func deadPool(t *testing.T) *pgxpool.Pool {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	addr := ln.Addr().String()
@@ -348,6 +347,13 @@ func TestDatabaseDown(t *testing.T) {
 	pool, err := pgxpool.New(context.Background(), "postgres://postgres@"+addr+"/test?sslmode=disable&connect_timeout=5")
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
+	return pool
+}
+
+// A database that does not answer: 503 by default, let through and counted with FailOpen.
+func TestDatabaseDown(t *testing.T) {
+	t.Parallel()
+	pool := deadPool(t)
 	b := setup(t, fixed)
 	policies := []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}
 
@@ -398,6 +404,23 @@ func TestShadow(t *testing.T) {
 	}
 	require.Equal(t, int64(1), requests(t, b, "perIP", "granted"))
 	require.Equal(t, int64(4), requests(t, b, "perIP", "shadow_denied"))
+
+	// Nor on a missing key or a database that does not answer.
+	b2 := setup(t, fixed) // a reader of its own
+	url = b2.serve(t, httplimit.Config{Shadow: true, Decider: httplimit.OnPool(b2.limiter, deadPool(t)),
+		Policies: []httplimit.Policy{{Name: "perUser", Config: perIP, Key: httplimit.Header("X-User")}}})
+	require.Equal(t, 200, get(t, url).status)
+	require.Equal(t, 200, get(t, url, "X-User", "u").status)
+	require.Equal(t, int64(1), requests(t, b2, "perUser", "no_key"))
+	require.Equal(t, int64(1), requests(t, b2, "perUser", "fail_open"))
+}
+
+func TestClientIPWithoutAnIP(t *testing.T) {
+	t.Parallel()
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "@"
+	_, err := httplimit.ClientIP(nil)(r)
+	require.ErrorIs(t, err, httplimit.ErrNoKey)
 }
 
 func TestInvalidInput(t *testing.T) {

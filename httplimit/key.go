@@ -80,7 +80,8 @@ func ClientIP(opts *IPOpts) KeyFunc {
 	return func(r *http.Request) (string, error) {
 		peer, ok := parseAddr(r.RemoteAddr)
 		if !ok {
-			return "", fmt.Errorf("httplimit: ClientIP: RemoteAddr %q is not an IP address", r.RemoteAddr)
+			// A Unix socket, say: no IP to key on; the policy's MissingKey decides.
+			return "", fmt.Errorf("%w: ClientIP: RemoteAddr %q is not an IP address", ErrNoKey, r.RemoteAddr)
 		}
 		client := peer
 		if trusted(peer) {
