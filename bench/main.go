@@ -192,7 +192,7 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 	}
 
 	if wanted == nil || slices.Contains(wanted, "http") {
-		if rep.HTTP, err = RunHTTP(ctx, env, 2*mode.Cell); err != nil {
+		if rep.HTTP, err = RunHTTP(ctx, env, max(mode.Cell, time.Second)); err != nil {
 			return fmt.Errorf("http cell: %w", err)
 		}
 	}
