@@ -161,3 +161,40 @@ func TestMetricsTxRetries(t *testing.T) {
 	require.Equal(t, int64(4), sumOf(t, rm, ratelimit.MetricTxRetries))
 	require.Equal(t, 1, strings.Count(logs.String(), "retries exhausted"), logs.String())
 }
+
+// Both shards held by open transactions: a SERIALIZABLE call fails with a *BusyError, counted as
+// busy and as an error of type "busy".
+func TestMetricsBusy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	reader := sdkmetric.NewManualReader()
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	})
+	require.NoError(t, err)
+	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
+	for range 2 { // each holds one shard (the second is steered to the free one)
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		r, err := limiter.Limit(ctx, tx, "s", "k", nil)
+		require.NoError(t, err)
+		require.True(t, r.OK)
+	}
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = limiter.Limit(ctx, tx, "s", "k", nil)
+	var busy *ratelimit.BusyError
+	require.ErrorAs(t, err, &busy)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	require.Equal(t, int64(1), sumOf(t, rm, ratelimit.MetricBusy, attribute.String("txlimit.limit", "s")))
+	require.Equal(t, int64(1), sumOf(t, rm, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"),
+		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "error"), attribute.String("error.type", "busy")))
+	require.Equal(t, int64(2), sumOf(t, rm, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"),
+		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "granted")))
+}
