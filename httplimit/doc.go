@@ -1,6 +1,8 @@
 // Package httplimit is net/http middleware that rate-limits requests with txlimit and tells
 // clients about it with the RateLimit-Policy and RateLimit fields of the IETF draft
-// draft-ietf-httpapi-ratelimit-headers (https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/).
+// draft-ietf-httpapi-ratelimit-headers (https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/),
+// as its revision -10 defines them (parameters q, w and pk of a policy; r, t and pk of a service
+// limit; the quota-exceeded problem type).
 //
 // A Middleware has one or more policies, each a named limit (a ratelimit.Config) and a KeyFunc
 // that names the client: its IP address (ClientIP), a header (Header), or anything a
