@@ -43,10 +43,12 @@ type Problem struct {
 	ViolatedPolicies []string `json:"violated-policies,omitempty"`
 }
 
-// WriteHeaders sets the RateLimit-Policy and RateLimit fields for results, and Retry-After when
-// any of them was denied, on w's header (call it before WriteHeader). Results of limits that are
-// not among the middleware's Policies are left out. Handlers that decide inside their own
-// transaction call it with their results.
+// WriteHeaders adds the RateLimit-Policy and RateLimit fields for results, and sets Retry-After
+// when any of them was denied, on w's header (call it before WriteHeader). Results of limits that
+// are not among the middleware's Policies are left out. Handlers that decide inside their own
+// transaction call it with their results; behind the middleware their items follow the
+// middleware's, as further lines of the same fields (a Structured Field List may be split over
+// several lines of one field).
 func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Result) {
 	var pol, lim httpsfv.List
 	for _, r := range results {
@@ -76,10 +78,10 @@ func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Re
 	h := w.Header()
 	if len(pol) > 0 {
 		if s, err := httpsfv.Marshal(pol); err == nil {
-			h.Set(HeaderPolicy, s)
+			h.Add(HeaderPolicy, s)
 		}
 		if s, err := httpsfv.Marshal(lim); err == nil {
-			h.Set(HeaderRateLimit, s)
+			h.Add(HeaderRateLimit, s)
 		}
 	}
 	if v := violated(results); len(v) > 0 {

@@ -530,6 +530,37 @@ func TestWriteHeadersFromHandler(t *testing.T) {
 	}
 }
 
+// Behind the middleware, a handler's own items follow the middleware's in the same fields.
+func TestWriteHeadersBehindMiddleware(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	send := ratelimit.Config{Rate: 2, Period: time.Minute}
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Decider: httplimit.OnPool(b.limiter, b.pool), Policies: []httplimit.Policy{
+		{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)},
+		{Name: "sendMessage", Config: send},
+	}})
+	require.NoError(t, err)
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		res, err := b.limiter.Limit(r.Context(), b.pool, "sendMessage", "u1", &ratelimit.LimitOpts{Config: &send})
+		if err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		m.WriteHeaders(w, res)
+	})))
+	t.Cleanup(srv.Close)
+	res := get(t, srv.URL)
+	require.Equal(t, 200, res.status)
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	require.Len(t, lim, 2)
+	item(t, 0, lim[0], "perIP", "r", int64(2), "t", int64(6), "pk", pk("perIP", "127.0.0.1"))
+	item(t, 1, lim[1], "sendMessage", "r", int64(1), "t", int64(30), "pk", pk("sendMessage", "u1"))
+	pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+	require.NoError(t, err)
+	require.Len(t, pol, 2)
+}
+
 func TestNewValidates(t *testing.T) {
 	t.Parallel()
 	for i, cfg := range []*httplimit.Config{
