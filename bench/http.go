@@ -72,7 +72,7 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 	}
 	out := []*HTTPResult{
 		runHTTPServer(ctx, "no limiter", "the handler alone", ok, d),
-		runHTTPServer(ctx, "httplimit (pool)", "httplimit.Middleware, one LimitMany per request on the pool (RateLimit fields on every response)", mw.Handler(ok), d),
+		runHTTPServer(ctx, "httplimit (pool)", "httplimit.Middleware with httplimit.OnPool: one statement per request (LimitN, one policy), RateLimit fields on every response", mw.Handler(ok), d),
 	}
 	redisRes := &HTTPResult{Name: "redis_rate", What: "go-redis/redis_rate v10 (GCRA in a Lua script), RateLimit-style headers on every response"}
 	if env.Redis == nil {
