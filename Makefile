@@ -25,6 +25,7 @@ help: ## Show the targets and what they do.
 demo: ## Run the runnable examples (migrates; needs Postgres, see README).
 	$(GO) run ./examples/demo
 	$(GO) run ./examples/llmbudget
+	$(GO) run ./examples/httpserver -demo
 
 .PHONY: test
 test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).

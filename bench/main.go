@@ -86,7 +86,8 @@ type Report struct {
 	Results   []*Result
 	Shards    []*Result // the shard comparison under SERIALIZABLE: 1, 4, 16 and 64 shards
 	OverGrant []*OverGrant
-	PredLocks string // what predicateLocks found
+	PredLocks string        // what predicateLocks found
+	HTTP      []*HTTPResult // the HTTP cell (http.go)
 }
 
 func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
@@ -190,13 +191,19 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 			def.Name, o.Decisions, o.Allowed, o.Max, o.Span.Round(time.Millisecond), o.Errors)
 	}
 
+	if wanted == nil || slices.Contains(wanted, "http") {
+		if rep.HTTP, err = RunHTTP(ctx, env, max(mode.Cell, time.Second)); err != nil {
+			return fmt.Errorf("http cell: %w", err)
+		}
+	}
+
 	rep.WallTime = time.Since(rep.Started)
 	for _, p := range []string{mdPath, svgPath} {
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 			return err
 		}
 	}
-	if err := os.WriteFile(mdPath, []byte(rep.Markdown()), 0o644); err != nil {
+	if err := os.WriteFile(mdPath, []byte(rep.Markdown()+httpMarkdown(rep.HTTP)), 0o644); err != nil {
 		return err
 	}
 	if err := os.WriteFile(svgPath, []byte(rep.SVG()), 0o644); err != nil {

@@ -121,6 +121,7 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 			d := got[k]
 			k++
 			if d.Busy {
+				l.obs.busy(ctx, s.name)
 				busy = &BusyError{Name: s.name, Key: s.key, Candidates: min(s.shards, maxCandidates)}
 			}
 			r := Result{

@@ -81,6 +81,9 @@ type LimitedError struct {
 	Name, Key string
 	// RetryAt is when the call could succeed: the latest RetryAt of all denied limits.
 	RetryAt time.Time
+	// Time is the clock reading the denial was decided with (Result.Time): the database's clock
+	// unless LimiterConfig.Now is set. RetryAt - Time is the wait; see RetryAfter.
+	Time time.Time
 	// Denied lists every denied limit (one element for a single-limit call).
 	Denied []Result
 }
@@ -97,6 +100,15 @@ func (e *LimitedError) Error() string {
 	}
 	fmt.Fprintf(&b, "; retry at %s", e.RetryAt.UTC().Format(time.RFC3339Nano))
 	return b.String()
+}
+
+// RetryAfter returns RetryAt - Time, the wait before retrying on the clock the denial was decided
+// with (0 when there is none).
+func (e *LimitedError) RetryAfter() time.Duration {
+	if e.RetryAt.IsZero() || !e.RetryAt.After(e.Time) {
+		return 0
+	}
+	return e.RetryAt.Sub(e.Time)
 }
 
 // IsLimited reports whether err is, or wraps, a *LimitedError.

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"reflect"
 	"sort"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Executor runs SQL: a pgx.Tx, *pgxpool.Pool or *pgx.Conn. Inside a transaction a limit's writes
@@ -25,6 +27,17 @@ type LimiterConfig struct {
 	// Limits are the named limits, validated by New. Calls may also pass a Config inline, which
 	// takes precedence over a registered one. Defaults to none.
 	Limits map[string]Config
+
+	// Logger receives the Limiter's logs: a database error of a decision (warn), a serializable
+	// transaction retried (debug) or given up (warn) when InSerializableTx is given this Limiter
+	// in TxOpts.Limiter. Defaults to nil: silent.
+	Logger *slog.Logger
+
+	// MeterProvider provides the meter (MeterName) of the Limiter's metrics: decisions by limit
+	// and outcome, their duration, serialization retries, busy shards and batch sizes (the
+	// Metric* constants). Attributes never include a key. Defaults to nil: no metrics (a no-op
+	// provider, not the global one).
+	MeterProvider metric.MeterProvider
 
 	// Now, when set, supplies the time every decision is evaluated at instead of the database's
 	// clock (clock_timestamp()). It exists for tests; production should leave it nil so that app
@@ -43,6 +56,7 @@ type Limiter struct {
 	now    func() time.Time
 	// pick chooses two distinct shards of n (n >= 2). Tests replace it.
 	pick func(n int) (int, int)
+	obs  *observer // metrics and logs (metrics.go)
 }
 
 // New returns a Limiter for the named limits. It returns a *ConfigError naming the first invalid
@@ -51,7 +65,8 @@ func New(config *LimiterConfig) (*Limiter, error) {
 	if config == nil {
 		config = &LimiterConfig{}
 	}
-	l := &Limiter{limits: make(map[string]Config, len(config.Limits)), now: config.Now, pick: pickTwo}
+	l := &Limiter{limits: make(map[string]Config, len(config.Limits)), now: config.Now, pick: pickTwo,
+		obs: newObserver(config.MeterProvider, config.Logger)}
 	names := make([]string, 0, len(config.Limits))
 	for name := range config.Limits {
 		names = append(names, name)
@@ -138,7 +153,7 @@ func (r Result) Err() error {
 	if r.OK {
 		return nil
 	}
-	return &LimitedError{Name: r.Name, Key: r.Key, RetryAt: r.RetryAt, Denied: []Result{r}}
+	return &LimitedError{Name: r.Name, Key: r.Key, RetryAt: r.RetryAt, Time: r.Time, Denied: []Result{r}}
 }
 
 // Limit consumes one token of the limit name for key. It is shorthand for
@@ -170,18 +185,26 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	if err := checkExecutor(op, db); err != nil {
 		return Result{}, err
 	}
+	start := time.Now()
 	c, err := l.prepareSingle(op, name, key, count, opts, dry)
 	if err != nil {
+		l.obs.decided(ctx, op, start, []Request{{Name: name}}, ManyResult{}, err)
 		return Result{}, err
 	}
 	out, err := l.decideCalls(ctx, db, []*call{c})
 	if err != nil {
-		return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+		err = fmt.Errorf("ratelimit: %s: %w", op, err)
+	} else {
+		err = out[0].err
 	}
-	if out[0].err != nil {
-		return Result{}, out[0].err
+	var r Result
+	if err == nil {
+		r = out[0].res.Results[0]
 	}
-	r := out[0].res.Results[0]
+	l.obs.decided(ctx, op, start, c.reqs, ManyResult{OK: r.OK, Results: []Result{r}}, err)
+	if err != nil {
+		return Result{}, err
+	}
 	if opts != nil && opts.AsError && !r.OK {
 		return r, r.Err()
 	}
@@ -248,7 +271,7 @@ func (m ManyResult) Err() error {
 		return nil
 	}
 	d := m.Denied()
-	e := &LimitedError{RetryAt: m.RetryAt, Denied: d}
+	e := &LimitedError{RetryAt: m.RetryAt, Time: m.Time, Denied: d}
 	if len(d) > 0 {
 		e.Name, e.Key = d[0].Name, d[0].Key
 	}
@@ -271,18 +294,26 @@ func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []R
 	if err := checkExecutor(op, db); err != nil {
 		return ManyResult{}, err
 	}
+	start := time.Now()
 	c, err := l.prepareMany(op, reqs, dry)
 	if err != nil {
+		l.obs.decided(ctx, op, start, reqs, ManyResult{}, err)
 		return ManyResult{}, err
 	}
 	out, err := l.decideCalls(ctx, db, []*call{c})
 	if err != nil {
-		return ManyResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+		err = fmt.Errorf("ratelimit: %s: %w", op, err)
+	} else {
+		err = out[0].err
 	}
-	if out[0].err != nil {
-		return ManyResult{}, out[0].err
+	var res ManyResult
+	if err == nil {
+		res = out[0].res
 	}
-	res := out[0].res
+	l.obs.decided(ctx, op, start, reqs, res, err)
+	if err != nil {
+		return ManyResult{}, err
+	}
 	if opts != nil && opts.AsError && !res.OK {
 		return res, res.Err()
 	}

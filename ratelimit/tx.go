@@ -18,6 +18,9 @@ type TxBeginner interface {
 
 // TxOpts are the options of InSerializableTx. A nil *TxOpts is the zero value.
 type TxOpts struct {
+	// Limiter, when set, counts the retries in its metrics (MetricTxRetries) and logs them and a
+	// give-up through its Logger. Defaults to nil: not counted, not logged.
+	Limiter *Limiter
 	// MaxAttempts is how many times fn may run. Defaults to 10.
 	MaxAttempts int
 	// MinBackoff is the backoff ceiling after the first failure; it doubles after each further
@@ -46,6 +49,10 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 		return &ArgumentError{Op: op, Arg: "fn", Reason: "is nil: pass the function to run in the transaction"}
 	}
 	o := TxOpts{MaxAttempts: 10, MinBackoff: 2 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
+	var obs *observer
+	if opts != nil && opts.Limiter != nil {
+		obs = opts.Limiter.obs
+	}
 	if opts != nil {
 		if opts.MaxAttempts > 0 {
 			o.MaxAttempts = opts.MaxAttempts
@@ -67,6 +74,7 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 		if attempt == o.MaxAttempts {
 			break
 		}
+		obs.retry(ctx, attempt, last)
 		t := time.NewTimer(rand.N(ceiling + 1))
 		select {
 		case <-ctx.Done():
@@ -76,6 +84,7 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 		}
 		ceiling = min(2*ceiling, o.MaxBackoff)
 	}
+	obs.exhausted(ctx, o.MaxAttempts, last)
 	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last}
 }
 

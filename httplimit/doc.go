@@ -1,0 +1,69 @@
+// Package httplimit is net/http middleware that rate-limits requests with txlimit and tells
+// clients about it with the RateLimit-Policy and RateLimit fields of the IETF draft
+// draft-ietf-httpapi-ratelimit-headers (https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/),
+// as its revision -10 defines them (parameters q, w and pk of a policy; r, t and pk of a service
+// limit; the quota-exceeded problem type).
+//
+// A Middleware has one or more policies, each a named limit (a ratelimit.Config) and a KeyFunc
+// that names the client: its IP address (ClientIP), a header (Header), or anything a
+// func(*http.Request) (string, error) can find, such as the authenticated user. Every request
+// takes Cost tokens (default 1) of every policy at once, all or nothing, in one round trip
+// (ratelimit.Limiter.LimitMany): per IP AND per user, and a request denied by one consumes
+// nothing of the other.
+//
+// # Responses
+//
+// A granted request goes on to the next handler with the RateLimit-Policy and RateLimit fields
+// set (unless Config.OmitSuccessHeaders). A denied one gets 429 Too Many Requests with those
+// fields, Retry-After and an application/problem+json body (RFC 9457) of the draft's
+// quota-exceeded problem type, listing the violated policies in "violated-policies".
+//
+// Both fields are Structured Field Lists (RFC 9651), one Item per policy, named by the policy:
+//
+//	RateLimit-Policy: "perIP";q=10;w=60;pk=:...:, "perUser";q=100;w=3600;pk=:...:
+//	RateLimit: "perIP";r=2;t=6;pk=:...:, "perUser";r=97;t=36;pk=:...:
+//
+// The parameters:
+//   - q, the quota: Rate rounded down, and w, the window: Period in seconds rounded up. A Rate
+//     below 1 is given as q=1 over w = Period/Rate seconds, rounded up. When Capacity (the burst)
+//     differs from Rate it is given as txlimit-burst, rounded down.
+//   - r, the remaining quota units: the tokens left after the request (ratelimit.Result.Value),
+//     rounded down, and 0 when negative (reservations). In a denied request, a policy that alone
+//     would have been granted shows what it would have left: nothing was consumed, so the true
+//     figure is higher by the cost, and r errs on the safe side.
+//   - t, the seconds until more quota is available, rounded up: for a denied policy, until the
+//     request would be granted (ratelimit.Result.RetryAfter); for a granted token bucket, until
+//     r grows by one; left out when the limit is full and, for a granted fixed window, always.
+//   - pk, the partition key: the first 12 bytes of HMAC-SHA256(Secret, name + 0x00 + key), so
+//     clients can tell partitions apart but never learn the key (an IP address or user id), and
+//     keys cannot be guessed from it without Config.Secret.
+//
+// Retry-After is the longest wait of the denied policies in whole seconds, rounded up, plus a
+// jitter of 0 to Config.RetryJitter whole seconds. The jitter is deterministic per identity: the
+// first 8 bytes of HMAC-SHA256(Secret, "retry-after" + for each policy 0x00 + key), as a big-endian
+// unsigned integer, modulo (RetryJitter in whole seconds + 1). A client gets the same jitter each
+// time, and clients limited together spread out instead of coming back together. Retry-After is
+// never earlier than the t of a denied policy, as the draft asks.
+//
+// # Errors
+//
+// A database error fails closed: 503 Service Unavailable, unless Config.FailOpen, which lets the
+// request through, counts it (outcome "fail_open") and logs it. Invalid input, such as a key
+// longer than ratelimit.MaxKeyLen taken from a header or a negative cost, is 400 Bad Request
+// (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets the policy's
+// MissingKey outcome: 400 by default, or the policy is skipped, or shared by every keyless request.
+// Config.Shadow decides and counts but never refuses a request (not even on a database error), to
+// watch a new limit before enforcing it.
+//
+// # Deciding in the handler
+//
+// A middleware decides before the handler runs, so it cannot decide inside the handler's
+// transaction. A handler that limits and writes in its own transaction calls
+// Middleware.WriteHeaders (or WriteDenied) with its results to send the same fields; describe its
+// limit with a Policy whose Key is nil, which the middleware itself does not decide.
+//
+// # Metrics
+//
+// Config.MeterProvider counts requests by policy and outcome (MetricRequests); the Limiter's own
+// metrics (ratelimit.LimiterConfig.MeterProvider) count the decisions.
+package httplimit

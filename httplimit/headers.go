@@ -1,0 +1,197 @@
+package httplimit
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+	"math"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/dunglas/httpsfv"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// Field names and the problem type of draft-ietf-httpapi-ratelimit-headers.
+const (
+	// HeaderPolicy is the RateLimit-Policy field: the quota policies that applied.
+	HeaderPolicy = "RateLimit-Policy"
+	// HeaderRateLimit is the RateLimit field: what is left of each policy.
+	HeaderRateLimit = "RateLimit"
+	// ProblemQuotaExceeded is the problem type of a 429 from the middleware.
+	ProblemQuotaExceeded = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+)
+
+// pkLen is how many bytes of the HMAC a partition key keeps.
+const pkLen = 12
+
+// Problem is the application/problem+json body (RFC 9457) of a response the middleware writes
+// itself: a 429 of the quota-exceeded type, or a 400 or 503 of type "about:blank".
+type Problem struct {
+	// Type is ProblemQuotaExceeded for a 429, "about:blank" otherwise.
+	Type string `json:"type"`
+	// Title is the type's summary.
+	Title string `json:"title"`
+	// Status is the response's status code.
+	Status int `json:"status"`
+	// Detail says what happened for this request; empty for a 429.
+	Detail string `json:"detail,omitempty"`
+	// ViolatedPolicies names the policies whose quota was exceeded (429 only).
+	ViolatedPolicies []string `json:"violated-policies,omitempty"`
+}
+
+// WriteHeaders adds the RateLimit-Policy and RateLimit fields for results, and sets Retry-After
+// when any of them was denied, on w's header (call it before WriteHeader). Results of limits that
+// are not among the middleware's Policies are left out. Handlers that decide inside their own
+// transaction call it with their results; behind the middleware their items follow the
+// middleware's, as further lines of the same fields (a Structured Field List may be split over
+// several lines of one field).
+func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Result) {
+	var pol, lim httpsfv.List
+	for _, r := range results {
+		p, ok := m.byName[r.Name]
+		if !ok {
+			continue
+		}
+		pk := m.partitionKey(r.Name, r.Key)
+		q, win := quota(p.Config)
+		pi := httpsfv.NewItem(r.Name)
+		pi.Params.Add("q", q)
+		pi.Params.Add("w", win)
+		if c := capacity(p.Config); c != p.Config.Rate {
+			pi.Params.Add("txlimit-burst", sfInt(math.Floor(c)))
+		}
+		pi.Params.Add("pk", pk)
+		pol = append(pol, pi)
+
+		li := httpsfv.NewItem(r.Name)
+		li.Params.Add("r", sfInt(math.Floor(math.Max(r.Value, 0))))
+		if t, ok := reset(p.Config, r); ok {
+			li.Params.Add("t", t)
+		}
+		li.Params.Add("pk", pk)
+		lim = append(lim, li)
+	}
+	h := w.Header()
+	if len(pol) > 0 {
+		if s, err := httpsfv.Marshal(pol); err == nil {
+			h.Add(HeaderPolicy, s)
+		}
+		if s, err := httpsfv.Marshal(lim); err == nil {
+			h.Add(HeaderRateLimit, s)
+		}
+	}
+	if v := violated(results); len(v) > 0 {
+		h.Set("Retry-After", strconv.FormatInt(m.retryAfter(results), 10))
+	}
+}
+
+// WriteDenied answers 429 Too Many Requests for results, some of which were denied: the fields of
+// WriteHeaders and a problem body of type ProblemQuotaExceeded listing the denied policies.
+func (m *Middleware) WriteDenied(w http.ResponseWriter, results ...ratelimit.Result) {
+	m.WriteHeaders(w, results...)
+	writeJSONProblem(w, Problem{
+		Type:             ProblemQuotaExceeded,
+		Title:            "Request cannot be satisfied as assigned quota has been exceeded",
+		Status:           http.StatusTooManyRequests,
+		ViolatedPolicies: violated(results),
+	})
+}
+
+// retryAfter is the longest wait of the denied results in whole seconds, rounded up, plus the
+// identity's jitter.
+func (m *Middleware) retryAfter(results []ratelimit.Result) int64 {
+	var secs int64
+	for _, r := range results {
+		if !r.OK {
+			secs = max(secs, ceilSeconds(r.RetryAfter()))
+		}
+	}
+	return secs + m.jitter(results)
+}
+
+// jitter is 0..jitterS whole seconds, the same for the same keys (see the package doc).
+func (m *Middleware) jitter(results []ratelimit.Result) int64 {
+	if m.jitterS <= 0 {
+		return 0
+	}
+	mac := hmac.New(sha256.New, m.secret)
+	mac.Write([]byte("retry-after"))
+	for _, r := range results {
+		mac.Write([]byte{0})
+		mac.Write([]byte(r.Key))
+	}
+	return int64(binary.BigEndian.Uint64(mac.Sum(nil)[:8]) % uint64(m.jitterS+1))
+}
+
+// partitionKey is the first pkLen bytes of HMAC-SHA256(secret, name 0x00 key).
+func (m *Middleware) partitionKey(name, key string) []byte {
+	mac := hmac.New(sha256.New, m.secret)
+	mac.Write([]byte(name))
+	mac.Write([]byte{0})
+	mac.Write([]byte(key))
+	return mac.Sum(nil)[:pkLen]
+}
+
+// quota returns the advertised q and w of cfg (see the package doc): never more quota, never a
+// shorter window, than the limit grants.
+func quota(cfg ratelimit.Config) (q, w int64) {
+	if cfg.Rate < 1 {
+		return 1, max(1, sfInt(math.Ceil(cfg.Period.Seconds()/cfg.Rate)))
+	}
+	return sfInt(math.Floor(cfg.Rate)), max(1, ceilSeconds(cfg.Period))
+}
+
+// maxSFInt is the largest Integer of RFC 9651 (15 digits).
+const maxSFInt = 999_999_999_999_999
+
+// sfInt converts a whole, non-negative float to an Integer, capped at maxSFInt.
+func sfInt(f float64) int64 {
+	if f >= maxSFInt {
+		return maxSFInt
+	}
+	return int64(max(f, 0))
+}
+
+// reset returns the t parameter of r, and false when there is none to give.
+func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
+	if !r.OK {
+		return ceilSeconds(r.RetryAfter()), true
+	}
+	if cfg.Kind != ratelimit.TokenBucket || r.Value >= capacity(cfg) {
+		return 0, false
+	}
+	next := math.Max(math.Floor(r.Value)+1, 1) // when r, the remaining whole units, grows by one
+	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / cfg.Rate)
+	return sfInt(math.Ceil(us / 1e6)), true
+}
+
+func capacity(cfg ratelimit.Config) float64 {
+	if cfg.Capacity == 0 {
+		return cfg.Rate
+	}
+	return cfg.Capacity
+}
+
+// ceilSeconds rounds d up to whole seconds (0 for d <= 0).
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64(d/time.Second) + min(1, int64(d%time.Second))
+}
+
+func writeProblem(w http.ResponseWriter, status int, detail string) {
+	writeJSONProblem(w, Problem{Type: "about:blank", Title: http.StatusText(status), Status: status, Detail: detail})
+}
+
+func writeJSONProblem(w http.ResponseWriter, p Problem) {
+	body, _ := json.Marshal(p) // a struct of strings and ints always marshals
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)+1))
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(append(body, '\n'))
+}

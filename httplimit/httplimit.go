@@ -1,0 +1,290 @@
+package httplimit
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// Decider decides a request's limits together, all or nothing, on a connection of its own: a
+// *ratelimit.Limiter on a pool (see OnPool) or a batching front end with the same method.
+type Decider interface {
+	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error)
+}
+
+// OnPool returns a Decider that decides with limiter on pool, one statement per request: LimitN
+// for a single policy (the leaner statement), LimitMany for several.
+func OnPool(limiter *ratelimit.Limiter, pool *pgxpool.Pool) Decider {
+	return poolDecider{limiter: limiter, pool: pool}
+}
+
+type poolDecider struct {
+	limiter *ratelimit.Limiter
+	pool    *pgxpool.Pool
+}
+
+func (d poolDecider) LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+	if len(reqs) != 1 || opts != nil {
+		return d.limiter.LimitMany(ctx, d.pool, reqs, opts)
+	}
+	r := reqs[0]
+	count := r.Count
+	if count == 0 {
+		count = 1 // Request's default
+	}
+	res, err := d.limiter.LimitN(ctx, d.pool, r.Name, r.Key, count, &ratelimit.LimitOpts{Config: r.Config, Reserve: r.Reserve})
+	if err != nil {
+		return ratelimit.ManyResult{}, err
+	}
+	return ratelimit.ManyResult{OK: res.OK, RetryAt: res.RetryAt, Results: []ratelimit.Result{res}, Time: res.Time}, nil
+}
+
+// MissingKey is what a policy does with a request for which its KeyFunc finds no key.
+type MissingKey int
+
+const (
+	// MissingKeyReject answers 400 Bad Request. It is the zero MissingKey, so the default.
+	MissingKeyReject MissingKey = iota
+	// MissingKeySkip leaves the policy out for that request: it is neither charged nor reported.
+	MissingKeySkip
+	// MissingKeyShared charges the policy's key "" (one bucket shared by every keyless request).
+	MissingKeyShared
+)
+
+// Policy is one limit the middleware applies to every request.
+type Policy struct {
+	// Config is the limit, passed with every request (ratelimit.Request.Config), so it need not be
+	// registered on the Limiter. It also gives the advertised quota (q, w). Required.
+	Config ratelimit.Config
+
+	// Key names the client, e.g. ClientIP(nil) or Header("X-API-Key"). Nil declares a limit that
+	// the middleware does not decide, only describes, for handlers that decide it themselves and
+	// call WriteHeaders. Defaults to nil.
+	Key KeyFunc
+
+	// MissingKey is the outcome for a request without a key (Key returns "" or ErrNoKey).
+	// Defaults to MissingKeyReject.
+	MissingKey MissingKey
+
+	// Name is the limit's name in the database and the policy's name in the header fields and the
+	// problem body. Unique within a Middleware. Required.
+	Name string
+}
+
+// Config configures a Middleware. Fields are alphabetical.
+type Config struct {
+	// Cost returns the tokens a request takes of every policy, e.g. from its size. 0 lets the
+	// request through without a decision; an error or an invalid cost (negative, NaN) is a 400.
+	// Defaults to nil: 1 per request.
+	Cost func(r *http.Request) (float64, error)
+
+	// Decider decides the policies. Required when a Policy has a Key. Defaults to nil.
+	Decider Decider
+
+	// FailOpen lets a request through when the Decider fails (database down, timeout), counting
+	// it (outcome "fail_open") and logging it at warn level. Defaults to false: 503.
+	FailOpen bool
+
+	// Logger receives fail-open and fail-closed errors (warn and error) and shadow denials
+	// (info). Defaults to nil: silent.
+	Logger *slog.Logger
+
+	// MeterProvider provides the meter (MeterName) counting requests by policy and outcome
+	// (MetricRequests). Defaults to nil: no metrics (a no-op provider, not the global one).
+	MeterProvider metric.MeterProvider
+
+	// OmitSuccessHeaders leaves the RateLimit-Policy and RateLimit fields off granted requests;
+	// denials always carry them. Defaults to false: sent on every decided request.
+	OmitSuccessHeaders bool
+
+	// Policies are the limits, decided together for every request. At least one. Required.
+	Policies []Policy
+
+	// RetryJitter adds, to Retry-After, 0 to RetryJitter (in whole seconds) of deterministic
+	// per-identity jitter (see the package doc). Defaults to 0: none.
+	RetryJitter time.Duration
+
+	// Secret keys the HMAC of the partition keys (pk) and of the jitter. Set the same secret on
+	// every replica so that a client sees one pk. Defaults to nil: 32 random bytes per
+	// Middleware.
+	Secret []byte
+
+	// Shadow decides and counts every request but never refuses one: every request goes on to
+	// the next handler, without RateLimit fields. A denial is counted as "shadow_denied"; a
+	// database error as "fail_open", as with FailOpen; a missing key or invalid input under its
+	// usual outcome. Defaults to false.
+	Shadow bool
+}
+
+// Middleware rate-limits requests. It is safe for concurrent use.
+type Middleware struct {
+	cfg      Config
+	byName   map[string]*Policy
+	decided  []*Policy
+	secret   []byte
+	jitterS  int64
+	obs      *observer
+	policies []Policy
+}
+
+// New validates cfg and returns a Middleware. It returns an error naming the first invalid field;
+// an invalid Policy.Config is a *ratelimit.ConfigError.
+func New(cfg *Config) (*Middleware, error) {
+	if cfg == nil || len(cfg.Policies) == 0 {
+		return nil, errors.New("httplimit: Config.Policies is empty: give at least one Policy")
+	}
+	m := &Middleware{cfg: *cfg, byName: make(map[string]*Policy, len(cfg.Policies))}
+	m.policies = append([]Policy(nil), cfg.Policies...)
+	limits := make(map[string]ratelimit.Config, len(m.policies))
+	for i := range m.policies {
+		p := &m.policies[i]
+		if p.Name == "" {
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name is empty", i)
+		}
+		if _, dup := m.byName[p.Name]; dup {
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q appears twice", i, p.Name)
+		}
+		if p.MissingKey < MissingKeyReject || p.MissingKey > MissingKeyShared {
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].MissingKey %d is unknown", i, p.MissingKey)
+		}
+		m.byName[p.Name] = p
+		limits[p.Name] = p.Config
+		if p.Key != nil {
+			m.decided = append(m.decided, p)
+		}
+	}
+	// Validates every name and config as the Limiter will.
+	if _, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits}); err != nil {
+		return nil, err
+	}
+	if len(m.decided) > 0 && cfg.Decider == nil {
+		return nil, errors.New("httplimit: Config.Decider is nil: pass httplimit.OnPool(limiter, pool)")
+	}
+	if cfg.RetryJitter < 0 {
+		return nil, fmt.Errorf("httplimit: Config.RetryJitter must be >= 0 (got %s)", cfg.RetryJitter)
+	}
+	m.jitterS = int64(cfg.RetryJitter / time.Second)
+	m.secret = append([]byte(nil), cfg.Secret...)
+	if len(m.secret) == 0 {
+		m.secret = make([]byte, 32)
+		_, _ = rand.Read(m.secret)
+	}
+	m.obs = newObserver(cfg.MeterProvider, cfg.Logger)
+	return m, nil
+}
+
+// Handler returns next behind the limits: m.Handler is a func(http.Handler) http.Handler for
+// net/http, chi's Use, gorilla's Use and the like.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, next) })
+}
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	ctx := r.Context()
+	// refuse answers status for the limiter, or under Shadow lets the request go on.
+	refuse := func(status int, detail string) {
+		if m.cfg.Shadow {
+			next.ServeHTTP(w, r)
+			return
+		}
+		writeProblem(w, status, detail)
+	}
+	cost := 1.0
+	if m.cfg.Cost != nil {
+		c, err := m.cfg.Cost(r)
+		if err != nil || math.IsNaN(c) || c < 0 {
+			m.obs.count(ctx, m.decided, outcomeInvalid)
+			refuse(http.StatusBadRequest, "the request's cost is invalid")
+			return
+		}
+		if c == 0 {
+			next.ServeHTTP(w, r)
+			return
+		}
+		cost = c
+	}
+	reqs := make([]ratelimit.Request, 0, len(m.decided))
+	used := make([]*Policy, 0, len(m.decided))
+	for _, p := range m.decided {
+		key, err := p.Key(r)
+		if err == nil && key == "" {
+			err = ErrNoKey
+		}
+		if err != nil {
+			if !errors.Is(err, ErrNoKey) {
+				m.obs.count(ctx, []*Policy{p}, outcomeInvalid)
+				refuse(http.StatusBadRequest, fmt.Sprintf("policy %q: no key can be derived from the request", p.Name))
+				return
+			}
+			switch p.MissingKey {
+			case MissingKeySkip:
+				m.obs.count(ctx, []*Policy{p}, outcomeSkipped)
+				continue
+			case MissingKeyShared:
+				key = ""
+			default:
+				m.obs.count(ctx, []*Policy{p}, outcomeNoKey)
+				refuse(http.StatusBadRequest, fmt.Sprintf("policy %q: the request has no key", p.Name))
+				return
+			}
+		}
+		reqs = append(reqs, ratelimit.Request{Name: p.Name, Key: key, Count: cost, Config: &p.Config})
+		used = append(used, p)
+	}
+	if len(reqs) == 0 {
+		next.ServeHTTP(w, r)
+		return
+	}
+	res, err := m.cfg.Decider.LimitMany(ctx, reqs, nil)
+	switch {
+	case err != nil && errors.Is(err, ratelimit.ErrInvalid):
+		m.obs.count(ctx, used, outcomeInvalid)
+		refuse(http.StatusBadRequest, "the request's rate limit input is invalid")
+		return
+	case err != nil && (m.cfg.FailOpen || m.cfg.Shadow):
+		m.obs.count(ctx, used, outcomeFailOpen)
+		m.obs.log.WarnContext(ctx, "httplimit: rate limit decision failed; request let through (FailOpen)", "method", r.Method, "path", r.URL.Path, "error", err)
+		next.ServeHTTP(w, r)
+		return
+	case err != nil:
+		m.obs.count(ctx, used, outcomeError)
+		m.obs.log.ErrorContext(ctx, "httplimit: rate limit decision failed; request refused (503)", "method", r.Method, "path", r.URL.Path, "error", err)
+		writeProblem(w, http.StatusServiceUnavailable, "the rate limit could not be decided")
+		return
+	case !res.OK && m.cfg.Shadow:
+		m.obs.countDenied(ctx, res.Results, outcomeShadowDenied)
+		m.obs.log.InfoContext(ctx, "httplimit: request would have been denied (Shadow)", "method", r.Method, "path", r.URL.Path, "violated", violated(res.Results))
+		next.ServeHTTP(w, r)
+		return
+	case !res.OK:
+		m.obs.countDenied(ctx, res.Results, outcomeDenied)
+		m.WriteDenied(w, res.Results...)
+		return
+	}
+	m.obs.count(ctx, used, outcomeGranted)
+	if !m.cfg.OmitSuccessHeaders && !m.cfg.Shadow {
+		m.WriteHeaders(w, res.Results...)
+	}
+	next.ServeHTTP(w, r)
+}
+
+// violated returns the names of the denied results.
+func violated(results []ratelimit.Result) []string {
+	names := []string{}
+	for _, r := range results {
+		if !r.OK {
+			names = append(names, r.Name)
+		}
+	}
+	return names
+}

@@ -1,0 +1,577 @@
+package httplimit_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dunglas/httpsfv"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/txlimit/txlimit/httplimit"
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+var (
+	t0     = time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC)
+	secret = []byte("test secret")
+	// perIP: 10 per minute, a burst of 3: a token every 6 s.
+	perIP = ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3}
+)
+
+type bundle struct {
+	pool    *pgxpool.Pool
+	limiter *ratelimit.Limiter
+	reader  *sdkmetric.ManualReader // the middleware's metrics
+	lreader *sdkmetric.ManualReader // the limiter's metrics
+}
+
+// setup gives a migrated schema and a Limiter whose clock is t0 (now nil: the database's clock).
+func setup(t *testing.T, now func() time.Time) *bundle {
+	t.Helper()
+	b := &bundle{pool: testdb.Pool(t, nil), reader: sdkmetric.NewManualReader(), lreader: sdkmetric.NewManualReader()}
+	var err error
+	b.limiter, err = ratelimit.New(&ratelimit.LimiterConfig{
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(b.lreader)),
+		Now:           now,
+	})
+	require.NoError(t, err)
+	return b
+}
+
+func fixed() time.Time { return t0 }
+
+// serve starts a real server with the middleware in front of a handler that answers "ok".
+func (b *bundle) serve(t *testing.T, cfg httplimit.Config) string {
+	t.Helper()
+	if cfg.Decider == nil {
+		cfg.Decider = httplimit.OnPool(b.limiter, b.pool)
+	}
+	if cfg.Secret == nil {
+		cfg.Secret = secret
+	}
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(b.reader))
+	m, err := httplimit.New(&cfg)
+	require.NoError(t, err)
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "ok")
+	})))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+type response struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func get(t *testing.T, url string, header ...string) response {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	require.NoError(t, err)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Add(header[i], header[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return response{resp.StatusCode, resp.Header, string(body)}
+}
+
+// pk is the documented partition key: HMAC-SHA256(secret, name 0x00 key), first 12 bytes.
+func pk(name, key string) []byte {
+	mac := hmac.New(sha256.New, secret)
+	mac.Write([]byte(name + "\x00" + key))
+	return mac.Sum(nil)[:12]
+}
+
+// counter reads the counter name at exactly attrs.
+func counter(t *testing.T, r *sdkmetric.ManualReader, name string, attrs ...attribute.KeyValue) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, r.Collect(context.Background(), &rm))
+	want := attribute.NewSet(attrs...)
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				if dp.Attributes.Equals(&want) {
+					return dp.Value
+				}
+			}
+		}
+	}
+	return 0
+}
+
+func requests(t *testing.T, b *bundle, policy, outcome string) int64 {
+	return counter(t, b.reader, httplimit.MetricRequests, attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+}
+
+// item checks one parsed Structured Field item: its name and exact parameters, in order.
+func item(t *testing.T, step int, got httpsfv.Member, name string, params ...any) {
+	t.Helper()
+	it, ok := got.(httpsfv.Item)
+	require.True(t, ok, "step %d: not an item: %#v", step, got)
+	require.Equal(t, name, it.Value, "step %d", step)
+	var gotParams []any
+	for _, k := range it.Params.Names() {
+		v, _ := it.Params.Get(k)
+		gotParams = append(gotParams, k, v)
+	}
+	require.Equal(t, params, gotParams, "step %d: %s", step, name)
+}
+
+func TestHeadersAndDenial(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+	key := "127.0.0.1"
+
+	// Decided at t0 each time: 3, 2, 1 tokens left... then none.
+	for i, want := range []struct {
+		status int
+		r, t   int64
+	}{{200, 2, 6}, {200, 1, 6}, {200, 0, 6}, {429, 0, 6}} {
+		res := get(t, url)
+		require.Equal(t, want.status, res.status, "step %d", i)
+		pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+		require.NoError(t, err, "step %d", i)
+		require.Len(t, pol, 1)
+		item(t, i, pol[0], "perIP", "q", int64(10), "w", int64(60), "txlimit-burst", int64(3), "pk", pk("perIP", key))
+		lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+		require.NoError(t, err, "step %d", i)
+		require.Len(t, lim, 1)
+		item(t, i, lim[0], "perIP", "r", want.r, "t", want.t, "pk", pk("perIP", key))
+		if want.status == 200 {
+			require.Equal(t, "ok", res.body)
+			require.Empty(t, res.header.Get("Retry-After"))
+			continue
+		}
+		// 0 tokens at t0, one wanted, 10 per minute: 6 s.
+		require.Equal(t, "6", res.header.Get("Retry-After"))
+		require.Equal(t, "application/problem+json", res.header.Get("Content-Type"))
+		require.JSONEq(t, `{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded",
+			"title":"Request cannot be satisfied as assigned quota has been exceeded","status":429,
+			"violated-policies":["perIP"]}`, res.body)
+	}
+	// The key never appears; the pk is the documented HMAC.
+	res := get(t, url)
+	require.NotContains(t, fmt.Sprint(res.header), key)
+	require.Equal(t, `"perIP";r=0;t=6;pk=:`+b64(pk("perIP", key))+`:`, res.header.Get("RateLimit"))
+
+	require.Equal(t, int64(3), requests(t, b, "perIP", "granted"))
+	require.Equal(t, int64(2), requests(t, b, "perIP", "denied"))
+	lim := func(outcome string) int64 {
+		return counter(t, b.lreader, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"), // one policy: OnPool uses LimitN
+			attribute.String("txlimit.limit", "perIP"), attribute.String("txlimit.outcome", outcome))
+	}
+	require.Equal(t, int64(3), lim("granted"))
+	require.Equal(t, int64(2), lim("denied"))
+}
+
+func b64(b []byte) string {
+	s, err := httpsfv.Marshal(httpsfv.NewItem(b))
+	if err != nil {
+		panic(err)
+	}
+	return strings.Trim(s, ":")
+}
+
+// Two policies are decided together: the user's denial consumes nothing of the IP's quota.
+func TestPerIPAndPerUser(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{
+		{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)},
+		{Name: "perUser", Config: ratelimit.Config{Rate: 1, Period: time.Hour}, Key: httplimit.Header("X-User")},
+	}})
+	require.Equal(t, 200, get(t, url, "X-User", "alice").status)
+	res := get(t, url, "X-User", "alice")
+	require.Equal(t, 429, res.status)
+	require.JSONEq(t, `{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded",
+		"title":"Request cannot be satisfied as assigned quota has been exceeded","status":429,
+		"violated-policies":["perUser"]}`, res.body)
+	// One token per hour: 3600 s. perIP alone would have been granted: it shows what it would
+	// have left (1), though nothing was consumed.
+	require.Equal(t, "3600", res.header.Get("Retry-After"))
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	item(t, 0, lim[0], "perIP", "r", int64(1), "t", int64(6), "pk", pk("perIP", "127.0.0.1"))
+	item(t, 1, lim[1], "perUser", "r", int64(0), "t", int64(3600), "pk", pk("perUser", "alice"))
+	// perIP had 2 left before the denial and still has: bob's request takes it to 1.
+	res = get(t, url, "X-User", "bob")
+	require.Equal(t, 200, res.status)
+	lim, err = httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	item(t, 2, lim[0], "perIP", "r", int64(1), "t", int64(6), "pk", pk("perIP", "127.0.0.1"))
+	// No user: 400 by default.
+	res = get(t, url)
+	require.Equal(t, 400, res.status)
+	require.Equal(t, "application/problem+json", res.header.Get("Content-Type"))
+	require.Equal(t, int64(1), requests(t, b, "perUser", "no_key"))
+}
+
+func TestRetryAfterJitter(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{
+		Policies: []httplimit.Policy{{Name: "perIP", Config: ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 1},
+			Key: httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}})}},
+		RetryJitter: 10 * time.Second,
+	})
+	jitter := func(key string) int64 {
+		mac := hmac.New(sha256.New, secret)
+		mac.Write([]byte("retry-after\x00" + key))
+		return int64(binary.BigEndian.Uint64(mac.Sum(nil)[:8]) % 11)
+	}
+	seen := map[int64]bool{}
+	for i, ip := range []string{"203.0.113.1", "203.0.113.2", "203.0.113.3", "203.0.113.4"} {
+		require.Equal(t, 200, get(t, url, "X-Forwarded-For", ip).status)
+		for range 2 { // the same every time for one identity
+			res := get(t, url, "X-Forwarded-For", ip)
+			require.Equal(t, 429, res.status)
+			want := 6 + jitter(ip)
+			require.Equal(t, fmt.Sprint(want), res.header.Get("Retry-After"), "step %d", i)
+			lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+			require.NoError(t, err)
+			item(t, i, lim[0], "perIP", "r", int64(0), "t", int64(6), "pk", pk("perIP", ip)) // t is the wait without jitter
+		}
+		seen[jitter(ip)] = true
+	}
+	require.Greater(t, len(seen), 1, "four identities all got the same jitter")
+}
+
+func TestForwardedFor(t *testing.T) {
+	t.Parallel()
+	one := ratelimit.Config{Rate: 1, Period: time.Hour}
+	t.Run("untrusted peer: spoofed headers ignored", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, fixed)
+		url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "perIP", Config: one, Key: httplimit.ClientIP(nil)}}})
+		require.Equal(t, 200, get(t, url, "X-Forwarded-For", "203.0.113.1").status)
+		require.Equal(t, 429, get(t, url, "X-Forwarded-For", "203.0.113.2").status)
+		require.Equal(t, 429, get(t, url, "Forwarded", "for=203.0.113.3").status)
+		res := get(t, url, "X-Real-IP", "203.0.113.4")
+		require.Equal(t, 429, res.status)
+		lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+		require.NoError(t, err)
+		item(t, 0, lim[0], "perIP", "r", int64(0), "t", int64(3600), "pk", pk("perIP", "127.0.0.1"))
+	})
+	t.Run("trusted peer: right-most untrusted address", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, fixed)
+		trusted := []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("10.0.0.0/8")}
+		url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "perIP", Config: one,
+			Key: httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: trusted})}}})
+		for i, c := range []struct {
+			header, value string
+			status        int
+			key           string
+		}{
+			{"X-Forwarded-For", "203.0.113.1", 200, "203.0.113.1"},
+			{"X-Forwarded-For", "203.0.113.2", 200, "203.0.113.2"},
+			{"X-Forwarded-For", "203.0.113.1", 429, "203.0.113.1"},
+			// A client's own spoofed entry sits left of what our proxies appended.
+			{"X-Forwarded-For", "198.51.100.9, 203.0.113.1, 10.1.2.3", 429, "203.0.113.1"},
+			{"Forwarded", `for=198.51.100.7;proto=https, for="10.0.0.1"`, 200, "198.51.100.7"},
+			{"X-Real-IP", "198.51.100.8", 200, "198.51.100.8"},
+			{"X-Real-IP", "198.51.100.8", 429, "198.51.100.8"},
+		} {
+			res := get(t, url, c.header, c.value)
+			require.Equal(t, c.status, res.status, "step %d", i)
+			lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+			require.NoError(t, err)
+			got, _ := lim[0].(httpsfv.Item).Params.Get("pk")
+			require.Equal(t, pk("perIP", c.key), got, "step %d", i)
+		}
+	})
+}
+
+func TestIPv6Grouping(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "perIP", Config: ratelimit.Config{Rate: 1, Period: time.Hour},
+		Key: httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}})}}})
+	for i, c := range []struct {
+		header, value string
+		status        int
+	}{
+		{"X-Forwarded-For", "2001:db8:1:2::1", 200},
+		{"X-Forwarded-For", "2001:db8:1:2:ffff:ffff:ffff:9", 429}, // same /64
+		{"Forwarded", `for="[2001:db8:1:2::77]:4711"`, 429},       // same /64
+		{"X-Forwarded-For", "2001:db8:1:3::1", 200},               // next /64
+		{"X-Forwarded-For", "::ffff:192.0.2.1", 200},              // IPv4-mapped: IPv4
+		{"X-Forwarded-For", "192.0.2.1", 429},
+	} {
+		require.Equal(t, c.status, get(t, url, c.header, c.value).status, "step %d", i)
+	}
+	key := httplimit.ClientIP(&httplimit.IPOpts{IPv6Prefix: 48})
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "[2001:db8:1:2::1%eth0]:1234"
+	k, err := key(r)
+	require.NoError(t, err)
+	require.Equal(t, "2001:db8:1::/48", k)
+}
+
+// deadPool is a pool on a port where nothing listens.
+func deadPool(t *testing.T) *pgxpool.Pool {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close()) // nothing listens there now
+	pool, err := pgxpool.New(context.Background(), "postgres://postgres@"+addr+"/test?sslmode=disable&connect_timeout=5")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// A database that does not answer: 503 by default, let through and counted with FailOpen.
+func TestDatabaseDown(t *testing.T) {
+	t.Parallel()
+	pool := deadPool(t)
+	b := setup(t, fixed)
+	policies := []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}
+
+	url := b.serve(t, httplimit.Config{Policies: policies, Decider: httplimit.OnPool(b.limiter, pool)})
+	res := get(t, url)
+	require.Equal(t, 503, res.status)
+	require.JSONEq(t, `{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"the rate limit could not be decided"}`, res.body)
+	require.Empty(t, res.header.Get("RateLimit"))
+	require.Equal(t, int64(1), requests(t, b, "perIP", "error"))
+
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	b2 := setup(t, fixed)
+	url = b2.serve(t, httplimit.Config{Policies: policies, Decider: httplimit.OnPool(b2.limiter, pool), FailOpen: true,
+		Logger: slog.New(slog.NewTextHandler(&lockedWriter{w: &logs, mu: &mu}, nil))})
+	for range 2 {
+		res = get(t, url)
+		require.Equal(t, 200, res.status)
+		require.Equal(t, "ok", res.body)
+	}
+	require.Equal(t, int64(2), requests(t, b2, "perIP", "fail_open"))
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, 2, strings.Count(logs.String(), "request let through (FailOpen)"), logs.String())
+}
+
+type lockedWriter struct {
+	w  io.Writer
+	mu *sync.Mutex
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+func TestShadow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{Shadow: true,
+		Policies: []httplimit.Policy{{Name: "perIP", Config: ratelimit.Config{Rate: 1, Period: time.Hour}, Key: httplimit.ClientIP(nil)}}})
+	for i := range 5 {
+		res := get(t, url)
+		require.Equal(t, 200, res.status, "step %d", i)
+		require.Empty(t, res.header.Get("RateLimit"), "step %d", i)
+		require.Empty(t, res.header.Get("Retry-After"), "step %d", i)
+	}
+	require.Equal(t, int64(1), requests(t, b, "perIP", "granted"))
+	require.Equal(t, int64(4), requests(t, b, "perIP", "shadow_denied"))
+
+	// Nor on a missing key or a database that does not answer.
+	b2 := setup(t, fixed) // a reader of its own
+	url = b2.serve(t, httplimit.Config{Shadow: true, Decider: httplimit.OnPool(b2.limiter, deadPool(t)),
+		Policies: []httplimit.Policy{{Name: "perUser", Config: perIP, Key: httplimit.Header("X-User")}}})
+	require.Equal(t, 200, get(t, url).status)
+	require.Equal(t, 200, get(t, url, "X-User", "u").status)
+	require.Equal(t, int64(1), requests(t, b2, "perUser", "no_key"))
+	require.Equal(t, int64(1), requests(t, b2, "perUser", "fail_open"))
+}
+
+func TestClientIPWithoutAnIP(t *testing.T) {
+	t.Parallel()
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "@"
+	_, err := httplimit.ClientIP(nil)(r)
+	require.ErrorIs(t, err, httplimit.ErrNoKey)
+}
+
+func TestInvalidInput(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{
+		Policies: []httplimit.Policy{
+			{Name: "perKey", Config: perIP, Key: httplimit.Header("X-API-Key")},
+			{Name: "perUser", Config: perIP, Key: httplimit.Header("X-User"), MissingKey: httplimit.MissingKeySkip},
+		},
+		Cost: func(r *http.Request) (float64, error) {
+			if r.URL.Query().Get("cost") == "" {
+				return 1, nil
+			}
+			var c float64
+			_, err := fmt.Sscan(r.URL.Query().Get("cost"), &c)
+			return c, err
+		},
+	})
+	res := get(t, url, "X-API-Key", strings.Repeat("k", ratelimit.MaxKeyLen+1))
+	require.Equal(t, 400, res.status) // ratelimit.ErrInvalid
+	require.Equal(t, int64(1), requests(t, b, "perKey", "invalid"))
+	require.Equal(t, 400, get(t, url+"?cost=-1", "X-API-Key", "k").status)
+	require.Equal(t, 400, get(t, url+"?cost=4", "X-API-Key", "k").status) // more than the burst: never grantable
+	// A cost of 3 takes the whole burst; the skipped user policy is not reported.
+	res = get(t, url+"?cost=3", "X-API-Key", "k")
+	require.Equal(t, 200, res.status)
+	require.Equal(t, `"perKey";r=0;t=6;pk=:`+b64(pk("perKey", "k"))+`:`, res.header.Get("RateLimit"))
+	require.Equal(t, int64(3), requests(t, b, "perUser", "skipped"))      // the requests that got to the keys
+	require.Equal(t, 200, get(t, url+"?cost=0", "X-API-Key", "k").status) // not limited
+}
+
+// 64 clients at once, two requests each, against a burst of 10 refilling once an hour: exactly 10
+// are granted (decided on the database's clock; the refill in the test's few seconds is < 0.01).
+func TestConcurrentClients(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "global", Config: ratelimit.Config{Rate: 1, Period: time.Hour, Capacity: 10},
+		Key: func(*http.Request) (string, error) { return "all", nil }}}})
+	var mu sync.Mutex
+	counts := map[int]int{}
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			client := &http.Client{Transport: &http.Transport{}}
+			defer client.CloseIdleConnections()
+			for range 2 {
+				resp, err := client.Get(url)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				mu.Lock()
+				counts[resp.StatusCode]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, map[int]int{200: 10, 429: 118}, counts)
+}
+
+// A handler that limits inside its own transaction reports with WriteHeaders / WriteDenied.
+func TestWriteHeadersFromHandler(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	send := ratelimit.Config{Rate: 2, Period: time.Minute}
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "sendMessage", Config: send}}})
+	require.NoError(t, err)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		user := r.Header.Get("X-User")
+		var res ratelimit.Result
+		err := pgx.BeginFunc(r.Context(), b.pool, func(tx pgx.Tx) error {
+			var err error
+			if res, err = b.limiter.Limit(r.Context(), tx, "sendMessage", user, &ratelimit.LimitOpts{Config: &send}); err != nil {
+				return err
+			}
+			return res.Err() // roll back on a denial
+		})
+		switch {
+		case ratelimit.IsLimited(err):
+			m.WriteDenied(w, res)
+		case err != nil:
+			http.Error(w, err.Error(), 500)
+		default:
+			m.WriteHeaders(w, res)
+			w.WriteHeader(http.StatusCreated)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	for i, want := range []struct {
+		status int
+		r, t   int64
+		retry  string
+	}{{201, 1, 30, ""}, {201, 0, 30, ""}, {429, 0, 30, "30"}} {
+		res := get(t, srv.URL, "X-User", "u1")
+		require.Equal(t, want.status, res.status, "step %d", i)
+		require.Equal(t, want.retry, res.header.Get("Retry-After"), "step %d", i)
+		pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+		require.NoError(t, err)
+		item(t, i, pol[0], "sendMessage", "q", int64(2), "w", int64(60), "pk", pk("sendMessage", "u1"))
+		lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+		require.NoError(t, err)
+		item(t, i, lim[0], "sendMessage", "r", want.r, "t", want.t, "pk", pk("sendMessage", "u1"))
+	}
+}
+
+// Behind the middleware, a handler's own items follow the middleware's in the same fields.
+func TestWriteHeadersBehindMiddleware(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	send := ratelimit.Config{Rate: 2, Period: time.Minute}
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Decider: httplimit.OnPool(b.limiter, b.pool), Policies: []httplimit.Policy{
+		{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)},
+		{Name: "sendMessage", Config: send},
+	}})
+	require.NoError(t, err)
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		res, err := b.limiter.Limit(r.Context(), b.pool, "sendMessage", "u1", &ratelimit.LimitOpts{Config: &send})
+		if err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		m.WriteHeaders(w, res)
+	})))
+	t.Cleanup(srv.Close)
+	res := get(t, srv.URL)
+	require.Equal(t, 200, res.status)
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	require.Len(t, lim, 2)
+	item(t, 0, lim[0], "perIP", "r", int64(2), "t", int64(6), "pk", pk("perIP", "127.0.0.1"))
+	item(t, 1, lim[1], "sendMessage", "r", int64(1), "t", int64(30), "pk", pk("sendMessage", "u1"))
+	pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+	require.NoError(t, err)
+	require.Len(t, pol, 2)
+}
+
+func TestNewValidates(t *testing.T) {
+	t.Parallel()
+	for i, cfg := range []*httplimit.Config{
+		nil,
+		{Policies: []httplimit.Policy{{Name: "", Config: perIP}}},
+		{Policies: []httplimit.Policy{{Name: "a", Config: perIP}, {Name: "a", Config: perIP}}},
+		{Policies: []httplimit.Policy{{Name: "a", Config: ratelimit.Config{Rate: 1}}}},
+		{Policies: []httplimit.Policy{{Name: "a", Config: perIP, Key: httplimit.ClientIP(nil)}}}, // no Decider
+		{Policies: []httplimit.Policy{{Name: "a", Config: perIP}}, RetryJitter: -time.Second},
+	} {
+		_, err := httplimit.New(cfg)
+		require.Error(t, err, "case %d", i)
+	}
+}

@@ -1,0 +1,78 @@
+package httplimit
+
+import (
+	"context"
+	"log/slog"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// MeterName is the name of the OpenTelemetry meter the middleware takes from
+// Config.MeterProvider.
+const MeterName = "github.com/txlimit/txlimit/httplimit"
+
+// MetricRequests counts requests by policy (txlimit.policy) and outcome (txlimit.outcome), never
+// by key: "granted" for each policy of a granted request, "denied" for each violated policy of a
+// denied request (the other policies of it consumed nothing and are not counted),
+// "shadow_denied" likewise under Config.Shadow (the request went on), "fail_open" and "error"
+// for each policy of a request whose decision failed (let through, or refused with 503),
+// "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and "skipped" for a
+// policy left out by MissingKeySkip.
+const MetricRequests = "txlimit.http.requests"
+
+const (
+	outcomeGranted      = "granted"
+	outcomeDenied       = "denied"
+	outcomeShadowDenied = "shadow_denied"
+	outcomeFailOpen     = "fail_open"
+	outcomeError        = "error"
+	outcomeInvalid      = "invalid"
+	outcomeNoKey        = "no_key"
+	outcomeSkipped      = "skipped"
+)
+
+type observer struct {
+	log      *slog.Logger
+	requests metric.Int64Counter
+}
+
+func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
+	if mp == nil {
+		mp = noop.NewMeterProvider()
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	o := &observer{log: log}
+	var err error
+	o.requests, err = mp.Meter(MeterName).Int64Counter(MetricRequests, metric.WithUnit("{request}"),
+		metric.WithDescription("HTTP requests by rate limit policy and outcome."))
+	if err != nil { // the API still returns a working no-op counter
+		log.Warn("httplimit: creating metric instruments", "error", err)
+	}
+	return o
+}
+
+// count adds one request with outcome to each policy.
+func (o *observer) count(ctx context.Context, policies []*Policy, outcome string) {
+	for _, p := range policies {
+		o.add(ctx, p.Name, outcome)
+	}
+}
+
+// countDenied adds one request with outcome to each denied policy of results.
+func (o *observer) countDenied(ctx context.Context, results []ratelimit.Result, outcome string) {
+	for _, r := range results {
+		if !r.OK {
+			o.add(ctx, r.Name, outcome)
+		}
+	}
+}
+
+func (o *observer) add(ctx context.Context, policy, outcome string) {
+	o.requests.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)))
+}

@@ -1,0 +1,177 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
+)
+
+// MeterName is the name of the OpenTelemetry meter the Limiter takes from
+// LimiterConfig.MeterProvider.
+const MeterName = "github.com/txlimit/txlimit/ratelimit"
+
+// Instruments of the Limiter (LimiterConfig.MeterProvider). Their attributes are the limit's name
+// (txlimit.limit), the call (txlimit.op: LimitN, CheckN, LimitMany, CheckMany), the outcome
+// (txlimit.outcome) and, for errors, error.type; never a key, so their cardinality is bounded by
+// the number of limits.
+const (
+	// MetricDecisions counts requests decided by limit, call and outcome: "granted" or "reserved"
+	// for each request of a granted call, "denied" for each denied request of a denied call (the
+	// others of that call consumed nothing and are not counted), "error" for each request of a call
+	// that failed (with error.type "invalid", "busy", "canceled" or "database"; an invalid call
+	// carries no limit name, which may be the invalid input).
+	MetricDecisions = "txlimit.decisions"
+	// MetricDecisionDuration is the time a call took, in seconds, by call and outcome of the
+	// call as a whole.
+	MetricDecisionDuration = "txlimit.decision.duration"
+	// MetricTxRetries counts the transactions InSerializableTx ran again after a serialization
+	// failure or deadlock.
+	MetricTxRetries = "txlimit.tx.retries"
+	// MetricBusy counts sharded decisions that found every candidate shard taken (*BusyError), by
+	// limit.
+	MetricBusy = "txlimit.busy"
+	// MetricBatchSize is the number of calls decided together in one statement.
+	MetricBatchSize = "txlimit.batch.size"
+)
+
+// Outcomes recorded in the txlimit.outcome attribute.
+const (
+	outcomeGranted  = "granted"
+	outcomeReserved = "reserved"
+	outcomeDenied   = "denied"
+	outcomeError    = "error"
+)
+
+// observer records a Limiter's metrics and logs. The zero of both (no MeterProvider, no Logger)
+// costs a few no-op calls per decision.
+type observer struct {
+	log       *slog.Logger
+	decisions metric.Int64Counter
+	duration  metric.Float64Histogram
+	retries   metric.Int64Counter
+	busyCount metric.Int64Counter
+	batchSize metric.Int64Histogram
+}
+
+func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
+	if mp == nil {
+		mp = noop.NewMeterProvider()
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	m := mp.Meter(MeterName)
+	o := &observer{log: log}
+	// The API returns a working no-op instrument along with any error (an invalid name, which
+	// these constants are not), so the errors are only logged.
+	var errs [5]error
+	o.decisions, errs[0] = m.Int64Counter(MetricDecisions, metric.WithUnit("{request}"),
+		metric.WithDescription("Rate limit requests decided, by limit, call and outcome."))
+	o.duration, errs[1] = m.Float64Histogram(MetricDecisionDuration, metric.WithUnit("s"),
+		metric.WithDescription("Duration of a rate limit call, by call and outcome."))
+	o.retries, errs[2] = m.Int64Counter(MetricTxRetries, metric.WithUnit("{retry}"),
+		metric.WithDescription("Serializable transactions run again after a serialization failure or deadlock."))
+	o.busyCount, errs[3] = m.Int64Counter(MetricBusy, metric.WithUnit("{decision}"),
+		metric.WithDescription("Sharded decisions that found every candidate shard taken, by limit."))
+	o.batchSize, errs[4] = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{call}"),
+		metric.WithDescription("Calls decided together in one statement."))
+	if err := errors.Join(errs[:]...); err != nil {
+		log.Warn("ratelimit: creating metric instruments", "error", err)
+	}
+	return o
+}
+
+// decided records one call: every request of it by outcome, and its duration. reqs are the call's
+// requests (their names label the counts), res its result when err is nil.
+func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs []Request, res ManyResult, err error) {
+	if o == nil {
+		return
+	}
+	opAttr := attribute.String("txlimit.op", op)
+	callOutcome := outcomeGranted
+	switch {
+	case err != nil:
+		callOutcome = outcomeError
+		errType := errorType(err)
+		for _, r := range reqs {
+			attrs := []attribute.KeyValue{opAttr, attribute.String("txlimit.outcome", outcomeError), attribute.String("error.type", errType)}
+			if errType != "invalid" { // an invalid name is not a label
+				attrs = append(attrs, attribute.String("txlimit.limit", r.Name))
+			}
+			o.decisions.Add(ctx, 1, metric.WithAttributes(attrs...))
+		}
+		if errType == "database" {
+			o.log.WarnContext(ctx, "ratelimit: decision failed", "op", op, "error", err)
+		}
+	case !res.OK:
+		callOutcome = outcomeDenied
+	}
+	if err == nil {
+		for _, r := range res.Results {
+			out := outcomeGranted
+			switch {
+			case !res.OK && !r.OK:
+				out = outcomeDenied
+			case !res.OK:
+				continue // would have been granted, but the call was denied: counted under its denial
+			case r.Reserved:
+				out = outcomeReserved
+			}
+			o.decisions.Add(ctx, 1, metric.WithAttributes(opAttr, attribute.String("txlimit.limit", r.Name), attribute.String("txlimit.outcome", out)))
+		}
+	}
+	o.duration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(opAttr, attribute.String("txlimit.outcome", callOutcome)))
+}
+
+// errorType names the kind of a call's error for the error.type attribute.
+func errorType(err error) string {
+	var busy *BusyError
+	switch {
+	case errors.Is(err, ErrInvalid):
+		return "invalid"
+	case errors.As(err, &busy):
+		return "busy"
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return "canceled"
+	}
+	return "database"
+}
+
+// busy records a sharded decision that found every candidate shard taken.
+func (o *observer) busy(ctx context.Context, name string) {
+	if o == nil {
+		return
+	}
+	o.busyCount.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.limit", name)))
+}
+
+// retry records that InSerializableTx runs fn again after attempt failed with err.
+func (o *observer) retry(ctx context.Context, attempt int, err error) {
+	if o == nil {
+		return
+	}
+	o.retries.Add(ctx, 1)
+	o.log.DebugContext(ctx, "ratelimit: serializable transaction retried", "attempt", attempt, "error", err)
+}
+
+// exhausted logs that InSerializableTx gave up.
+func (o *observer) exhausted(ctx context.Context, attempts int, err error) {
+	if o == nil {
+		return
+	}
+	o.log.WarnContext(ctx, "ratelimit: serializable transaction retries exhausted", "attempts", attempts, "error", err)
+}
+
+// batch records that n calls were decided together in one statement. The batching front end calls
+// it once per statement.
+func (o *observer) batch(ctx context.Context, n int) {
+	if o == nil {
+		return
+	}
+	o.batchSize.Record(ctx, int64(n))
+}

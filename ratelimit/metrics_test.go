@@ -1,0 +1,200 @@
+package ratelimit_test
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// sumOf returns the value of the counter name at the point with exactly attrs (0 if none).
+func sumOf(t *testing.T, rm metricdata.ResourceMetrics, name string, attrs ...attribute.KeyValue) int64 {
+	t.Helper()
+	want := attribute.NewSet(attrs...)
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				if dp.Attributes.Equals(&want) {
+					return dp.Value
+				}
+			}
+		}
+	}
+	return 0
+}
+
+func TestMetrics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, nil)
+	reader := sdkmetric.NewManualReader()
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{
+			"a": {Rate: 2, Period: time.Minute},
+			"b": {Rate: 1, Period: time.Minute, MaxReserved: 5},
+		},
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		Now:           func() time.Time { return t0 },
+	})
+	require.NoError(t, err)
+
+	for range 3 { // 2 granted, 1 denied
+		_, err := limiter.Limit(ctx, pool, "a", "user-1", nil)
+		require.NoError(t, err)
+	}
+	_, err = limiter.LimitN(ctx, pool, "b", "user-1", 2, &ratelimit.LimitOpts{Reserve: true}) // reserved
+	require.NoError(t, err)
+	res, err := limiter.LimitMany(ctx, pool, []ratelimit.Request{{Name: "a", Key: "user-2"}, {Name: "b", Key: "user-1"}}, nil)
+	require.NoError(t, err)
+	require.False(t, res.OK) // b is owed: denied, a not consumed
+	_, err = limiter.Limit(ctx, pool, "nope", "k", nil)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	op := func(s string) attribute.KeyValue { return attribute.String("txlimit.op", s) }
+	lim := func(s string) attribute.KeyValue { return attribute.String("txlimit.limit", s) }
+	out := func(s string) attribute.KeyValue { return attribute.String("txlimit.outcome", s) }
+	for i, c := range []struct {
+		attrs []attribute.KeyValue
+		want  int64
+	}{
+		{[]attribute.KeyValue{op("LimitN"), lim("a"), out("granted")}, 2},
+		{[]attribute.KeyValue{op("LimitN"), lim("a"), out("denied")}, 1},
+		{[]attribute.KeyValue{op("LimitN"), lim("b"), out("reserved")}, 1},
+		{[]attribute.KeyValue{op("LimitMany"), lim("b"), out("denied")}, 1},
+		{[]attribute.KeyValue{op("LimitMany"), lim("a"), out("denied")}, 0},
+		{[]attribute.KeyValue{op("LimitN"), out("error"), attribute.String("error.type", "invalid")}, 1},
+	} {
+		require.Equal(t, c.want, sumOf(t, rm, ratelimit.MetricDecisions, c.attrs...), "case %d: %v", i, c.attrs)
+	}
+	// The duration histogram saw every call: 3 + 1 LimitN granted/denied..., 6 calls in all.
+	var calls uint64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == ratelimit.MetricDecisionDuration {
+				for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
+					calls += dp.Count
+				}
+			}
+		}
+	}
+	require.Equal(t, uint64(6), calls)
+}
+
+func TestManyResultTimeAndRetryAfter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, nil)
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"m": {Rate: 10, Period: time.Minute, Capacity: 1}},
+		Now:    func() time.Time { return t0 },
+	})
+	require.NoError(t, err)
+	reqs := []ratelimit.Request{{Name: "m", Key: "k"}}
+	res, err := limiter.LimitMany(ctx, pool, reqs, nil)
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	require.Equal(t, t0, res.Time)
+	require.Equal(t, time.Duration(0), res.RetryAfter())
+	res, err = limiter.LimitMany(ctx, pool, reqs, nil)
+	require.NoError(t, err)
+	require.False(t, res.OK)
+	require.Equal(t, t0, res.Time)
+	require.Equal(t, 6*time.Second, res.RetryAfter())
+	var le *ratelimit.LimitedError
+	require.ErrorAs(t, res.Err(), &le)
+	require.Equal(t, t0, le.Time)
+	require.Equal(t, 6*time.Second, le.RetryAfter())
+	r, err := limiter.Limit(ctx, pool, "m", "k", nil)
+	require.NoError(t, err)
+	require.ErrorAs(t, r.Err(), &le)
+	require.Equal(t, t0, le.Time)
+	require.Equal(t, 6*time.Second, le.RetryAfter())
+}
+
+func TestMetricsTxRetries(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, nil)
+	reader := sdkmetric.NewManualReader()
+	var logs strings.Builder
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	conflict := &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
+	runs := 0
+	err = ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter, MinBackoff: time.Microsecond},
+		func(ctx context.Context, tx pgx.Tx) error {
+			if runs++; runs <= 2 {
+				return conflict
+			}
+			return nil
+		})
+	require.NoError(t, err)
+	// Then one that never succeeds: 3 attempts, 2 retries, a warning.
+	err = ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter, MaxAttempts: 3, MinBackoff: time.Microsecond},
+		func(ctx context.Context, tx pgx.Tx) error { return conflict })
+	var exhausted *ratelimit.RetriesExhaustedError
+	require.ErrorAs(t, err, &exhausted)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	require.Equal(t, int64(4), sumOf(t, rm, ratelimit.MetricTxRetries))
+	require.Equal(t, 1, strings.Count(logs.String(), "retries exhausted"), logs.String())
+}
+
+// Both shards held by open transactions: a SERIALIZABLE call fails with a *BusyError, counted as
+// busy and as an error of type "busy".
+func TestMetricsBusy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	reader := sdkmetric.NewManualReader()
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	})
+	require.NoError(t, err)
+	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
+	for range 2 { // each holds one shard (the second is steered to the free one)
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		r, err := limiter.Limit(ctx, tx, "s", "k", nil)
+		require.NoError(t, err)
+		require.True(t, r.OK)
+	}
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = limiter.Limit(ctx, tx, "s", "k", nil)
+	var busy *ratelimit.BusyError
+	require.ErrorAs(t, err, &busy)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	require.Equal(t, int64(1), sumOf(t, rm, ratelimit.MetricBusy, attribute.String("txlimit.limit", "s")))
+	require.Equal(t, int64(1), sumOf(t, rm, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"),
+		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "error"), attribute.String("error.type", "busy")))
+	require.Equal(t, int64(2), sumOf(t, rm, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"),
+		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "granted")))
+}
