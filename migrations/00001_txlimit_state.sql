@@ -293,6 +293,8 @@ DECLARE
     d_name text[] := '{}'; d_key text[] := '{}'; d_shard integer[] := '{}';
     d_val double precision[] := '{}'; d_ts bigint[] := '{}';
     rec record;
+    -- The last refusal's search: its inputs and its answer.
+    m_key record; m_retry bigint;
 BEGIN
     IF snap_iso THEN
         snap := pg_current_snapshot();
@@ -425,8 +427,16 @@ BEGIN
                                  ELSE lv_a + lv_b END;
                 q_lvl[i] := lv_a + lv_b;
                 IF NOT granted THEN
-                    o_retry[i] := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], p_count[i], p_allow[i],
-                                                      two, va, ta, vb, tb, t_now);
+                    -- A run of identical refusals (a flood on one key) searches once.
+                    IF m_key IS NOT DISTINCT FROM ROW(kind, p_rate[i], p_period_us[i], p_cap[i], p_count[i], p_allow[i],
+                                                      two, va, ta, vb, tb) THEN
+                        o_retry[i] := m_retry;
+                    ELSE
+                        o_retry[i] := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], p_count[i], p_allow[i],
+                                                          two, va, ta, vb, tb, t_now);
+                        m_key := ROW(kind, p_rate[i], p_period_us[i], p_cap[i], p_count[i], p_allow[i], two, va, ta, vb, tb);
+                        m_retry := o_retry[i];
+                    END IF;
                 ELSIF NOT now_ok THEN
                     IF ch IN (1, 3) THEN
                         o_retry[i] := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], 0, 0, false,
