@@ -138,7 +138,7 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 		for i, l := range rec.Limits {
 			amounts[i] = l.Count
 		}
-		credited, n, err := s.give(ctx, sp, rec.Limits, amounts)
+		credited, n, err := s.give(ctx, sp, jobID, rec.Limits, amounts)
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -152,9 +152,9 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 
 // give credits amounts[i] tokens to limits[i], or charges -amounts[i] when it is negative (an
 // overrun, booked even past MaxReserved), skipping zeros, in the global order of (name, key) so
-// that concurrent calls never deadlock; then it pulls the jobs waiting on the credited limits
-// forward. It returns what each credit gave and how many jobs moved earlier.
-func (s *Scheduler) give(ctx context.Context, tx pgx.Tx, limits []reservedLimit, amounts []float64) ([]float64, int, error) {
+// that concurrent calls never deadlock; then it pulls forward the jobs waiting on the credited
+// limits that reserved after job jobID, whose reservation the credits come out of. It returns what each credit gave and how many jobs moved earlier.
+func (s *Scheduler) give(ctx context.Context, tx pgx.Tx, jobID int64, limits []reservedLimit, amounts []float64) ([]float64, int, error) {
 	order := make([]int, len(limits))
 	for i := range order {
 		order[i] = i
@@ -190,7 +190,7 @@ func (s *Scheduler) give(ctx context.Context, tx pgx.Tx, limits []reservedLimit,
 			now = res.Time
 		}
 	}
-	n, err := s.pullForward(ctx, tx, total, now)
+	n, err := s.pullForward(ctx, tx, jobID, total, now)
 	if err != nil {
 		return nil, 0, err
 	}

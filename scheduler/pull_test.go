@@ -17,13 +17,14 @@ import (
 
 // The model of pull-forward: a limit is a ledger of operations in order, reservations and credits.
 // A job's tokens of a limit have accrued at the earliest instant, from its reservation on, at which
-// the level of the limit, counting every operation up to the job's reservation and every credit
-// after it but no later reservation, is >= 0. Credits are what the limit really took (it never
-// goes above capacity). The job is due when all its limits have accrued.
+// the level of the limit, counting every operation up to the job's reservation and every later
+// credit out of the reservation of the job itself or of one before it, but no later reservation,
+// is >= 0. Credits are what the limit really took (it never goes above capacity). The job is due when all its limits have accrued.
 
 type mOp struct {
 	at       time.Time
 	job      int     // the reserving job, -1 for a credit
+	from     int     // a credit's job: the one cancelled or settled
 	count    float64 // reserved, or asked to credit
 	credited float64 // a credit's amount as the limit took it
 }
@@ -104,8 +105,8 @@ func (l *mLimit) earliest(job int) (time.Time, bool) {
 		return t, !bounded || !t.After(until)
 	}
 	for _, o := range l.ops[i+1:] {
-		if o.job >= 0 {
-			continue // later reservations wait behind the job
+		if o.job >= 0 || o.from > job {
+			continue // later reservations wait behind the job, and their refunds do not help it
 		}
 		if t, ok := cross(o.at, true); ok {
 			return t, true
@@ -178,6 +179,14 @@ func TestPullForwardModel(t *testing.T) {
 		}
 		return c[rng.IntN(len(c))]
 	}
+	index := func(j *mJob) int {
+		for i := range js {
+			if js[i] == j {
+				return i
+			}
+		}
+		panic("unknown job")
+	}
 	moved := 0
 	for step := range 120 {
 		switch p := rng.IntN(100); {
@@ -214,7 +223,7 @@ func TestPullForwardModel(t *testing.T) {
 				res, err := b.sched.CancelTx(ctx, tx, j.id)
 				require.NoError(t, err)
 				for i, name := range j.limits {
-					want := limits[name].add(mOp{at: now(), job: -1, count: j.counts[i]})
+					want := limits[name].add(mOp{at: now(), job: -1, from: index(j), count: j.counts[i]})
 					require.Equal(t, want, res.Refunds[i].Credited, "step %d: refund of %s", step, name)
 				}
 				moved += res.PulledForward
@@ -234,7 +243,7 @@ func TestPullForwardModel(t *testing.T) {
 				res, err := b.sched.SettleManyTx(ctx, tx, j.id, actual)
 				require.NoError(t, err)
 				for i, name := range j.limits {
-					want := limits[name].add(mOp{at: now(), job: -1, count: j.counts[i] - actual[i]})
+					want := limits[name].add(mOp{at: now(), job: -1, from: index(j), count: j.counts[i] - actual[i]})
 					require.Equal(t, want, res.Limits[i].Credited, "step %d: credit of %s", step, name)
 				}
 				moved += res.PulledForward

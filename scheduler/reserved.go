@@ -116,8 +116,8 @@ func windowsFor(owed, rate float64) int64 {
 //
 // The tokens of a job that reserved are due when the limit, counting only the reservations made
 // up to and including the job's, is back at zero; the job needed e tokens of refill still at now
-// (its place in the limit's queue). A credit of c raises the level by c for every job in the
-// queue alike, so the job now needs max(e - c, 0): for a token bucket of r tokens per unit of time,
+// (its place in the limit's queue). A credit of c out of a reservation made before the job's (or
+// the job's own) raises that level by c, so the job now needs max(e - c, 0): for a token bucket of r tokens per unit of time,
 // e = r·(RetryAt - now) and the new RetryAt is now + max(e - c, 0)/r, i.e. RetryAt - c/r but
 // never before now; for a fixed window, e is what is still owed after the windows that have
 // started since, and the new RetryAt is the first window start that pays back max(e - c, 0).
@@ -156,10 +156,13 @@ func (l *reservedLimit) credit(cfg ratelimit.Config, credited float64, now time.
 type limitID struct{ name, key string }
 
 // pullForward reschedules, in tx, the reserved jobs waiting on the limits in credited (tokens
-// given back to each, at the clock reading now) to the earliest time their tokens accrue given
-// the credit, never later than they were, and returns how many moved earlier. Jobs locked by
-// another transaction keep their time.
-func (s *Scheduler) pullForward(ctx context.Context, db schedsql.DBTX, credited map[limitID]float64, now time.Time) (int, error) {
+// given back to each, at the clock reading now, by job from, the one cancelled or settled) to the
+// earliest time their tokens accrue given the credit, never later than they were, and returns how
+// many moved earlier. Only job from and the jobs that reserved after it move: the tokens came out
+// of its reservation, so the jobs ahead of it in the queue never counted them. On one (name, key)
+// job IDs are in reservation order, since a reservation holds the limit's row lock until its
+// transaction, which inserts the job, ends. Jobs locked by another transaction keep their time.
+func (s *Scheduler) pullForward(ctx context.Context, db schedsql.DBTX, from int64, credited map[limitID]float64, now time.Time) (int, error) {
 	filters := make([][]byte, 0, len(credited))
 	for id, c := range credited {
 		if c <= 0 {
@@ -176,7 +179,7 @@ func (s *Scheduler) pullForward(ctx context.Context, db schedsql.DBTX, credited 
 	}
 	slices.SortFunc(filters, func(a, b []byte) int { return strings.Compare(string(a), string(b)) })
 	q := schedsql.New()
-	rows, err := q.Waiting(ctx, db, schedsql.WaitingParams{Now: ts(now), Filters: filters})
+	rows, err := q.Waiting(ctx, db, schedsql.WaitingParams{FromID: from, Now: ts(now), Filters: filters})
 	if err != nil {
 		return 0, fmt.Errorf("pull forward waiting jobs: %w", err)
 	}

@@ -217,7 +217,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 			amounts[i] = l.Count - actual[i]
 			out.Limits[i] = SettledLimit{Name: l.Name, Key: l.Key, Reserved: l.Count, Actual: actual[i], Charged: max(-amounts[i], 0)}
 		}
-		credited, n, err := s.give(ctx, sp, rec.Limits, amounts)
+		credited, n, err := s.give(ctx, sp, jobID, rec.Limits, amounts)
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}

@@ -174,15 +174,17 @@ func (q *Queries) Settlement(ctx context.Context, db DBTX, id int64) ([][]byte, 
 const waiting = `-- name: Waiting :many
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.state IN ('available', 'scheduled', 'pending')
+WHERE j.id >= $1::bigint
+  AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
-  AND j.scheduled_at > $1::timestamptz
-  AND (j.metadata -> 'txlimit_reserved' -> 'limits') @> ANY ($2::jsonb[])
+  AND j.scheduled_at > $2::timestamptz
+  AND (j.metadata -> 'txlimit_reserved' -> 'limits') @> ANY ($3::jsonb[])
 ORDER BY j.id
 FOR UPDATE SKIP LOCKED
 `
 
 type WaitingParams struct {
+	FromID  int64
 	Now     pgtype.Timestamptz
 	Filters [][]byte
 }
@@ -193,12 +195,12 @@ type WaitingRow struct {
 	Reserved    []byte
 }
 
-// Waiting locks, in job ID order (arrival order), the reserved jobs that have not started and are
-// due after now whose reservation includes one of the limits in filters (each a JSON array holding
-// one {"name", "key"} object). Jobs locked by another transaction are skipped: they keep their
-// time, which is never too early.
+// Waiting locks, in job ID order (arrival order), the reserved jobs from ID from_id on that have
+// not started and are due after now whose reservation includes one of the limits in filters (each
+// a JSON array holding one {"name", "key"} object). Jobs locked by another transaction are
+// skipped: they keep their time, which is never too early.
 func (q *Queries) Waiting(ctx context.Context, db DBTX, arg WaitingParams) ([]WaitingRow, error) {
-	rows, err := db.Query(ctx, waiting, arg.Now, arg.Filters)
+	rows, err := db.Query(ctx, waiting, arg.FromID, arg.Now, arg.Filters)
 	if err != nil {
 		return nil, err
 	}

@@ -32,13 +32,14 @@ SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::j
 WHERE j.id = sqlc.arg('id')::bigint;
 
 -- name: Waiting :many
--- Waiting locks, in job ID order (arrival order), the reserved jobs that have not started and are
--- due after now whose reservation includes one of the limits in filters (each a JSON array holding
--- one {"name", "key"} object). Jobs locked by another transaction are skipped: they keep their
--- time, which is never too early.
+-- Waiting locks, in job ID order (arrival order), the reserved jobs from ID from_id on that have
+-- not started and are due after now whose reservation includes one of the limits in filters (each
+-- a JSON array holding one {"name", "key"} object). Jobs locked by another transaction are
+-- skipped: they keep their time, which is never too early.
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.state IN ('available', 'scheduled', 'pending')
+WHERE j.id >= sqlc.arg('from_id')::bigint
+  AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
   AND j.scheduled_at > sqlc.arg('now')::timestamptz
   AND (j.metadata -> 'txlimit_reserved' -> 'limits') @> ANY (sqlc.arg('filters')::jsonb[])
