@@ -33,10 +33,15 @@ type NotCancellableError struct {
 	State rivertype.JobState
 	// Started reports that an attempt of the job has started (it is running, or ran).
 	Started bool
+	// Settled reports that the job's reservation was settled already (SettleTx), so there is
+	// nothing left to refund.
+	Settled bool
 }
 
 func (e *NotCancellableError) Error() string {
 	switch {
+	case e.Settled && e.State != rivertype.JobStateCancelled:
+		return fmt.Sprintf("scheduler: job %d was settled already (state %s)", e.JobID, e.State)
 	case e.State == rivertype.JobStateCancelled:
 		return fmt.Sprintf("scheduler: job %d was already cancelled", e.JobID)
 	case e.State == rivertype.JobStateRunning:
@@ -96,9 +101,11 @@ type CancelResult struct {
 // refund, in the same tx. The job is cancelled with River's own Client.JobCancelTx, so everything
 // commits or rolls back with tx.
 //
-// A job that is running, has run (completed, discarded, retryable, or snoozed after it started) or
-// was cancelled already is left as it is, nothing is credited, and the error is a
-// *NotCancellableError (errors.Is(err, ErrNotCancellable)). A job that does not exist is an error
+// The cancel is recorded as the job's settlement (SettledKey, nothing used), so a later SettleTx of
+// the job changes nothing and returns it. A job that is running, has run (completed, discarded,
+// retryable, or snoozed after it started), was settled or was cancelled already is left as it is,
+// nothing is credited, and the error is a *NotCancellableError (errors.Is(err,
+// ErrNotCancellable)). A job that does not exist is an error
 // matching rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The
 // call works in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
 // The job's row stays locked until tx ends, so that no worker starts it meanwhile.
@@ -120,7 +127,9 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 		case state == rivertype.JobStateRunning || job.Attempted:
 			return nil, &NotCancellableError{JobID: jobID, State: state, Started: true}
 		case state != rivertype.JobStateAvailable && state != rivertype.JobStateScheduled && state != rivertype.JobStatePending:
-			return nil, &NotCancellableError{JobID: jobID, State: state, Started: state != rivertype.JobStateCancelled}
+			return nil, &NotCancellableError{JobID: jobID, State: state, Started: state != rivertype.JobStateCancelled, Settled: job.Settled}
+		case job.Settled:
+			return nil, &NotCancellableError{JobID: jobID, State: state, Settled: true}
 		}
 		var rec reservation
 		if err := json.Unmarshal(job.Reserved, &rec); err != nil || len(rec.Limits) == 0 {
@@ -146,6 +155,18 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 			res.Refunds[i] = Refund{Name: l.Name, Key: l.Key, Reserved: l.Count, Credited: credited[i]}
 		}
 		res.PulledForward = n
+		// The cancel is the job's settlement (nothing used): a later SettleTx returns it.
+		out := JobSettlement{JobID: jobID, Cancelled: true, PulledForward: n, Limits: make([]SettledLimit, len(rec.Limits))}
+		for i, r := range res.Refunds {
+			out.Limits[i] = SettledLimit{Name: r.Name, Key: r.Key, Reserved: r.Reserved, Credited: r.Credited}
+		}
+		b, err := json.Marshal(&out)
+		if err != nil {
+			return nil, err
+		}
+		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: b}); err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
 		return res, nil
 	})
 }

@@ -88,6 +88,24 @@ func TestCancelTx(t *testing.T) {
 	}))
 	require.Equal(t, -5.0, value(t, b, "calls", "u1"))
 
+	// A settle after the cancel returns the cancel's refund and changes nothing; a cancel after a
+	// settle is refused.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		out, err := b.sched.SettleTx(ctx, tx, jb.Job.ID, 1)
+		require.NoError(t, err)
+		require.True(t, out.Repeated)
+		require.True(t, out.Cancelled)
+		require.Equal(t, []scheduler.SettledLimit{{Name: "calls", Key: "u1", Reserved: 5, Credited: 5}}, out.Limits)
+		_, err = b.sched.SettleTx(ctx, tx, jc.Job.ID, 5)
+		require.NoError(t, err)
+		_, err = b.sched.CancelTx(ctx, tx, jc.Job.ID)
+		var nc *scheduler.NotCancellableError
+		require.ErrorAs(t, err, &nc)
+		require.True(t, nc.Settled)
+		return nil
+	}))
+	require.Equal(t, -5.0, value(t, b, "calls", "u1"))
+
 	// A job River inserted without ReserveTx has nothing to refund.
 	plain, err := b.client.Insert(ctx, callArgs{}, nil)
 	require.NoError(t, err)

@@ -139,6 +139,8 @@ type JobSettlement struct {
 	Limits []SettledLimit `json:"limits"`
 	// PulledForward is how many waiting jobs the credits moved earlier (see docs/scheduler.md).
 	PulledForward int `json:"pulled_forward"`
+	// Cancelled reports that the settlement was CancelTx's refund: nothing used.
+	Cancelled bool `json:"cancelled,omitempty"`
 	// Repeated reports that the job had been settled already: this call changed nothing and the
 	// other fields are the first settlement's outcome.
 	Repeated bool `json:"-"`

@@ -50,6 +50,7 @@ func (q *Queries) ClaimSettlement(ctx context.Context, db DBTX, arg ClaimSettlem
 const lockJob = `-- name: LockJob :one
 SELECT j.state::text AS state,
        (j.attempted_at IS NOT NULL)::boolean AS attempted,
+       (j.metadata ? 'txlimit_settled')::boolean AS settled,
        coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved
 FROM river_job j
 WHERE j.id = $1::bigint
@@ -59,15 +60,22 @@ FOR UPDATE
 type LockJobRow struct {
 	State     string
 	Attempted bool
+	Settled   bool
 	Reserved  []byte
 }
 
 // LockJob locks a River job (FOR UPDATE) and returns what a cancel needs: its state, whether an
-// attempt has started, and the reservation ReserveTx recorded in its metadata (JSON null if none).
+// attempt has started, whether it was settled, and the reservation ReserveTx recorded in its
+// metadata (JSON null if none).
 func (q *Queries) LockJob(ctx context.Context, db DBTX, id int64) (LockJobRow, error) {
 	row := db.QueryRow(ctx, lockJob, id)
 	var i LockJobRow
-	err := row.Scan(&i.State, &i.Attempted, &i.Reserved)
+	err := row.Scan(
+		&i.State,
+		&i.Attempted,
+		&i.Settled,
+		&i.Reserved,
+	)
 	return i, err
 }
 

@@ -1,8 +1,10 @@
 -- name: LockJob :one
 -- LockJob locks a River job (FOR UPDATE) and returns what a cancel needs: its state, whether an
--- attempt has started, and the reservation ReserveTx recorded in its metadata (JSON null if none).
+-- attempt has started, whether it was settled, and the reservation ReserveTx recorded in its
+-- metadata (JSON null if none).
 SELECT j.state::text AS state,
        (j.attempted_at IS NOT NULL)::boolean AS attempted,
+       (j.metadata ? 'txlimit_settled')::boolean AS settled,
        coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved
 FROM river_job j
 WHERE j.id = sqlc.arg('id')::bigint
