@@ -78,7 +78,14 @@ func (r *reservation) scheduledAt() time.Time {
 // newReservedLimit records a granted decision of count tokens of (name, key) under cfg (the
 // config in force, inline when inline is set).
 func newReservedLimit(res ratelimit.Result, count float64, cfg ratelimit.Config, inline *ratelimit.Config) reservedLimit {
-	l := reservedLimit{Name: res.Name, Key: res.Key, Count: count, Config: inline}
+	l := reservedLimit{Name: res.Name, Key: res.Key, Count: count}
+	if inline != nil {
+		c := *inline
+		if !(c.MaxReserved <= ratelimit.MaxAmount) { // an unbounded MaxReserved (+Inf) has no JSON
+			c.MaxReserved = ratelimit.MaxAmount
+		}
+		l.Config = &c
+	}
 	if !res.Reserved || res.RetryAt.IsZero() {
 		return l
 	}
@@ -89,15 +96,26 @@ func newReservedLimit(res ratelimit.Result, count float64, cfg ratelimit.Config,
 	case cfg.Kind == ratelimit.FixedWindow:
 		// The row was left at res.Value (< 0) at the start of a window; RetryAt is the first
 		// window start at which whole windows of Rate have paid that back.
+		w := windowsFor(-res.Value, cfg.Rate)
+		if w*float64(cfg.Period) > maxPull {
+			l.Fixed = true // centuries away: not worth the overflow checks
+			break
+		}
 		l.Owed = -res.Value
-		l.At = l.RetryAt.Add(-time.Duration(windowsFor(l.Owed, cfg.Rate)) * cfg.Period)
+		l.At = l.RetryAt.Add(-time.Duration(w) * cfg.Period)
+	case float64(l.RetryAt.Sub(res.Time)) >= maxPull:
+		l.Fixed = true
 	}
 	return l
 }
 
+// maxPull bounds, in nanoseconds, the waits that pull-forward computes with: about 146 years,
+// half of time.Duration's range, so that no arithmetic on them overflows.
+const maxPull = float64(1 << 62)
+
 // windowsFor returns the fewest whole windows of rate tokens that pay back owed: the least n
 // with rate·n >= owed, computed as the decision computes it.
-func windowsFor(owed, rate float64) int64 {
+func windowsFor(owed, rate float64) float64 {
 	if owed <= 0 {
 		return 0
 	}
@@ -108,7 +126,7 @@ func windowsFor(owed, rate float64) int64 {
 	for rate*n < owed {
 		n++
 	}
-	return int64(n)
+	return n
 }
 
 // credit moves l forward by credited tokens given back to its limit at now (the credit's clock
@@ -127,6 +145,9 @@ func (l *reservedLimit) credit(cfg ratelimit.Config, credited float64, now time.
 	}
 	periodUs := float64(cfg.Period.Microseconds())
 	if cfg.Kind == ratelimit.FixedWindow {
+		if l.At.IsZero() {
+			return false // reserved as a token bucket: the config changed since, keep the time
+		}
 		n := int64(0)
 		if now.After(l.At) {
 			n = int64(now.Sub(l.At) / cfg.Period)
@@ -137,9 +158,13 @@ func (l *reservedLimit) credit(cfg ratelimit.Config, credited float64, now time.
 			l.Owed, l.At, l.RetryAt = 0, at, now
 			return true
 		}
-		l.Owed, l.At = owed, at
-		l.RetryAt = at.Add(time.Duration(windowsFor(owed, cfg.Rate)) * cfg.Period)
-		return true
+		// Never later than it was (this also bounds the arithmetic).
+		if w := windowsFor(owed, cfg.Rate); w*float64(cfg.Period) < float64(l.RetryAt.Sub(at)) {
+			l.Owed, l.At = owed, at
+			l.RetryAt = at.Add(time.Duration(w) * cfg.Period)
+			return true
+		}
+		return false
 	}
 	waitUs := float64(l.RetryAt.Sub(now).Microseconds())
 	e := cfg.Rate * waitUs / periodUs
@@ -148,8 +173,11 @@ func (l *reservedLimit) credit(cfg ratelimit.Config, credited float64, now time.
 		l.RetryAt = now
 		return true
 	}
-	l.RetryAt = now.Add(time.Duration(math.Ceil(e*periodUs/cfg.Rate)) * time.Microsecond)
-	return true
+	if w := math.Ceil(e * periodUs / cfg.Rate); w < waitUs { // never later than it was
+		l.RetryAt = now.Add(time.Duration(w) * time.Microsecond)
+		return true
+	}
+	return false
 }
 
 // limitID is a (name, key).

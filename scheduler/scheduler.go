@@ -121,7 +121,10 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 		return nil, err
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, Throw: true})
+		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true})
+		if err == nil {
+			err = res.Err() // past MaxReserved: a *LimitedError, nothing written
+		}
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -153,7 +156,10 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 		}
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{Throw: true})
+		res, err := s.limiter.LimitMany(ctx, tx, reqs, nil)
+		if err == nil {
+			err = res.Err()
+		}
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
