@@ -139,7 +139,7 @@ func (w *completionWorker) Work(ctx context.Context, job *river.Job[CompletionAr
 	case credited > 0:
 		note = fmt.Sprintf("credited %.0f back", credited)
 		if pulled > 0 {
-			note += fmt.Sprintf(", %d waiting jobs pulled forward", pulled)
+			note += ", " + jobs(pulled) + " pulled forward"
 		}
 	case charged > 0:
 		note = fmt.Sprintf("charged %.0f overrun", charged)
@@ -309,6 +309,14 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 	})
 }
 
+// jobs says how many waiting jobs.
+func jobs(n int) string {
+	if n == 1 {
+		return "1 waiting job"
+	}
+	return fmt.Sprintf("%d waiting jobs", n)
+}
+
 func sum(xs []float64) float64 {
 	var s float64
 	for _, x := range xs {
@@ -360,8 +368,8 @@ func (t *timeline) cancelled(i int, refund float64, pulled int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.cancels++
-	t.printf(time.Now(), "request %2d  gives up while it waits: job cancelled, %.0f tokens refunded, %d waiting jobs pulled forward",
-		i, refund, pulled)
+	t.printf(time.Now(), "request %2d  gives up while it waits: job cancelled, %.0f tokens refunded, %s pulled forward",
+		i, refund, jobs(pulled))
 }
 
 func (t *timeline) rejected(i int, estimate float64, retryAt time.Time) {
