@@ -95,7 +95,7 @@ func (ss *soakSched) once(rng *rand.Rand) {
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	// A recent job, to cancel or settle while others wait behind it.
+	// One of the older of the 50 latest jobs, to cancel or settle while later ones wait behind it.
 	list, err := ss.client.JobList(ctx, river.NewJobListParams().Kinds(soakJobArgs{}.Kind()).
 		States(rivertype.JobStateAvailable).OrderBy(river.JobListOrderByID, river.SortOrderDesc).First(50))
 	if err != nil {
@@ -106,7 +106,15 @@ func (ss *soakSched) once(rng *rand.Rand) {
 		time.Sleep(5 * time.Millisecond)
 		return
 	}
-	job := list.Jobs[rng.IntN(len(list.Jobs))]
+	job := list.Jobs[len(list.Jobs)-1-rng.IntN(min(len(list.Jobs), 10))]
+	if rng.IntN(2) == 0 { // the oldest still waiting for its tokens: jobs behind it can move
+		for i := len(list.Jobs) - 1; i >= 0; i-- {
+			if soakWaiting(list.Jobs[i], s.clock.Now()) {
+				job = list.Jobs[i]
+				break
+			}
+		}
+	}
 	op := s.nextOp.Add(1)
 	s.clock.tick()
 	kind := soakOpCancel
@@ -244,6 +252,25 @@ func soakJobReserved(job *rivertype.JobRow) []soakReserved {
 		return nil
 	}
 	return args.Reserved
+}
+
+// soakWaiting reports whether the reservation recorded on job (scheduler.ReservedKey) is due
+// after now on one of its limits.
+func soakWaiting(job *rivertype.JobRow, now time.Time) bool {
+	var md map[string]struct {
+		Limits []struct {
+			RetryAt time.Time `json:"retry_at"`
+		} `json:"limits"`
+	}
+	if jsonUnmarshalSoak(job.Metadata, &md) != nil {
+		return false
+	}
+	for _, l := range md[scheduler.ReservedKey].Limits {
+		if l.RetryAt.After(now) {
+			return true
+		}
+	}
+	return false
 }
 
 func jsonUnmarshalSoak(b []byte, v any) error { return json.Unmarshal(b, v) }
