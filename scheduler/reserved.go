@@ -1,12 +1,12 @@
 package scheduler
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"math"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
@@ -191,25 +191,34 @@ type limitID struct{ name, key string }
 // job IDs are in reservation order, since a reservation holds the limit's row lock until its
 // transaction, which inserts the job, ends. Jobs locked by another transaction keep their time.
 func (s *Scheduler) pullForward(ctx context.Context, db schedsql.DBTX, from int64, credited map[limitID]float64, now time.Time) (int, error) {
-	filters := make([][]byte, 0, len(credited))
+	ids := make([]limitID, 0, len(credited))
 	for id, c := range credited {
-		if c <= 0 {
-			continue
+		if c > 0 {
+			ids = append(ids, id)
 		}
-		f, err := json.Marshal([]map[string]string{{"name": id.name, "key": id.key}})
+	}
+	slices.SortFunc(ids, func(a, b limitID) int { return cmp.Or(cmp.Compare(a.name, b.name), cmp.Compare(a.key, b.key)) })
+	q := schedsql.New()
+	var rows []schedsql.WaitingRow
+	seen := map[int64]bool{}
+	for _, id := range ids { // one query per limit, so that River's GIN index on metadata can serve it
+		filter, err := json.Marshal(map[string]any{ReservedKey: map[string]any{"limits": []map[string]string{{"name": id.name, "key": id.key}}}})
 		if err != nil {
 			return 0, err
 		}
-		filters = append(filters, f)
+		found, err := q.Waiting(ctx, db, schedsql.WaitingParams{Filter: filter, FromID: from, Now: ts(now)})
+		if err != nil {
+			return 0, fmt.Errorf("pull forward waiting jobs: %w", err)
+		}
+		for _, row := range found {
+			if !seen[row.ID] { // a job waiting on two of the credited limits
+				seen[row.ID] = true
+				rows = append(rows, row)
+			}
+		}
 	}
-	if len(filters) == 0 {
+	if len(rows) == 0 {
 		return 0, nil
-	}
-	slices.SortFunc(filters, func(a, b []byte) int { return strings.Compare(string(a), string(b)) })
-	q := schedsql.New()
-	rows, err := q.Waiting(ctx, db, schedsql.WaitingParams{FromID: from, Now: ts(now), Filters: filters})
-	if err != nil {
-		return 0, fmt.Errorf("pull forward waiting jobs: %w", err)
 	}
 	var params schedsql.RescheduleParams
 	earlier := 0

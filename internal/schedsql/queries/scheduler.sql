@@ -35,16 +35,17 @@ WHERE j.id = sqlc.arg('id')::bigint;
 
 -- name: Waiting :many
 -- Waiting locks, in job ID order (arrival order), the reserved jobs from ID from_id on that have
--- not started and are due after now whose reservation includes one of the limits in filters (each
--- a JSON array holding one {"name", "key"} object). Jobs locked by another transaction are
--- skipped: they keep their time, which is never too early.
+-- not started and are due after now, whose metadata contains filter: {"txlimit_reserved":
+-- {"limits": [{"name": ..., "key": ...}]}}, i.e. whose reservation includes that limit. The
+-- containment test can use River's GIN index on metadata (river_job_metadata_index). Jobs locked
+-- by another transaction are skipped: they keep their time, which is never too early.
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.id >= sqlc.arg('from_id')::bigint
+WHERE j.metadata @> sqlc.arg('filter')::jsonb
+  AND j.id >= sqlc.arg('from_id')::bigint
   AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
   AND j.scheduled_at > sqlc.arg('now')::timestamptz
-  AND (j.metadata -> 'txlimit_reserved' -> 'limits') @> ANY (sqlc.arg('filters')::jsonb[])
 ORDER BY j.id
 FOR UPDATE SKIP LOCKED;
 
