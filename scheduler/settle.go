@@ -16,7 +16,8 @@ import (
 
 // Settlement is what a job needs to settle its reservation once the real cost is known: put it in
 // the job's args (it marshals to {"name", "key", "reserved"}), with the values passed to
-// ReserveTx, and call Settle from the worker.
+// ReserveTx, and call Settle from the worker. Jobs inserted by ReserveTx or ReserveManyTx need
+// none: Scheduler.SettleTx reads what they reserved from the job and settles exactly once.
 //
 //	type CompletionArgs struct {
 //		Prompt string               `json:"prompt"`
