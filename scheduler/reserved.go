@@ -158,8 +158,9 @@ func (l *reservedLimit) credit(cfg ratelimit.Config, credited float64, now time.
 			l.Owed, l.At, l.RetryAt = 0, at, now
 			return true
 		}
-		// Never later than it was (this also bounds the arithmetic).
-		if w := windowsFor(owed, cfg.Rate); w*float64(cfg.Period) < float64(l.RetryAt.Sub(at)) {
+		// Record what is still owed even when it is due in the same window as before, so that the
+		// next credit starts from it. Never later than it was (this also bounds the arithmetic).
+		if w := windowsFor(owed, cfg.Rate); w*float64(cfg.Period) <= float64(l.RetryAt.Sub(at)) {
 			l.Owed, l.At = owed, at
 			l.RetryAt = at.Add(time.Duration(w) * cfg.Period)
 			return true
