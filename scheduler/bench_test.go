@@ -92,6 +92,7 @@ func benchLateness(b *testing.B, precise bool) {
 	}()
 
 	var late []time.Duration
+	ranNow := 0
 	for i := 0; i < b.N; i++ {
 		due := make(map[int64]time.Time, n)
 		// Push the limit 1.5 s into debt so that every job is committed well before it is due.
@@ -139,6 +140,12 @@ func benchLateness(b *testing.B, precise bool) {
 		}
 		mu.Lock()
 		for id, at := range due {
+			if at.IsZero() {
+				// Its tokens were there: the machine reserved slower than the limit refilled
+				// (a loaded machine), so the job ran at once and has no time to be late for.
+				ranNow++
+				continue
+			}
 			late = append(late, starts[id].Sub(at))
 		}
 		mu.Unlock()
@@ -149,6 +156,7 @@ func benchLateness(b *testing.B, precise bool) {
 		return float64(late[k]) / float64(time.Millisecond)
 	}
 	b.ReportMetric(float64(len(late)), "jobs")
+	b.ReportMetric(float64(ranNow), "ran-now")
 	b.ReportMetric(pct(0.50), "p50-ms")
 	b.ReportMetric(pct(0.99), "p99-ms")
 	b.ReportMetric(pct(1), "max-ms")

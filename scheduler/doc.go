@@ -10,8 +10,11 @@
 // all or nothing.
 //
 // A reserved job was paid for when it was scheduled, so it runs without checking the limit again.
-// When its real cost is known it settles the reservation: Settlement, carried in the job's args,
-// credits back what was not used or charges the overrun.
+// When its real cost is known it settles the reservation: Scheduler.SettleTx credits back what was
+// not used or charges the overrun, exactly once per job (recorded in the job's metadata in the same
+// transaction). Scheduler.CancelTx cancels a job that has not started and refunds everything it
+// reserved. Tokens given back either way pull the jobs waiting behind it forward, in the same
+// transaction, to when their own tokens will have accrued (docs/scheduler.md has the algebra).
 //
 // # Precise timing
 //
@@ -39,7 +42,7 @@
 //
 // Migrate applies River's own migrations (rivermigrate) next to txlimit's (migrations.Up). The
 // River client needs PreciseHook among its Hooks, and a queue from PreciseQueue for the reserved
-// jobs:
+// jobs; Scheduler.Check verifies both at start-up and returns a *SetupError naming the fix:
 //
 //	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 //		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
@@ -47,7 +50,11 @@
 //		Workers: workers,
 //	})
 //	sched, err := scheduler.New(client, limiter, nil)
+//	err = sched.Check(ctx, pool, CompletionArgs{})
 //
 //	// In a request handler, inside the application's transaction:
 //	res, err := sched.ReserveTx(ctx, tx, "llm-tokens", orgID, estimate, CompletionArgs{...}, nil)
+//
+//	// In the worker, in the transaction that completes the job:
+//	settled, err := sched.SettleTx(ctx, tx, job.ID, usedTokens)
 package scheduler

@@ -38,7 +38,7 @@ func Example_reserveAndSchedule() {
 	}
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(func(ctx context.Context, job *river.Job[CompletionArgs]) error {
-		return nil // call the model, then settle: job.Args.Budget.Settle(ctx, tx, limiter, used, nil)
+		return nil // call the model, then settle in the job's tx: sched.SettleTx(ctx, tx, job.ID, used)
 	}))
 	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},

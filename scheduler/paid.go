@@ -36,7 +36,10 @@ func paidFor(job *rivertype.JobRow) (paid, bool) {
 }
 
 // withPaid returns metadata (a JSON object, or empty) with MetadataKey set to p.
-func withPaid(metadata []byte, p paid) ([]byte, error) {
+func withPaid(metadata []byte, p paid) ([]byte, error) { return withKey(metadata, MetadataKey, p) }
+
+// withKey returns metadata (a JSON object, or empty) with key set to v.
+func withKey(metadata []byte, key string, v any) ([]byte, error) {
 	m := map[string]json.RawMessage{} // raw values: the caller's numbers and nesting stay as they were
 	if len(metadata) > 0 {
 		if err := json.Unmarshal(metadata, &m); err != nil {
@@ -46,10 +49,10 @@ func withPaid(metadata []byte, p paid) ([]byte, error) {
 			m = map[string]json.RawMessage{}
 		}
 	}
-	v, err := json.Marshal(p)
+	b, err := json.Marshal(v)
 	if err != nil {
 		return nil, err
 	}
-	m[MetadataKey] = v
+	m[key] = b
 	return json.Marshal(m)
 }

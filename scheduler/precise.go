@@ -68,6 +68,9 @@ var _ rivertype.HookInsertBegin = (*PreciseHook)(nil)
 
 // InsertBegin implements rivertype.HookInsertBegin.
 func (h *PreciseHook) InsertBegin(ctx context.Context, params *rivertype.JobInsertParams) error {
+	if err := markHookSeen(ctx); err != nil {
+		return err
+	}
 	if params.State == rivertype.JobStateScheduled && IsPrecise(ctx) {
 		params.State = rivertype.JobStateAvailable
 	}

@@ -121,7 +121,10 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 		return nil, err
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true, AsError: true})
+		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true})
+		if err == nil {
+			err = res.Err() // past MaxReserved: a *LimitedError, nothing written
+		}
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -153,7 +156,10 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 		}
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		res, err := s.limiter.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{AsError: true})
+		res, err := s.limiter.LimitMany(ctx, tx, reqs, nil)
+		if err == nil {
+			err = res.Err()
+		}
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -181,6 +187,9 @@ func atomically(ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (*
 	if rbErr := sp.Rollback(ctx); rbErr != nil {
 		return nil, errors.Join(err, fmt.Errorf("scheduler: %s: roll back to savepoint (roll tx back): %w", op, rbErr))
 	}
+	if se := missingRiverTable(ctx, op, tx, err); se != nil {
+		return nil, se
+	}
 	var refused *insertError
 	var pgErr *pgconn.PgError
 	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
@@ -202,24 +211,41 @@ type credit struct {
 	config    *ratelimit.Config
 }
 
-// schedule inserts the job of a granted reservation.
+// schedule inserts the job of a granted reservation, with what it reserved recorded in its
+// metadata (ReservedKey).
 func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results []ratelimit.Result, retryAt time.Time, credits []credit, args river.JobArgs, insertOpts river.InsertOpts, opts *ReserveOpts) (*Reservation, error) {
 	r := &Reservation{Results: results}
+	rec := reservation{NotBefore: insertOpts.ScheduledAt.UTC()}
+	if insertOpts.ScheduledAt.IsZero() {
+		rec.NotBefore = time.Time{}
+	}
 	reserved := false
-	for _, res := range results {
+	for i, res := range results {
 		reserved = reserved || res.Reserved
+		cfg, err := s.limiter.Lookup(credits[i].name, credits[i].key, credits[i].config)
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
+		rec.Limits = append(rec.Limits, newReservedLimit(res, credits[i].count, cfg, credits[i].config))
 	}
 	if reserved {
 		r.RetryAt = retryAt
 		r.Jitter = jitter(opts.JitterKey, opts.Jitter)
 		r.ScheduledAt = retryAt.Add(r.Jitter)
+		rec.Jitter = r.Jitter
 	}
 	if insertOpts.ScheduledAt.After(r.ScheduledAt) {
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
+	md, err := withKey(insertOpts.Metadata, ReservedKey, &rec)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %s: record the reservation: %w", op, err)
+	}
+	insertOpts.Metadata = md
 
-	ins, err := s.client.InsertTx(WithPrecise(ctx), tx, args, &insertOpts)
+	hooked := false
+	ins, err := s.client.InsertTx(withHookSeen(WithPrecise(ctx), &hooked), tx, args, &insertOpts)
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: %s: %w", op, &insertError{err: err})
 	}
@@ -233,9 +259,12 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		}
 		return r, nil
 	}
+	if !hooked && !s.allowImprecise {
+		// Every reservation needs the hook, also one that runs now: the next one may have to wait.
+		return nil, noHookError(op)
+	}
 	if !r.ScheduledAt.IsZero() && ins.Job.State == rivertype.JobStateScheduled && !s.allowImprecise {
-		return nil, fmt.Errorf("scheduler: %s: River inserted job %d as scheduled, so it would start up to ~5 s late: "+
-			"add &scheduler.PreciseHook{} to river.Config.Hooks of the client, or set scheduler.Config.AllowImprecise (nothing was reserved)", op, ins.Job.ID)
+		return nil, fmt.Errorf("scheduler: %s: River inserted job %d as scheduled, so it would start up to ~5 s late: %w", op, ins.Job.ID, noHookError(op))
 	}
 	return r, nil
 }

@@ -347,7 +347,8 @@ func TestReserveTxInput(t *testing.T) {
 			InsertOpts: &river.InsertOpts{Metadata: []byte(`{"trace":"abc","n":12345678901234567890}`)},
 		})
 		require.NoError(t, err)
-		require.JSONEq(t, `{"trace":"abc","n":12345678901234567890,"txlimit_paid":{"attempt":1}}`, string(res.Job.Metadata))
+		require.JSONEq(t, `{"trace":"abc","n":12345678901234567890,"txlimit_paid":{"attempt":1},
+			"txlimit_reserved":{"limits":[{"name":"calls","key":"u1","count":1}]}}`, string(res.Job.Metadata))
 		return nil
 	}))
 	require.Equal(t, 9.0, value(t, b, "calls", "u1"))

@@ -2,16 +2,22 @@ package scheduler
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/txlimit/txlimit/internal/schedsql"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // Settlement is what a job needs to settle its reservation once the real cost is known: put it in
 // the job's args (it marshals to {"name", "key", "reserved"}), with the values passed to
-// ReserveTx, and call Settle from the worker.
+// ReserveTx, and call Settle from the worker. Jobs inserted by ReserveTx or ReserveManyTx need
+// none: Scheduler.SettleTx reads what they reserved from the job and settles exactly once.
 //
 //	type CompletionArgs struct {
 //		Prompt string               `json:"prompt"`
@@ -49,8 +55,10 @@ type SettleResult struct {
 // work has been done, so its cost is booked even past MaxReserved, and later reservations wait for
 // it to be repaid. Equal costs write nothing. actual must be finite and >= 0.
 //
-// Settle once per job: do it in the transaction that completes the job (river.JobCompleteTx) so
-// that a retry of the job cannot settle twice.
+// Settle records nothing, so a second call credits or charges again: for a job inserted by
+// ReserveTx or ReserveManyTx, prefer Scheduler.SettleTx, which settles each job exactly once and
+// pulls waiting jobs forward. Otherwise settle once per job, in the transaction that completes it
+// (river.JobCompleteTx).
 func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, actual float64, opts *SettleOpts) (SettleResult, error) {
 	const op = "Settle"
 	if l == nil {
@@ -107,4 +115,126 @@ func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, na
 		err = fmt.Errorf("overrun of %g tokens of %q key %q was denied without a MaxReserved", count, name, key)
 	}
 	return err
+}
+
+// SettledLimit is the settlement of one limit of a job.
+type SettledLimit struct {
+	// Name and Key identify the limit.
+	Name string `json:"name"`
+	Key  string `json:"key"`
+	// Reserved is what the job reserved; Actual what it used.
+	Reserved float64 `json:"reserved"`
+	Actual   float64 `json:"actual"`
+	// Charged is the overrun charged: Actual - Reserved when positive, else 0.
+	Charged float64 `json:"charged"`
+	// Credited is what was given back: Reserved - Actual when positive, less where the limit was
+	// too full to take it all, else 0.
+	Credited float64 `json:"credited"`
+}
+
+// JobSettlement is the outcome of SettleTx and SettleManyTx.
+type JobSettlement struct {
+	// JobID is the settled job.
+	JobID int64 `json:"job_id"`
+	// Limits are the limits settled, in the order the job reserved them.
+	Limits []SettledLimit `json:"limits"`
+	// PulledForward is how many waiting jobs the credits moved earlier (see docs/scheduler.md).
+	PulledForward int `json:"pulled_forward"`
+	// Cancelled reports that the settlement was CancelTx's refund: nothing used.
+	Cancelled bool `json:"cancelled,omitempty"`
+	// Repeated reports that the job had been settled already: this call changed nothing and the
+	// other fields are the first settlement's outcome.
+	Repeated bool `json:"-"`
+}
+
+// SettleTx settles, in tx, the reservation of a job that ReserveTx inserted, with actual, the
+// tokens the work really used: it credits back what was not used, or charges the overrun as a
+// reservation that MaxReserved cannot deny (the work is done). Credited tokens pull the jobs
+// waiting on the limit forward, in the same tx (see CancelTx).
+//
+// The settlement is recorded in the job's metadata (SettledKey) in the same tx as its credit or
+// charge, so it happens exactly once per job: a second SettleTx of the job, after the first
+// committed, changes nothing and returns the first outcome with Repeated set; one racing with it
+// waits for it (the job's row lock), then does the same. So a retried job, a worker that crashed
+// after settling, or two processes settling at once cannot credit twice. Call it from the worker,
+// ideally in the transaction that completes the job (river.JobCompleteTx).
+//
+// actual must be finite and >= 0. A job that does not exist is an error matching
+// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved; a job of
+// ReserveManyTx needs SettleManyTx. The call works in a savepoint of tx: any error leaves tx as it
+// was, unless it says to roll tx back.
+func (s *Scheduler) SettleTx(ctx context.Context, tx pgx.Tx, jobID int64, actual float64) (*JobSettlement, error) {
+	return s.settle(ctx, "SettleTx", tx, jobID, []float64{actual})
+}
+
+// SettleManyTx is SettleTx for a job of ReserveManyTx: actual has the tokens used of each limit,
+// in the order of its requests (one per request).
+func (s *Scheduler) SettleManyTx(ctx context.Context, tx pgx.Tx, jobID int64, actual []float64) (*JobSettlement, error) {
+	return s.settle(ctx, "SettleManyTx", tx, jobID, actual)
+}
+
+func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int64, actual []float64) (*JobSettlement, error) {
+	if tx == nil {
+		return nil, &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx to settle in"}
+	}
+	for i, a := range actual {
+		if math.IsNaN(a) || math.IsInf(a, 0) || a < 0 {
+			return nil, &ratelimit.ArgumentError{Op: op, Arg: fmt.Sprintf("actual[%d]", i), Reason: fmt.Sprintf("must be finite and >= 0, got %g", a)}
+		}
+	}
+	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
+		q := schedsql.New()
+		claimed, err := q.ClaimSettlement(ctx, sp, schedsql.ClaimSettlementParams{ID: jobID, Claim: []byte(`{"claimed": true}`)})
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
+		if len(claimed) == 0 { // settled already, or no such job
+			prev, err := q.Settlement(ctx, sp, jobID)
+			if err != nil {
+				return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+			}
+			if len(prev) == 0 {
+				return nil, fmt.Errorf("scheduler: %s: job %d: %w", op, jobID, rivertype.ErrNotFound)
+			}
+			var out JobSettlement
+			if err := json.Unmarshal(prev[0], &out); err != nil || out.JobID != jobID {
+				return nil, fmt.Errorf("scheduler: %s: job %d has an unreadable settlement (metadata key %q): %s", op, jobID, SettledKey, prev[0])
+			}
+			out.Repeated = true
+			return &out, nil
+		}
+		var rec reservation
+		if err := json.Unmarshal(claimed[0], &rec); err != nil || len(rec.Limits) == 0 {
+			return nil, &notReservedError{op: op, jobID: jobID}
+		}
+		if len(actual) != len(rec.Limits) {
+			reason := fmt.Sprintf("has %d values, the job reserved %d limits", len(actual), len(rec.Limits))
+			if len(actual) == 1 {
+				reason += ": use SettleManyTx"
+			}
+			return nil, &ratelimit.ArgumentError{Op: op, Arg: "actual", Reason: reason}
+		}
+		out := &JobSettlement{JobID: jobID, Limits: make([]SettledLimit, len(rec.Limits))}
+		amounts := make([]float64, len(rec.Limits))
+		for i, l := range rec.Limits {
+			amounts[i] = l.Count - actual[i]
+			out.Limits[i] = SettledLimit{Name: l.Name, Key: l.Key, Reserved: l.Count, Actual: actual[i], Charged: max(-amounts[i], 0)}
+		}
+		credited, n, err := s.give(ctx, sp, jobID, rec.Limits, amounts)
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
+		for i := range out.Limits {
+			out.Limits[i].Credited = credited[i]
+		}
+		out.PulledForward = n
+		b, err := json.Marshal(out)
+		if err != nil {
+			return nil, err
+		}
+		if err := q.RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: b}); err != nil {
+			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
+		}
+		return out, nil
+	})
 }

@@ -23,7 +23,10 @@ func TestSettle(t *testing.T) {
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"tokens": cfg}, now: frozen(t0)})
 	take := func(n float64) {
 		t.Helper()
-		_, err := b.limiter.LimitN(ctx, b.pool, "tokens", "k", n, &ratelimit.LimitOpts{Reserve: true, AsError: true})
+		res, err := b.limiter.LimitN(ctx, b.pool, "tokens", "k", n, &ratelimit.LimitOpts{Reserve: true})
+		if err == nil {
+			err = res.Err()
+		}
 		require.NoError(t, err)
 	}
 

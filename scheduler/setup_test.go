@@ -62,10 +62,11 @@ func setup(t *testing.T, opts *setupOpts) *testBundle {
 
 // clientOpts configure newClient. Without queues, the client only inserts.
 type clientOpts struct {
-	queues     map[string]river.QueueConfig
-	middleware []rivertype.Middleware
-	work       func(ctx context.Context, job *river.Job[callArgs]) error
-	noHook     bool
+	queues      map[string]river.QueueConfig
+	middleware  []rivertype.Middleware
+	work        func(ctx context.Context, job *river.Job[callArgs]) error
+	noHook      bool
+	retryPolicy river.ClientRetryPolicy
 }
 
 func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
@@ -80,11 +81,12 @@ func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(work))
 	cfg := &river.Config{
-		Logger:     quietLogger(),
-		Middleware: opts.middleware,
-		Queues:     opts.queues,
-		TestOnly:   true,
-		Workers:    workers,
+		Logger:      quietLogger(),
+		Middleware:  opts.middleware,
+		Queues:      opts.queues,
+		RetryPolicy: opts.retryPolicy,
+		TestOnly:    true,
+		Workers:     workers,
 	}
 	if !opts.noHook {
 		cfg.Hooks = []rivertype.Hook{&scheduler.PreciseHook{}}

@@ -5,8 +5,11 @@
 // a River job for when the budget has it (scheduler.ReserveTx): now, later, or, when more than
 // MaxReserved would be owed, not at all (the caller is told when to come back). A worker runs a
 // deterministic stand-in for the model call, which reports the tokens actually used, and settles
-// the reservation with them in the transaction that completes the job: the unused part is credited
-// back, an overrun is charged.
+// the reservation with them (scheduler.SettleTx, exactly once) in the transaction that completes
+// the job: the unused part is credited back, an overrun is charged. Credited tokens pull the jobs
+// still waiting forward to when their own tokens have accrued. One user gives up while waiting:
+// the job is cancelled and its tokens refunded (scheduler.CancelTx), which pulls the others forward
+// too.
 //
 // Time is scaled down so that the run takes about 12 s: one budget minute lasts 4 s here. The
 // program prints a timeline of requests, model calls and the budget, then checks that the calls
@@ -14,12 +17,18 @@
 //
 // It connects to DATABASE_URL, else TEST_DATABASE_URL, else
 // postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
-// drops at the end, so it can be run again and again.
+// drops at the end, so it can be run again and again (db.go). It uses only public packages, so it
+// can be copied into an application as it is.
+//
+// With -no-pull-forward it settles with scheduler.Settlement.Settle instead, which credits the
+// unused tokens without moving the waiting jobs (and is not exactly-once), and cancels with River's
+// JobCancelTx and a settlement of 0: the mean wait of both runs is compared in docs/scheduler.md.
 package main
 
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log"
@@ -36,7 +45,6 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
-	"github.com/txlimit/txlimit/internal/scratch"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -54,7 +62,12 @@ const (
 	modelLatency = 150 * time.Millisecond
 	org          = "org-42"
 	limitName    = "llm-tokens"
+	// giveUp is the request whose user gives up while it waits, when request giveUpAt arrives.
+	giveUp, giveUpAt = 21, 24
 )
+
+// noPull settles with Settlement.Settle, which does not pull waiting jobs forward.
+var noPull = flag.Bool("no-pull-forward", false, "settle and cancel without pulling waiting jobs forward (for comparison)")
 
 // estimates are the requests' estimated token counts, in order of arrival.
 var estimates = []float64{
@@ -72,8 +85,8 @@ func usage(i int, estimate float64) float64 {
 
 // CompletionArgs is a model call that reserved its estimate.
 type CompletionArgs struct {
-	Request int                  `json:"request"`
-	Budget  scheduler.Settlement `json:"budget"`
+	Request  int     `json:"request"`
+	Estimate float64 `json:"estimate"`
 }
 
 // Kind implements river.JobArgs.
@@ -84,6 +97,7 @@ type completionWorker struct {
 	river.WorkerDefaults[CompletionArgs]
 	pool    *pgxpool.Pool
 	limiter *ratelimit.Limiter
+	sched   *scheduler.Scheduler
 	tl      *timeline
 }
 
@@ -91,17 +105,30 @@ func (w *completionWorker) Work(ctx context.Context, job *river.Job[CompletionAr
 	started := time.Now()
 	i := job.Args.Request
 	time.Sleep(modelLatency) // the model call
-	used := usage(i, job.Args.Budget.Reserved)
+	estimate := job.Args.Estimate
+	used := usage(i, estimate)
 	settling := time.Now()
 
-	// Settle and complete the job in one transaction, so that a retry cannot settle twice.
-	var settled scheduler.SettleResult
+	// Settle and complete the job in one transaction. SettleTx records the settlement on the job,
+	// so that even a retry or a second worker cannot settle it twice.
+	var credited, charged float64
+	pulled := 0
 	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
-		var err error
-		if settled, err = job.Args.Budget.Settle(ctx, tx, w.limiter, used, nil); err != nil {
-			return err
+		if *noPull {
+			budget := scheduler.Settlement{Name: limitName, Key: org, Reserved: estimate}
+			res, err := budget.Settle(ctx, tx, w.limiter, used, nil)
+			if err != nil {
+				return err
+			}
+			credited, charged = res.Credited, res.Charged
+		} else {
+			res, err := w.sched.SettleTx(ctx, tx, job.ID, used)
+			if err != nil {
+				return err
+			}
+			credited, charged, pulled = res.Limits[0].Credited, res.Limits[0].Charged, res.PulledForward
 		}
-		_, err = river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
+		_, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
 		return err
 	})
 	if err != nil {
@@ -109,16 +136,20 @@ func (w *completionWorker) Work(ctx context.Context, job *river.Job[CompletionAr
 	}
 	note := "exact"
 	switch {
-	case settled.Credited > 0:
-		note = fmt.Sprintf("credited %.0f back", settled.Credited)
-	case settled.Charged > 0:
-		note = fmt.Sprintf("charged %.0f overrun", settled.Charged)
+	case credited > 0:
+		note = fmt.Sprintf("credited %.0f back", credited)
+		if pulled > 0 {
+			note += ", " + jobs(pulled) + " pulled forward"
+		}
+	case charged > 0:
+		note = fmt.Sprintf("charged %.0f overrun", charged)
 	}
-	w.tl.ran(i, started, settling, job.ScheduledAt, job.Args.Budget.Reserved, used, settled.Credited, note)
+	w.tl.ran(i, started, settling, job.ScheduledAt, estimate, used, credited, note)
 	return nil
 }
 
 func main() {
+	flag.Parse()
 	if err := run(context.Background()); err != nil {
 		log.Fatalf("llmbudget: %v", err)
 	}
@@ -126,7 +157,7 @@ func main() {
 
 func run(ctx context.Context) error {
 	// A schema of our own, dropped at the end.
-	pool, done, err := scratch.Open(ctx, scratch.URL(), "txlimit_llmbudget_", 16)
+	pool, done, err := openScratch(ctx, databaseURL(), "txlimit_llmbudget_", 16)
 	if err != nil {
 		return err
 	}
@@ -141,9 +172,10 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	tl := &timeline{start: time.Now()}
+	tl := &timeline{start: time.Now(), scheduled: map[int]time.Time{}}
 	workers := river.NewWorkers()
-	river.AddWorker(workers, &completionWorker{pool: pool, limiter: limiter, tl: tl})
+	worker := &completionWorker{pool: pool, limiter: limiter, tl: tl}
+	river.AddWorker(workers, worker)
 	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
 		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
@@ -155,6 +187,11 @@ func run(ctx context.Context) error {
 	}
 	sched, err := scheduler.New(client, limiter, nil)
 	if err != nil {
+		return err
+	}
+	worker.sched = sched
+	// The start-up check: River's tables are there and the client has PreciseHook.
+	if err := sched.Check(ctx, pool, CompletionArgs{}); err != nil {
 		return err
 	}
 	if err := client.Start(ctx); err != nil {
@@ -192,15 +229,24 @@ func run(ctx context.Context) error {
 	})
 
 	accepted := 0
+	jobIDs := map[int]int64{}
 	for i, estimate := range estimates {
 		time.Sleep(time.Until(tl.start.Add(time.Duration(i) * arrival)))
+		if i == giveUpAt {
+			if id, ok := jobIDs[giveUp]; ok {
+				if err := cancel(ctx, pool, client, sched, limiter, tl, giveUp, id, estimates[giveUp]); err != nil {
+					return err
+				}
+				accepted--
+			}
+		}
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			// The application's own writes for the request would go here, in tx.
-			budget := scheduler.Settlement{Name: limitName, Key: org, Reserved: estimate}
-			res, err := sched.ReserveTx(ctx, tx, limitName, org, estimate, CompletionArgs{Request: i, Budget: budget}, nil)
+			res, err := sched.ReserveTx(ctx, tx, limitName, org, estimate, CompletionArgs{Request: i, Estimate: estimate}, nil)
 			if err != nil {
 				return err
 			}
+			jobIDs[i] = res.Job.ID
 			tl.reserved(i, estimate, res)
 			return nil
 		})
@@ -232,6 +278,45 @@ func run(ctx context.Context) error {
 	return tl.summary(len(estimates), accepted, st.Value)
 }
 
+// cancel cancels the job of request i, whose user gave up, and refunds its tokens, unless it has
+// started already.
+func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx], sched *scheduler.Scheduler,
+	limiter *ratelimit.Limiter, tl *timeline, i int, jobID int64, estimate float64) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if *noPull { // the way without CancelTx: cancel, then settle for 0 (no pull-forward)
+			if _, err := client.JobCancelTx(ctx, tx, jobID); err != nil {
+				return err
+			}
+			budget := scheduler.Settlement{Name: limitName, Key: org, Reserved: estimate}
+			res, err := budget.Settle(ctx, tx, limiter, 0, nil)
+			if err != nil {
+				return err
+			}
+			tl.cancelled(i, res.Credited, 0)
+			return nil
+		}
+		res, err := sched.CancelTx(ctx, tx, jobID)
+		var started *scheduler.NotCancellableError
+		if errors.As(err, &started) {
+			tl.printf(time.Now(), "request %2d  gives up, too late: %v", i, err)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		tl.cancelled(i, res.Refunds[0].Credited, res.PulledForward)
+		return nil
+	})
+}
+
+// jobs says how many waiting jobs.
+func jobs(n int) string {
+	if n == 1 {
+		return "1 waiting job"
+	}
+	return fmt.Sprintf("%d waiting jobs", n)
+}
+
 func sum(xs []float64) float64 {
 	var s float64
 	for _, x := range xs {
@@ -246,13 +331,16 @@ type timeline struct {
 
 	mu         sync.Mutex
 	calls      []call
+	scheduled  map[int]time.Time // when each request's job was first scheduled
 	rejections int
+	cancels    int
 	firstGrant time.Time
 	used       float64
 	lateMax    time.Duration
 }
 
 type call struct {
+	request            int
 	started, settling  time.Time
 	reserved, credited float64
 }
@@ -272,7 +360,16 @@ func (t *timeline) reserved(i int, estimate float64, res *scheduler.Reservation)
 		t.printf(now, "request %2d  reserves %5.0f  runs now", i, estimate)
 		return
 	}
+	t.scheduled[i] = res.ScheduledAt
 	t.printf(now, "request %2d  reserves %5.0f  scheduled for %6.2fs", i, estimate, res.ScheduledAt.Sub(t.start).Seconds())
+}
+
+func (t *timeline) cancelled(i int, refund float64, pulled int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.cancels++
+	t.printf(time.Now(), "request %2d  gives up while it waits: job cancelled, %.0f tokens refunded, %s pulled forward",
+		i, refund, jobs(pulled))
 }
 
 func (t *timeline) rejected(i int, estimate float64, retryAt time.Time) {
@@ -287,11 +384,15 @@ func (t *timeline) ran(i int, started, settling, scheduledAt time.Time, reserved
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	late := started.Sub(scheduledAt)
-	t.calls = append(t.calls, call{started: started, settling: settling, reserved: reserved, credited: credited})
+	t.calls = append(t.calls, call{request: i, started: started, settling: settling, reserved: reserved, credited: credited})
 	t.used += used
 	t.lateMax = max(t.lateMax, late)
-	t.printf(started, "  call %2d  runs (%3.0f ms after its time), used %5.0f of %5.0f: %s",
-		i, float64(late)/float64(time.Millisecond), used, reserved, note)
+	pulled := ""
+	if first, ok := t.scheduled[i]; ok && scheduledAt.Before(first) {
+		pulled = fmt.Sprintf(", pulled forward from %.2fs", first.Sub(t.start).Seconds())
+	}
+	t.printf(started, "  call %2d  runs (%3.0f ms after its time%s), used %5.0f of %5.0f: %s",
+		i, float64(late)/float64(time.Millisecond), pulled, used, reserved, note)
 }
 
 func (t *timeline) budget(v float64) {
@@ -340,7 +441,17 @@ func (t *timeline) summary(requests, accepted int, final float64) error {
 		}
 	}
 	last := t.calls[len(t.calls)-1].started.Sub(t.firstGrant)
-	fmt.Printf("\n%d requests: %d ran, %d rejected with a time to retry\n", requests, accepted, t.rejections)
+	var wait time.Duration
+	for _, c := range t.calls {
+		wait += c.started.Sub(t.start.Add(time.Duration(c.request) * arrival))
+	}
+	fmt.Printf("\n%d requests: %d ran, %d cancelled with a refund, %d rejected with a time to retry\n",
+		requests, accepted, t.cancels, t.rejections)
+	mode := "with pull-forward"
+	if *noPull {
+		mode = "without pull-forward (-no-pull-forward)"
+	}
+	fmt.Printf("mean wait from request to model call: %d ms, %s\n", (wait / time.Duration(len(t.calls))).Milliseconds(), mode)
 	fmt.Printf("reserved %.0f tokens, used %.0f, over %.1f budget minutes (%d tokens each)\n",
 		reserved, t.used, last.Seconds()/minute.Seconds(), tpm)
 	fmt.Printf("latest start after its scheduled time: %d ms; budget left: %.0f\n", t.lateMax.Milliseconds(), final)

@@ -10,7 +10,8 @@
 // The parts, each printing one summary line that starts with "reliability: <part>:":
 //
 //  1. soak (TestSoak): workers mixing limits, reservations with River jobs, multi-limit calls
-//     and credits over plain and sharded limits, with random rollbacks and random
+//     and credits, and cancels and settlements of the reserved jobs (soak_sched_test.go), over
+//     plain and sharded limits, with random rollbacks and random
 //     pg_terminate_backend of their own connections; at the end the stored value of every limit
 //     must equal what the committed calls imply, and committed reservations the inserted jobs.
 //     TXLIMIT_SOAK_DURATION (default 60s) and TXLIMIT_SOAK_WORKERS (default 16) size it.

@@ -346,6 +346,7 @@ func TestSoak(t *testing.T) {
 			}
 		}()
 	}
+	s.startSched(t, &wg, deadline, seed) // cancels and settlements (soak_sched_test.go)
 	wg.Wait()
 	stopKiller()
 	<-killerDone

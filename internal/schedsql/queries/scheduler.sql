@@ -1,0 +1,69 @@
+-- name: LockJob :one
+-- LockJob locks a River job (FOR UPDATE) and returns what a cancel needs: its state, whether an
+-- attempt has started, whether it was settled, and the reservation ReserveTx recorded in its
+-- metadata (JSON null if none).
+SELECT j.state::text AS state,
+       (j.attempted_at IS NOT NULL)::boolean AS attempted,
+       (j.metadata ? 'txlimit_settled')::boolean AS settled,
+       coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved
+FROM river_job j
+WHERE j.id = sqlc.arg('id')::bigint
+FOR UPDATE;
+
+-- name: ClaimSettlement :many
+-- ClaimSettlement records claim as the job's settlement (metadata key txlimit_settled) unless one
+-- is recorded already, and returns the job's reservation. No row means the job is missing or
+-- already settled: a concurrent settle waits for the row lock, then re-checks the condition on the
+-- committed row (READ COMMITTED), so exactly one claim succeeds.
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('claim')::jsonb, true)
+WHERE j.id = sqlc.arg('id')::bigint AND NOT (j.metadata ? 'txlimit_settled')
+RETURNING coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved;
+
+-- name: Settlement :many
+-- Settlement returns the settlement recorded on a job (JSON null if none); no row if the job is
+-- missing.
+SELECT coalesce(j.metadata -> 'txlimit_settled', 'null'::jsonb)::jsonb AS settled
+FROM river_job j
+WHERE j.id = sqlc.arg('id')::bigint;
+
+-- name: RecordSettlement :exec
+-- RecordSettlement stores the outcome of a settlement this transaction claimed.
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::jsonb, true)
+WHERE j.id = sqlc.arg('id')::bigint;
+
+-- name: Waiting :many
+-- Waiting locks, in job ID order (arrival order), the reserved jobs from ID from_id on that have
+-- not started and are due after now, whose metadata contains filter: {"txlimit_reserved":
+-- {"limits": [{"name": ..., "key": ...}]}}, i.e. whose reservation includes that limit. The
+-- containment test can use River's GIN index on metadata (river_job_metadata_index). Jobs locked
+-- by another transaction are skipped: they keep their time, which is never too early.
+SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
+FROM river_job j
+WHERE j.metadata @> sqlc.arg('filter')::jsonb
+  AND j.id >= sqlc.arg('from_id')::bigint
+  AND j.state IN ('available', 'scheduled', 'pending')
+  AND j.attempted_at IS NULL
+  AND j.scheduled_at > sqlc.arg('now')::timestamptz
+ORDER BY j.id
+FOR UPDATE SKIP LOCKED;
+
+-- name: Reschedule :execrows
+-- Reschedule moves each job ids[i] to scheduled_ats[i] and stores its updated reservation.
+UPDATE river_job j
+SET scheduled_at = u.scheduled_at,
+    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved, true)
+FROM (SELECT unnest(sqlc.arg('ids')::bigint[]) AS id,
+             unnest(sqlc.arg('scheduled_ats')::timestamptz[]) AS scheduled_at,
+             unnest(sqlc.arg('reserveds')::jsonb[]) AS reserved) u
+WHERE j.id = u.id;
+
+-- name: RiverTables :one
+-- RiverTables reports whether river_job resolves on the connection's search_path, and that path.
+SELECT (to_regclass('river_job') IS NOT NULL)::boolean AS present,
+       current_setting('search_path')::text AS search_path;
+
+-- name: SearchPath :one
+-- SearchPath returns the connection's search_path.
+SELECT current_setting('search_path')::text AS search_path;

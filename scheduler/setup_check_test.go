@@ -1,0 +1,111 @@
+package scheduler_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/scheduler"
+)
+
+// TestCheck: the start-up check passes on a set-up scheduler and names the fix for each mistake,
+// writing nothing.
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}})
+
+	// Set up: the probe is stopped by the hook, nothing is inserted. This client has Workers, so
+	// the probe needs the args of one of its kinds; the built-in kind is refused, with a hint.
+	require.NoError(t, b.sched.Check(ctx, b.pool, callArgs{}))
+	require.Empty(t, jobs(t, b.client))
+	err := b.sched.Check(ctx, b.pool, nil)
+	require.ErrorContains(t, err, "pass args of a kind the client works")
+	require.NotErrorIs(t, err, scheduler.ErrSetup)
+	insertOnly, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
+	require.NoError(t, err)
+	s2, err := scheduler.New(insertOnly, b.limiter, nil)
+	require.NoError(t, err)
+	require.NoError(t, s2.Check(ctx, b.pool, nil), "an insert-only client takes the built-in probe")
+
+	// No hook: a *SetupError naming it; AllowImprecise accepts it.
+	noHook, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, nil)
+	require.NoError(t, err)
+	err = noHook.Check(ctx, b.pool, callArgs{})
+	require.ErrorIs(t, err, scheduler.ErrSetup)
+	require.ErrorIs(t, err, scheduler.ErrNoPreciseHook)
+	require.NotErrorIs(t, err, ratelimit.ErrInvalid)
+	require.ErrorContains(t, err, "&scheduler.PreciseHook{}")
+	require.Empty(t, jobs(t, b.client), "the probe was rolled back")
+	lax, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, &scheduler.Config{AllowImprecise: true})
+	require.NoError(t, err)
+	require.NoError(t, lax.Check(ctx, b.pool, callArgs{}))
+
+	// In a transaction, the check is a savepoint: the transaction goes on.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		require.ErrorIs(t, noHook.Check(ctx, tx, callArgs{}), scheduler.ErrNoPreciseHook)
+		_, err := b.limiter.State(ctx, tx, "calls", "u1", nil)
+		return err
+	}))
+}
+
+// TestReserveTxNeedsHookEvenWhenItRunsNow: without PreciseHook, a reservation fails even when its
+// tokens are there, so light traffic finds the mistake too.
+func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	strict, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, nil)
+	require.NoError(t, err)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := strict.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, nil)
+		require.ErrorIs(t, err, scheduler.ErrNoPreciseHook)
+		return nil
+	}))
+	require.Equal(t, 10.0, value(t, b, "calls", "u1"), "nothing reserved")
+	require.Empty(t, jobs(t, b.client))
+}
+
+// TestMissingRiverTables: River's tables missing (scheduler.Migrate not run, or another
+// search_path) is a *SetupError naming scheduler.Migrate and the search_path, from Check and from
+// every call that touches them.
+func TestMissingRiverTables(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, nil) // txlimit's tables only
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"calls": perMinute10}})
+	require.NoError(t, err)
+	sched, err := scheduler.New(newClient(t, pool, nil), limiter, nil)
+	require.NoError(t, err)
+	path := testdb.SearchPath(t, pool)
+
+	requireSetup := func(err error) {
+		t.Helper()
+		var se *scheduler.SetupError
+		require.ErrorAs(t, err, &se)
+		require.ErrorIs(t, err, scheduler.ErrNoRiverTables)
+		require.Equal(t, path, se.SearchPath)
+		require.ErrorContains(t, err, "scheduler.Migrate")
+		require.ErrorContains(t, err, path)
+	}
+	requireSetup(sched.Check(ctx, pool, callArgs{}))
+	require.NoError(t, inTx(t, pool, false, func(tx pgx.Tx) error {
+		_, err := sched.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, nil)
+		requireSetup(err)
+		_, err = sched.CancelTx(ctx, tx, 1)
+		requireSetup(err)
+		_, err = sched.SettleTx(ctx, tx, 1, 1)
+		requireSetup(err)
+		return nil // the savepoints kept the transaction usable
+	}))
+	st, err := limiter.State(ctx, pool, "calls", "u1", nil)
+	require.NoError(t, err)
+	require.Equal(t, 10.0, st.Value, "nothing reserved")
+}
