@@ -121,6 +121,9 @@ type Result struct {
 	// the instant the decision took effect by the wait. RetryAt is computed from the row as
 	// evaluated, so it is right either way.
 	Time time.Time
+	// Batched is how many calls a Batcher decided in the same statement as this one, this one
+	// included; 0 for a call made on the Limiter.
+	Batched int
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
@@ -277,6 +280,8 @@ type ManyResult struct {
 	// Results has one element per request, in order. When OK is false, each says whether that
 	// limit alone would have been granted; none was consumed.
 	Results []Result
+	// Batched is as Result.Batched: how many calls shared the Batcher's statement; 0 on the Limiter.
+	Batched int
 }
 
 // Denied returns the results that were not granted.
