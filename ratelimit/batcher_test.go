@@ -23,7 +23,9 @@ import (
 // bCallID tags a call's context so that the batch observer can say which calls a batch held.
 type bCallID struct{}
 
-func bWithID(ctx context.Context, id int) context.Context { return context.WithValue(ctx, bCallID{}, id) }
+func bWithID(ctx context.Context, id int) context.Context {
+	return context.WithValue(ctx, bCallID{}, id)
+}
 
 // bLog records the batches a Batcher decided, as lists of call IDs in arrival order (-1 for an
 // untagged call).
