@@ -231,16 +231,33 @@ func (o bOp) do(ctx context.Context, b *ratelimit.Batcher) (ratelimit.ManyResult
 // model's.
 func TestBatcherMatchesModel(t *testing.T) {
 	t.Parallel()
-	const callers, perCaller = 12, 60
+	seed := rand.Uint64()
+	t.Logf("seed %d", seed)
+	bRunModel(t, seed, 12, 60)
+}
+
+// FuzzBatcherModel is TestBatcherMatchesModel with the fuzzer choosing the seed of the calls and
+// clock steps and the number of callers (the interleavings stay the scheduler's):
+//
+//	go test ./ratelimit -run '^$' -fuzz '^FuzzBatcherModel$' -fuzztime 60s
+func FuzzBatcherModel(f *testing.F) {
+	f.Add(uint64(1), uint8(4))
+	f.Add(uint64(2), uint8(16))
+	f.Add(uint64(3), uint8(1))
+	f.Fuzz(func(t *testing.T, seed uint64, callers uint8) {
+		bRunModel(t, seed, 1+int(callers%24), 12)
+	})
+}
+
+func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
 	var clock atomic.Int64
-	clock.Store(time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMicro())
+	base := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMicro()
+	clock.Store(base)
 	pool, lim := bSetup(t, func() time.Time { return time.UnixMicro(clock.Load()) })
 	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
 
 	ops := make([]bOp, callers*perCaller)
 	got := make([]ratelimit.ManyResult, len(ops))
-	seed := rand.Uint64()
-	t.Logf("seed %d", seed)
 	var wg sync.WaitGroup
 	for c := range callers {
 		wg.Go(func() {
@@ -288,7 +305,7 @@ func TestBatcherMatchesModel(t *testing.T) {
 			}
 			now := g.Results[0].Time.UnixMicro()
 			want := md.decide(now, reqs, o.dry())
-			what := fmt.Sprintf("call %d %s %+v at +%dµs", id, o.kind, o.reqs, now-time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMicro())
+			what := fmt.Sprintf("call %d %s %+v at +%dµs", id, o.kind, o.reqs, now-base)
 			require.Len(t, g.Results, len(want.Results), what)
 			if len(o.reqs) > 1 {
 				require.Equal(t, want.OK, g.OK, what+": OK")
