@@ -43,7 +43,8 @@ type BatcherConfig struct {
 //
 // Calls go to a lane chosen by (name, key): a Limit, LimitN, Check or CheckN by its own name and
 // key, a LimitMany or CheckMany by the smallest (name, key) of its requests (by name, then key,
-// comparing bytes). When the lane is idle, a call is decided at once. While the lane is deciding,
+// comparing bytes). When the lane is idle, a call is decided at once, on the caller's goroutine,
+// as a batch of one: no latency is added at low load. While the lane is deciding,
 // calls wait in its queue, and when it is free again it takes everything queued (up to
 // BatcherConfig.MaxBatch) and decides it in one statement and one commit. There is no timer: a
 // batch is whatever arrived while the previous one was being decided.
@@ -60,7 +61,8 @@ type BatcherConfig struct {
 // returns ctx.Err() and is never charged. A call whose context ends while its batch is being
 // decided returns ctx.Err() at once, but the batch goes on for the others, so its grant may stand:
 // an under-grant (tokens charged for a call told it failed), never an over-grant. When every caller
-// of a batch has gone, the statement is cancelled.
+// of a batch has gone (a batch of one included), the statement is cancelled and they return as
+// soon as pgx has cancelled it; a grant it committed first stands.
 //
 // A Batcher is safe for concurrent use. Close it to stop its goroutines (one per lane).
 type Batcher struct {
@@ -82,6 +84,7 @@ type lane struct {
 	mu     sync.Mutex
 	wake   *sync.Cond
 	queue  []*pending
+	busy   bool // a batch is being decided: by the lane's goroutine, or by its only caller
 	closed bool
 }
 
@@ -247,6 +250,22 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 		ln.mu.Unlock()
 		return ManyResult{}, fmt.Errorf("ratelimit: %s: %w", c.op, ErrBatcherClosed)
 	}
+	if !ln.busy && len(ln.queue) == 0 {
+		// The lane is idle: the caller decides its call at once, on its own goroutine, as a batch
+		// of one (no hand-over to the lane's goroutine and back). Calls arriving meanwhile queue,
+		// and the lane's goroutine takes them when this one is done.
+		ln.busy, p.taken = true, true
+		ln.mu.Unlock()
+		b.decide([]*pending{p})
+		ln.mu.Lock()
+		ln.busy = false
+		ln.wake.Signal()
+		ln.mu.Unlock()
+		if p.err != nil && ctx.Err() != nil {
+			return ManyResult{}, ctx.Err() // it left in flight: its statement was cancelled
+		}
+		return p.result()
+	}
 	ln.queue = append(ln.queue, p)
 	ln.wake.Signal()
 	ln.mu.Unlock()
@@ -273,6 +292,11 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 			return ManyResult{}, ctx.Err() // in flight: the batch goes on without this caller
 		}
 	}
+	return p.result()
+}
+
+// result is the decided call's outcome, with Batched set.
+func (p *pending) result() (ManyResult, error) {
 	if p.err != nil {
 		return ManyResult{}, p.err
 	}
@@ -293,11 +317,11 @@ func (b *Batcher) run(ln *lane) {
 	defer b.wg.Done()
 	for {
 		ln.mu.Lock()
-		for len(ln.queue) == 0 && !ln.closed {
+		for (len(ln.queue) == 0 && !ln.closed) || ln.busy {
 			ln.wake.Wait()
 		}
 		if len(ln.queue) == 0 {
-			ln.mu.Unlock()
+			ln.mu.Unlock() // closed, nothing queued, nothing in flight
 			return
 		}
 		n := min(len(ln.queue), b.maxBatch)
@@ -309,8 +333,12 @@ func (b *Batcher) run(ln *lane) {
 		rest := copy(ln.queue, ln.queue[n:])
 		clear(ln.queue[rest:])
 		ln.queue = ln.queue[:rest]
+		ln.busy = true
 		ln.mu.Unlock()
 		b.decide(batch)
+		ln.mu.Lock()
+		ln.busy = false
+		ln.mu.Unlock()
 	}
 }
 
