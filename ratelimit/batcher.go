@@ -259,7 +259,9 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 		b.decide([]*pending{p})
 		ln.mu.Lock()
 		ln.busy = false
-		ln.wake.Signal()
+		if len(ln.queue) > 0 || ln.closed {
+			ln.wake.Signal() // only then: waking the lane's goroutine for nothing costs a caller alone
+		}
 		ln.mu.Unlock()
 		if p.err != nil && ctx.Err() != nil {
 			return ManyResult{}, ctx.Err() // it left in flight: its statement was cancelled
