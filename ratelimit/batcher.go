@@ -54,8 +54,10 @@ type BatcherConfig struct {
 // reported before the commit returned. Bad input is refused before a call is queued, with the
 // same typed errors as the Limiter's, so it never fails the calls it would have been batched
 // with. A batch that fails with 40001 or 40P01 is run again, whole, as BatcherConfig.Retry says;
-// any other error fails every call of the batch with that error (nothing of the batch is
-// granted), and the Batcher goes on with the next batch.
+// any other error fails every call of the batch with that error, and the Batcher goes on with the
+// next batch. Such a batch granted nothing, unless the connection broke while its commit was under
+// way: then, as for any commit whose answer was lost, it may have committed (an under-grant at
+// worst, never an over-grant).
 //
 // Contexts: a call whose context ends while it waits in the queue is removed from the queue,
 // returns ctx.Err() and is never charged. A call whose context ends while its batch is being
