@@ -367,21 +367,26 @@ func (b *Batcher) decide(batch []*pending) {
 	}
 
 	// The statement is not the callers': one caller leaving does not cancel it for the others.
-	// When every caller has left (and each could), nobody waits for it, so it is cancelled.
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var waiting atomic.Int64
-	waiting.Store(int64(len(batch)))
-	for _, p := range batch {
-		if p.ctx.Done() == nil {
-			continue // this caller can never leave
-		}
-		stop := context.AfterFunc(p.ctx, func() {
-			if waiting.Add(-1) == 0 {
-				cancel()
+	// When every caller has left (and each could), nobody waits for it, so it is cancelled. For a
+	// batch of one that is the caller's own context.
+	ctx := batch[0].ctx
+	if len(batch) > 1 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithCancel(context.Background())
+		defer cancel()
+		var waiting atomic.Int64
+		waiting.Store(int64(len(batch)))
+		for _, p := range batch {
+			if p.ctx.Done() == nil {
+				continue // this caller can never leave
 			}
-		})
-		defer stop()
+			stop := context.AfterFunc(p.ctx, func() {
+				if waiting.Add(-1) == 0 {
+					cancel()
+				}
+			})
+			defer stop()
+		}
 	}
 
 	outs, err := b.decideRetrying(ctx, calls)
