@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -67,10 +66,9 @@ const (
 // OnPostgres reports whether WAL and pgx round trips are measured for the family.
 func (f Family) OnPostgres() bool { return f == FamilyTxlimit || f == FamilyPostgres }
 
-// Def describes a contender. Each contender_*.go file registers one in its init function, so
-// adding a contender is adding one file.
+// Def describes a contender: one entry of the table contenders (contenders.go).
 type Def struct {
-	// Order is the contender's place in tables and in the picture.
+	// Order is the contender's place in tables (1 for the first); Defs sets it from the table.
 	Order int
 	// ID is short, stable and used in keys, flags and the picture's legend.
 	ID string
@@ -85,19 +83,21 @@ type Def struct {
 	// SweepOnly keeps the contender out of the throughput cells, the picture and the over-grant
 	// test: it runs only in the shard comparison. Defaults to false.
 	SweepOnly bool
+	// NotALimit marks a contender that does not enforce the limit (the floor): it runs in the
+	// throughput cells only, never in the over-grant test. Defaults to false.
+	NotALimit bool
 	// New builds the contender on env. It returns a *SkipError when it cannot run here (e.g.
 	// Redis is not reachable), which skips it without failing the run.
 	New func(ctx context.Context, env *Env) (Contender, error)
 }
 
-var registry []*Def
-
-func register(d *Def) { registry = append(registry, d) }
-
-// Defs returns the registered contenders in order.
+// Defs returns the contenders in the order of the table, each with its Order set.
 func Defs() []*Def {
-	out := append([]*Def(nil), registry...)
-	sort.Slice(out, func(i, j int) bool { return out[i].Order < out[j].Order })
+	out := make([]*Def, len(contenders))
+	for i, d := range contenders {
+		d.Order = i + 1
+		out[i] = d
+	}
 	return out
 }
 

@@ -8,7 +8,7 @@
 // Postgres: BENCH_DATABASE_URL, else TEST_DATABASE_URL, else
 // postgres://postgres@localhost:5432/test?sslmode=disable. The run creates schema txlimit_bench,
 // migrates it and drops it at the end. Redis: BENCH_REDIS_ADDR, else 127.0.0.1:6379; when it does not
-// answer, the Redis contender is skipped. Each contender is one contender_*.go file.
+// answer, the Redis contender is skipped. The contenders are one table, contenders (contenders.go).
 package main
 
 import (
@@ -184,6 +184,9 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 	for _, def := range cellDefs {
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		if def.NotALimit {
+			continue
 		}
 		o := RunOverGrant(ctx, contenders[def.ID], def, limitOverGrant, "overgrant/"+def.ID, overGrantCallers, mode.OverGrant)
 		rep.OverGrant = append(rep.OverGrant, o)

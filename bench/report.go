@@ -101,6 +101,26 @@ func (rep *Report) Markdown() string {
 	}
 	w("\nIn brackets: the txlimit row's throughput divided by Redis Lua's in the same cell of this run.\n")
 
+	w("\n## Latency at 1 caller (p50)\n\n")
+	w("One caller deciding in a loop: the latency of a decision when nothing else is queued.\n\n")
+	w("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
+	for _, d := range rep.cellDefs() {
+		w("| %s", d.Name)
+		for _, c := range []Cell{{HotKey, limitAllow, 1}, {HotKey, limitDeny, 1}, {PerUser, limitAllow, 1}, {PerUser, limitDeny, 1}} {
+			r := rep.find(d.ID, c)
+			if r == nil || r.Decisions == 0 {
+				w(" | —")
+				continue
+			}
+			cellText := fmtDur(r.P50)
+			if base := rep.find("txlimit", c); d.ID == "txlimit-batched" && base != nil && base.P50 > 0 {
+				cellText += fmt.Sprintf(" (%.2f× txlimit (pool))", float64(r.P50)/float64(base.P50))
+			}
+			w(" | %s", cellText)
+		}
+		w(" |\n")
+	}
+
 	w("\n## Over-grant (seed 003's test)\n\n")
 	w("Burst 10, rate 10/s, cost 1, %d goroutines on one fresh key for %s; the 16-shard contenders split the same total limit over 16 rows. ",
 		overGrantCallers, rep.Mode.OverGrant)

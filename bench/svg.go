@@ -7,15 +7,17 @@ import (
 	"strings"
 )
 
-// palette colours contenders by Order.
-var palette = map[int]string{
-	1: "#1f77b4", // txlimit (pool)
-	2: "#17becf", // txlimit SERIALIZABLE
-	3: "#d62728", // Redis Lua
-	4: "#8c564b", // naive SERIALIZABLE
-	5: "#7f7f7f", // x/time/rate
-	6: "#2ca02c", // txlimit 16 shards
-	7: "#9467bd", // txlimit 16 shards SERIALIZABLE
+// palette colours contenders by ID.
+var palette = map[string]string{
+	"txlimit":         "#1f77b4",
+	"txlimit-batched": "#ff7f0e",
+	"txlimit-ser":     "#17becf",
+	"redis-lua":       "#d62728",
+	"floor":           "#e377c2",
+	"naive-ser":       "#8c564b",
+	"x-time-rate":     "#7f7f7f",
+	"txlimit-16":      "#2ca02c",
+	"txlimit-16-ser":  "#9467bd",
 }
 
 // SVG draws decisions/s against callers for the allow-heavy mix: hot key and per user side by side,
@@ -122,7 +124,7 @@ func (rep *Report) SVG() string {
 }
 
 func colour(d *Def) string {
-	if c, ok := palette[d.Order]; ok {
+	if c, ok := palette[d.ID]; ok {
 		return c
 	}
 	return "#bcbd22"

@@ -65,3 +65,16 @@ func (c *txlimitSerializable) Decide(ctx context.Context, limit, key string) (De
 }
 
 func (c *txlimitSerializable) Close() {}
+
+// txlimitBatched decides each call through a ratelimit.Batcher on the pool.
+type txlimitBatched struct{ b *ratelimit.Batcher }
+
+func (c *txlimitBatched) Decide(ctx context.Context, limit, key string) (Decision, error) {
+	r, err := c.b.Limit(ctx, limit, key, nil)
+	if err != nil {
+		return Decision{}, err
+	}
+	return Decision{Allowed: r.OK, At: r.Time}, nil
+}
+
+func (c *txlimitBatched) Close() { c.b.Close() }

@@ -138,6 +138,9 @@ type Result struct {
 	// the instant the decision took effect by the wait. RetryAt is computed from the row as
 	// evaluated, so it is right either way.
 	Time time.Time
+	// Batched is how many calls a Batcher decided in the same statement as this one, this one
+	// included; 0 for a call made on the Limiter.
+	Batched int
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
@@ -244,6 +247,8 @@ type ManyResult struct {
 	Results []Result
 	// Time is the clock reading the decision was made with (see Result.Time).
 	Time time.Time
+	// Batched is as Result.Batched: how many calls shared the Batcher's statement; 0 on the Limiter.
+	Batched int
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).

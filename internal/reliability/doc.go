@@ -14,6 +14,10 @@
 //     plain and sharded limits, with random rollbacks and random
 //     pg_terminate_backend of their own connections; at the end the stored value of every limit
 //     must equal what the committed calls imply, and committed reservations the inserted jobs.
+//     Other workers (a quarter as many, at least 2) decide the same keys through a
+//     ratelimit.Batcher on the same killed pool; each call must return within a bound, and a
+//     Batcher call that failed may only explain a difference by exactly its own counts
+//     (soak_batcher_test.go).
 //     TXLIMIT_SOAK_DURATION (default 60s) and TXLIMIT_SOAK_WORKERS (default 16) size it.
 //  2. restart (TestRestart): a throwaway Postgres cluster of the test's own is stopped and
 //     started under load; calls fail closed, nothing panics or leaks goroutines, and decisions

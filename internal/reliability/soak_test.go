@@ -239,6 +239,7 @@ type soakRun struct {
 	opsByKind                      sync.Map // kind -> *atomic.Int64
 	perLimit                       map[string]*[2]atomic.Int64
 	errs                           soakTally
+	batch                          *soakBatch // soak_batcher_test.go
 }
 
 // failf records a failure of the soak. It is safe to call from the workers.
@@ -347,7 +348,9 @@ func TestSoak(t *testing.T) {
 		}()
 	}
 	s.startSched(t, &wg, deadline, seed) // cancels and settlements (soak_sched_test.go)
+	waitBatcher := s.startBatcher(max(2, workers/4), seed, deadline)
 	wg.Wait()
+	waitBatcher()
 	stopKiller()
 	<-killerDone
 	ran := time.Since(start)
@@ -369,9 +372,10 @@ func TestSoak(t *testing.T) {
 	t.Logf("ran %s: %d operations (%s), %.0f/s; virtual time %s",
 		ran.Round(time.Millisecond), s.nextOp.Load(), strings.Join(kinds, " "), float64(s.nextOp.Load())/ran.Seconds(), virtual)
 	t.Logf("single-limit decisions: %s", strings.Join(lims, "; "))
-	t.Logf("transactions: %d committed, %d rolled back on purpose, %d rolled back after a Throw denial, %d COMMITs failed (outcome unknown to the client), %d serializable retries",
+	t.Logf("transactions: %d committed, %d rolled back on purpose, %d rolled back after an AsError denial, %d COMMITs failed (outcome unknown to the client), %d serializable retries",
 		s.commits.Load(), s.rollbacks.Load(), s.throwRolls.Load(), s.commitErrs.Load(), s.retries.Load())
 	t.Logf("%d credits; %d grants charged both of their shards", s.credits.Load(), s.combined.Load())
+	t.Logf("%s", s.batch.summary())
 	t.Logf("faults: %d backends terminated (%d by the killer, %d by their own worker); errors by class:%s",
 		s.killed.Load(), s.killed.Load()-s.selfKilled.Load(), s.selfKilled.Load(), s.errs.String())
 	if s.decisions.Load() == 0 || s.granted.Load() == 0 || s.denied.Load() == 0 || s.killed.Load() == 0 || s.rollbacks.Load() == 0 {
@@ -655,7 +659,7 @@ func (s *soakRun) body(ctx context.Context, tx pgx.Tx, op int64, p *soakPlan) er
 		}
 		s.decided(r.lim, res.OK)
 		if err != nil {
-			return err // a Throw denial: roll back, as a caller would
+			return err // an AsError denial: roll back, as a caller would
 		}
 		if len(res.Shards) == 2 {
 			s.combined.Add(1)
@@ -879,8 +883,8 @@ func (s *soakRun) verify(t *testing.T) {
 				if err != nil {
 					t.Fatalf("verify: Value(%s/%s): %v", l.name, key, err)
 				}
-				implied := n*soakCapShard + deltas[k] + l.refill(elapsed)
-				s.check(st.Value == implied, "%s/%s at %s: stored %.17g, implied by the ledger and refill %.17g (difference %g)",
+				implied := n*soakCapShard + deltas[k] + s.batch.knownDelta(l.name, key) + l.refill(elapsed)
+				s.check(s.batch.explains(l.name, key, st.Value, implied), "%s/%s at %s: stored %.17g, implied by the ledger, the Batcher's answered calls and refill %.17g (difference %g, not explained by the Batcher calls of unknown outcome)",
 					l.name, key, elapsed, st.Value, implied, st.Value-implied)
 				integral := true
 				for _, v := range st.Shards {

@@ -9,19 +9,6 @@ import (
 	"golang.org/x/time/rate"
 )
 
-func init() {
-	register(&Def{
-		Order:  5,
-		ID:     "x-time-rate",
-		Name:   "x/time/rate in memory",
-		What:   "golang.org/x/time/rate, one Limiter per key in a sync.Map in this process: no network, no durability, not shared between servers (the ceiling).",
-		Family: FamilyMemory,
-		New: func(_ context.Context, env *Env) (Contender, error) {
-			return &memoryLimiter{limits: env.Limits}, nil
-		},
-	})
-}
-
 type memoryLimiter struct {
 	limits []Limit
 	keys   sync.Map // limit name + "\x00" + key -> *rate.Limiter

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -40,36 +39,6 @@ redis.call('HSET', KEYS[1], 'v', string.format('%.17g', level - cost), 'ts', str
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, now}
 `
-
-func init() {
-	register(&Def{
-		Order:  3,
-		ID:     "redis-lua",
-		Name:   "Redis Lua (EVALSHA)",
-		What:   "A token bucket in a Lua script run by EVALSHA (seed 003's winner), on Redis's clock; go-redis v9, pool of 64.",
-		Family: FamilyRedis,
-		New: func(ctx context.Context, env *Env) (Contender, error) {
-			if env.Redis == nil {
-				return nil, &SkipError{Reason: fmt.Sprint(env.RedisErr)}
-			}
-			sha, err := env.Redis.ScriptLoad(ctx, redisTokenBucket).Result()
-			if err != nil {
-				return nil, fmt.Errorf("redis: SCRIPT LOAD: %w", err)
-			}
-			c := &redisLua{rdb: env.Redis, sha: sha, prefix: env.RedisPrefix, args: map[string][]any{}}
-			for _, l := range env.Limits {
-				ttl := time.Duration(l.Burst/l.PerSecond()*float64(time.Second)) + time.Minute
-				c.args[l.Name] = []any{
-					strconv.FormatFloat(l.PerSecond(), 'g', -1, 64),
-					strconv.FormatFloat(l.Burst, 'g', -1, 64),
-					"1",
-					strconv.FormatInt(min(ttl, time.Hour).Milliseconds(), 10),
-				}
-			}
-			return c, nil
-		},
-	})
-}
 
 type redisLua struct {
 	rdb    *redis.Client

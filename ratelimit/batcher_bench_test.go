@@ -1,0 +1,49 @@
+package ratelimit_test
+
+import (
+	"strconv"
+	"sync/atomic"
+	"testing"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// BenchmarkBatcher measures Batcher.Limit with the default config, by callers per GOMAXPROCS
+// (par), one hot key or one key per caller, and a generous (every call written) or tight (every
+// call denied) limit. The comparison with Redis and the rest is the bench/ module (make bench);
+// this is for profiling:
+//
+//	go test ./ratelimit -run '^$' -bench Batcher -benchtime 3s
+func BenchmarkBatcher(b *testing.B) {
+	for _, par := range []int{1, 16} {
+		for _, scenario := range []string{"hot", "peruser"} {
+			for _, limit := range []string{"generous", "tight"} {
+				b.Run("par="+strconv.Itoa(par)+"/"+scenario+"/"+limit, func(b *testing.B) {
+					pool := testdb.Pool(b, &testdb.Options{MaxConns: 8})
+					lim, ctx := benchLimiter(b)
+					bt, err := ratelimit.NewBatcher(pool, lim, nil)
+					if err != nil {
+						b.Fatal(err)
+					}
+					defer bt.Close()
+					var n atomic.Int64
+					b.SetParallelism(par)
+					b.ResetTimer()
+					b.RunParallel(func(pb *testing.PB) {
+						key := "hot"
+						if scenario == "peruser" {
+							key = strconv.FormatInt(n.Add(1), 10)
+						}
+						for pb.Next() {
+							if _, err := bt.Limit(ctx, limit, key, nil); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+					})
+				})
+			}
+		}
+	}
+}

@@ -1,0 +1,619 @@
+package ratelimit_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// bCallID tags a call's context so that the batch observer can say which calls a batch held.
+type bCallID struct{}
+
+func bWithID(ctx context.Context, id int) context.Context {
+	return context.WithValue(ctx, bCallID{}, id)
+}
+
+// bLog records the batches a Batcher decided, as lists of call IDs in arrival order (-1 for an
+// untagged call).
+type bLog struct {
+	mu      sync.Mutex
+	batches [][]int
+}
+
+func (l *bLog) observe(ctxs []context.Context) {
+	ids := make([]int, len(ctxs))
+	for i, c := range ctxs {
+		ids[i] = -1
+		if id, ok := c.Value(bCallID{}).(int); ok {
+			ids[i] = id
+		}
+	}
+	l.mu.Lock()
+	l.batches = append(l.batches, ids)
+	l.mu.Unlock()
+}
+
+// taken reports whether the call id was part of a batch handed to the engine.
+func (l *bLog) taken(id int) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, b := range l.batches {
+		if slices.Contains(b, id) {
+			return true
+		}
+	}
+	return false
+}
+
+func (l *bLog) all() [][]int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.batches)
+}
+
+// newTestBatcher returns a Batcher on pool with its batches logged; it is closed when the test ends.
+func newTestBatcher(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, cfg *ratelimit.BatcherConfig) (*ratelimit.Batcher, *bLog) {
+	t.Helper()
+	b, err := ratelimit.NewBatcher(pool, lim, cfg)
+	require.NoError(t, err)
+	log := &bLog{}
+	ratelimit.SetBatchObserver(b, log.observe)
+	t.Cleanup(b.Close)
+	return b, log
+}
+
+// eventually waits, without a tight bound, for cond (the machine may be loaded).
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	require.Eventually(t, cond, 60*time.Second, time.Millisecond, what)
+}
+
+// bAsync runs f in a goroutine; the returned channel yields its outcome.
+type bOutcome struct {
+	res ratelimit.Result
+	err error
+}
+
+func bAsync(f func() (ratelimit.Result, error)) <-chan bOutcome {
+	ch := make(chan bOutcome, 1)
+	go func() {
+		r, err := f()
+		ch <- bOutcome{r, err}
+	}()
+	return ch
+}
+
+func bWait(t *testing.T, ch <-chan bOutcome) bOutcome {
+	t.Helper()
+	select {
+	case o := <-ch:
+		return o
+	case <-time.After(60 * time.Second):
+		t.Fatal("a call did not return")
+		return bOutcome{}
+	}
+}
+
+// lockedRow holds the row lock of (name, key, shard 0) in a transaction of its own, as a caller's
+// transaction would, until release. The row must exist.
+type lockedRow struct {
+	tx  pgx.Tx
+	pid uint32
+}
+
+func lockRow(t *testing.T, pool *pgxpool.Pool, name, key string) *lockedRow {
+	t.Helper()
+	tx, err := pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	testdb.LockRow(t, tx, name, key, 0)
+	return &lockedRow{tx: tx, pid: tx.Conn().PgConn().PID()}
+}
+
+func (r *lockedRow) release(t *testing.T) {
+	t.Helper()
+	require.NoError(t, r.tx.Rollback(context.Background()))
+}
+
+// bLimits are the limits of the Batcher's tests; MaxReserved is explicit wherever Reserve is used.
+var bLimits = map[string]ratelimit.Config{
+	"tb": {Rate: 5, Period: time.Second, Capacity: 5, MaxReserved: 3},
+	"fw": {Kind: ratelimit.FixedWindow, Rate: 3, Period: time.Second, MaxReserved: 2,
+		Start: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)},
+	"sh":    {Rate: 8, Period: time.Second, Shards: 2, MaxReserved: 4},
+	"block": {Rate: 1000, Period: time.Second, Capacity: 1000, MaxReserved: 1},
+}
+
+// bFrozen is a clock that never moves: no refill between the calls of a test.
+func bFrozen() time.Time { return time.Date(2026, 2, 1, 0, 0, 0, 0, time.UTC) }
+
+// bSetup returns a pool and a Limiter on bLimits (sharded picks fixed at 0 and 1).
+func bSetup(t *testing.T, now func() time.Time) (*pgxpool.Pool, *ratelimit.Limiter) {
+	if now == nil {
+		now = bFrozen
+	}
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 8})
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: bLimits, Now: now})
+	require.NoError(t, err)
+	ratelimit.SetShardPicker(lim, func(int) (int, int) { return 0, 1 })
+	return pool, lim
+}
+
+// blockLane makes the lane of ("block", key) busy: the row's lock is held by another transaction
+// and a call on it is being decided (id is its call ID). It returns the lock and the blocked call.
+func blockLane(t *testing.T, ctx context.Context, pool *pgxpool.Pool, b *ratelimit.Batcher, log *bLog, key string, id int) (*lockedRow, <-chan bOutcome) {
+	t.Helper()
+	_, err := b.Limit(ctx, "block", key, nil) // the row exists from here on
+	require.NoError(t, err)
+	lock := lockRow(t, pool, "block", key)
+	ch := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, id), "block", key, nil) })
+	eventually(t, "the blocking call is taken", func() bool { return log.taken(id) })
+	return lock, ch
+}
+
+// bOp is one random call of the model test.
+type bOp struct {
+	kind    string // Limit, LimitN, Check, CheckN, LimitMany, CheckMany
+	reqs    []ratelimit.Request
+	reserve bool
+}
+
+func (o bOp) dry() bool { return o.kind == "Check" || o.kind == "CheckN" || o.kind == "CheckMany" }
+
+func bRandomOp(rng *rand.Rand) bOp {
+	names := []string{"tb", "fw", "sh"}
+	keys := []string{"a", "b"}
+	counts := []float64{0.5, 1, 2, 3}
+	req := func() ratelimit.Request {
+		return ratelimit.Request{Name: names[rng.IntN(len(names))], Key: keys[rng.IntN(len(keys))],
+			Count: counts[rng.IntN(len(counts))], Reserve: rng.IntN(4) == 0}
+	}
+	kinds := []string{"Limit", "LimitN", "Check", "CheckN", "LimitMany", "CheckMany"}
+	o := bOp{kind: kinds[rng.IntN(len(kinds))]}
+	first := req()
+	o.reqs = []ratelimit.Request{first}
+	switch o.kind {
+	case "Limit", "Check":
+		o.reqs[0].Count = 1
+	case "LimitMany", "CheckMany":
+		for {
+			second := req()
+			if second.Name != first.Name || second.Key != first.Key {
+				o.reqs = append(o.reqs, second)
+				break
+			}
+		}
+	}
+	o.reserve = o.reqs[0].Reserve
+	return o
+}
+
+// do runs o through b and returns its results (one per request).
+func (o bOp) do(ctx context.Context, b *ratelimit.Batcher) (ratelimit.ManyResult, error) {
+	q := o.reqs[0]
+	opts := &ratelimit.LimitOpts{Reserve: q.Reserve}
+	one := func(r ratelimit.Result, err error) (ratelimit.ManyResult, error) {
+		return ratelimit.ManyResult{OK: r.OK, Results: []ratelimit.Result{r}, Batched: r.Batched}, err
+	}
+	switch o.kind {
+	case "Limit":
+		return one(b.Limit(ctx, q.Name, q.Key, opts))
+	case "LimitN":
+		return one(b.LimitN(ctx, q.Name, q.Key, q.Count, opts))
+	case "Check":
+		return one(b.Check(ctx, q.Name, q.Key, opts))
+	case "CheckN":
+		return one(b.CheckN(ctx, q.Name, q.Key, q.Count, opts))
+	case "LimitMany":
+		return b.LimitMany(ctx, o.reqs, nil)
+	default:
+		return b.CheckMany(ctx, o.reqs, nil)
+	}
+}
+
+// TestBatcherMatchesModel drives one lane with concurrent callers making random calls on few keys
+// while an injected clock moves on, then replays the batches, in the order the lane decided them
+// and each in its arrival order, through the Go model: every call's result must be exactly the
+// model's.
+func TestBatcherMatchesModel(t *testing.T) {
+	t.Parallel()
+	seed := rand.Uint64()
+	t.Logf("seed %d", seed)
+	bRunModel(t, seed, 12, 60)
+}
+
+// FuzzBatcherModel is TestBatcherMatchesModel with the fuzzer choosing the seed of the calls and
+// clock steps and the number of callers (the interleavings stay the scheduler's):
+//
+//	go test ./ratelimit -run '^$' -fuzz '^FuzzBatcherModel$' -fuzztime 60s
+func FuzzBatcherModel(f *testing.F) {
+	f.Add(uint64(1), uint8(4))
+	f.Add(uint64(2), uint8(16))
+	f.Add(uint64(3), uint8(1))
+	f.Fuzz(func(t *testing.T, seed uint64, callers uint8) {
+		bRunModel(t, seed, 1+int(callers%24), 12)
+	})
+}
+
+func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
+	var clock atomic.Int64
+	base := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMicro()
+	clock.Store(base)
+	pool, lim := bSetup(t, func() time.Time { return time.UnixMicro(clock.Load()) })
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+
+	ops := make([]bOp, callers*perCaller)
+	got := make([]ratelimit.ManyResult, len(ops))
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(seed, uint64(c)))
+			for i := range perCaller {
+				id := c*perCaller + i
+				ops[id] = bRandomOp(rng)
+				if rng.IntN(3) == 0 {
+					clock.Add(rng.Int64N(300_000)) // up to 0.3 s
+				}
+				var err error
+				got[id], err = ops[id].do(bWithID(context.Background(), id), b)
+				if err != nil {
+					t.Errorf("call %d (%s %+v): %v", id, ops[id].kind, ops[id].reqs, err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+
+	md := newModel()
+	seen, biggest := 0, 0
+	for _, batch := range log.all() {
+		biggest = max(biggest, len(batch))
+		for _, id := range batch {
+			seen++
+			o, g := ops[id], got[id]
+			require.Equal(t, len(batch), g.Batched, "call %d: Batched", id)
+			reqs := make([]modelReq, len(o.reqs))
+			for i, q := range o.reqs {
+				cfg := bLimits[q.Name]
+				m, err := modelResolve(q.Name, q.Key, &cfg)
+				require.NoError(t, err)
+				count := q.Count
+				if count == 0 {
+					count = 1
+				}
+				reqs[i] = modelReq{lim: m, count: count, reserve: q.Reserve, a: 0, b: -1}
+				if m.shards >= 2 {
+					reqs[i].b = 1
+				}
+			}
+			now := g.Results[0].Time.UnixMicro()
+			want := md.decide(now, reqs, o.dry())
+			what := fmt.Sprintf("call %d %s %+v at +%dµs", id, o.kind, o.reqs, now-base)
+			require.Len(t, g.Results, len(want.Results), what)
+			if len(o.reqs) > 1 {
+				require.Equal(t, want.OK, g.OK, what+": OK")
+			}
+			for i, w := range want.Results {
+				r := g.Results[i]
+				require.Equal(t, w.Name, r.Name, what)
+				require.Equal(t, w.Key, r.Key, what)
+				require.Equal(t, w.OK, r.OK, what+": OK")
+				require.Equal(t, w.Reserved, r.Reserved, what+": Reserved")
+				require.Equal(t, w.Value, r.Value, what+": Value")
+				require.Equal(t, len(w.Shards) == 0, len(r.Shards) == 0, what+": Shards %v vs %v", w.Shards, r.Shards)
+				if len(w.Shards) > 0 {
+					require.Equal(t, w.Shards, r.Shards, what+": Shards")
+				}
+				if w.RetryAt < 0 {
+					require.True(t, r.RetryAt.IsZero(), what+": RetryAt %v, want zero", r.RetryAt)
+				} else {
+					require.Equal(t, w.RetryAt, r.RetryAt.UnixMicro(), what+": RetryAt")
+				}
+				require.Equal(t, now, r.Time.UnixMicro(), what+": Time")
+			}
+		}
+	}
+	require.Equal(t, len(ops), seen, "every call was decided in exactly one logged batch")
+	t.Logf("%d calls in %d batches, the largest of %d", seen, len(log.all()), biggest)
+}
+
+// Calls queued behind a busy lane are decided in one batch, in arrival order, each as if alone
+// in that order: exact values on one row.
+func TestBatcherBatchesWhileBusy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+
+	var chans []<-chan bOutcome
+	for i := range 7 {
+		chans = append(chans, bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 100+i), "tb", "one", nil) }))
+		eventually(t, "call queued", func() bool { return ratelimit.QueuedCalls(b) == i+1 })
+	}
+	lock.release(t)
+	require.NoError(t, bWait(t, blocked).err)
+	for i, ch := range chans {
+		o := bWait(t, ch)
+		require.NoError(t, o.err)
+		require.Equal(t, 7, o.res.Batched)
+		require.Equal(t, i < 5, o.res.OK, "call %d", i) // capacity 5
+		if i < 5 {
+			require.Equal(t, float64(4-i), o.res.Value, "call %d", i)
+		}
+	}
+	batches := log.all()
+	require.Equal(t, []int{100, 101, 102, 103, 104, 105, 106}, batches[len(batches)-1])
+}
+
+// A call whose context ends while it waits in the queue is removed and never charged.
+func TestBatcherCancelWhileQueuedChargesNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+
+	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
+	queued := bAsync(func() (ratelimit.Result, error) { return b.LimitN(cctx, "tb", "cancelled", 3, nil) })
+	kept := bAsync(func() (ratelimit.Result, error) {
+		eventually(t, "first call queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+		return b.LimitN(bWithID(ctx, 3), "tb", "kept", 2, nil)
+	})
+	eventually(t, "both calls queued", func() bool { return ratelimit.QueuedCalls(b) == 2 })
+	cancel()
+	o := bWait(t, queued)
+	require.ErrorIs(t, o.err, context.Canceled)
+	require.Equal(t, 1, ratelimit.QueuedCalls(b), "the cancelled call left the queue")
+
+	lock.release(t)
+	require.NoError(t, bWait(t, blocked).err)
+	k := bWait(t, kept)
+	require.NoError(t, k.err)
+	require.Equal(t, 1, k.res.Batched, "the cancelled call was not in the batch")
+	require.Equal(t, 3.0, k.res.Value)
+	require.False(t, log.taken(2), "the cancelled call never reached the engine")
+	_, found := testdb.RowVersion(t, pool, "tb", "cancelled", 0)
+	require.False(t, found, "nothing was written for the cancelled call")
+	r, err := b.Check(ctx, "tb", "cancelled", nil)
+	require.NoError(t, err)
+	require.Equal(t, 4.0, r.Value, "full: nothing was charged")
+}
+
+// A call whose context ends while its batch is being decided returns at once; the batch goes on
+// for the others, and the leaving call's grant stands (an under-grant, never an over-grant).
+func TestBatcherCancelInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	_, err := b.Limit(ctx, "tb", "r2", nil) // create the row: 4 left
+	require.NoError(t, err)
+	lock2 := lockRow(t, pool, "tb", "r2")
+	lock1, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+
+	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
+	leaving := bAsync(func() (ratelimit.Result, error) { return b.Limit(cctx, "tb", "r2", nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+	staying := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 3), "tb", "r2", nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 2 })
+	lock1.release(t) // the lane takes [2, 3], which wait for lock2
+	require.NoError(t, bWait(t, blocked).err)
+	eventually(t, "batch taken", func() bool { return log.taken(2) && log.taken(3) })
+
+	cancel()
+	require.ErrorIs(t, bWait(t, leaving).err, context.Canceled, "returned while its batch still waits for the row")
+	lock2.release(t)
+	o := bWait(t, staying)
+	require.NoError(t, o.err)
+	require.Equal(t, 2, o.res.Batched)
+	require.Equal(t, 2.0, o.res.Value, "the leaving call's grant stood: 4 - 1 - 1")
+}
+
+// Bad input is refused before batching: it never fails the calls it would have shared a batch with.
+func TestBatcherPoisonedCall(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+
+	good1 := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "tb", "p", nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+	bad := []func() error{
+		func() error { _, err := b.LimitN(ctx, "tb", "p", -1, nil); return err },
+		func() error { _, err := b.Limit(ctx, "nope", "p", nil); return err },
+		func() error { _, err := b.LimitN(ctx, "tb", "p", 6, nil); return err }, // more than capacity
+		func() error { _, err := b.Limit(ctx, "tb", "bad\x00key", nil); return err },
+		func() error {
+			_, err := b.LimitMany(ctx, []ratelimit.Request{{Name: "tb", Key: "p"}, {Name: "tb", Key: "p"}}, nil)
+			return err
+		},
+		func() error { _, err := b.CheckMany(ctx, nil, nil); return err },
+	}
+	for i, f := range bad {
+		require.ErrorIs(t, f(), ratelimit.ErrInvalid, "bad call %d", i)
+	}
+	require.Equal(t, 1, ratelimit.QueuedCalls(b), "no bad call was queued")
+	good2 := bAsync(func() (ratelimit.Result, error) { return b.LimitN(bWithID(ctx, 3), "tb", "p", 2, nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 2 })
+	lock.release(t)
+	require.NoError(t, bWait(t, blocked).err)
+	o1, o2 := bWait(t, good1), bWait(t, good2)
+	require.NoError(t, o1.err)
+	require.NoError(t, o2.err)
+	require.Equal(t, 2, o1.res.Batched)
+	require.Equal(t, []float64{4, 2}, []float64{o1.res.Value, o2.res.Value})
+}
+
+// A batch whose statement fails with an error other than 40001/40P01 fails every call of the batch
+// with it, charges none of them, and the Batcher goes on.
+func TestBatcherFailedBatchFailsClosed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	_, err := b.Limit(ctx, "tb", "f", nil) // 4 left
+	require.NoError(t, err)
+	lock2 := lockRow(t, pool, "tb", "f")
+	lock1, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	c2 := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "tb", "f", nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+	c3 := bAsync(func() (ratelimit.Result, error) { return b.LimitN(bWithID(ctx, 3), "tb", "g", 2, nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 2 })
+	lock1.release(t)
+	require.NoError(t, bWait(t, blocked).err)
+	eventually(t, "batch taken", func() bool { return log.taken(2) && log.taken(3) })
+
+	// Kill the backend deciding the batch: the one waiting for lock2's transaction. (Queried on
+	// the pool: inside a transaction pg_stat_activity is a snapshot.)
+	var killed bool
+	eventually(t, "the batch's backend waits for the lock", func() bool {
+		err := pool.QueryRow(ctx, `SELECT coalesce(bool_or(pg_terminate_backend(pid)), false)
+			FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(lock2.pid)).Scan(&killed)
+		require.NoError(t, err)
+		return killed
+	})
+	o2, o3 := bWait(t, c2), bWait(t, c3)
+	require.Error(t, o2.err)
+	require.Error(t, o3.err)
+	require.Equal(t, o2.err.Error(), o3.err.Error(), "one error for the whole batch")
+	require.False(t, errors.Is(o2.err, ratelimit.ErrInvalid))
+	lock2.release(t)
+
+	// Nothing of the failed batch was charged, and the Batcher still decides.
+	r, err := b.Check(ctx, "tb", "f", nil)
+	require.NoError(t, err)
+	require.Equal(t, 3.0, r.Value, "4 left, less the check's own 1")
+	_, found := testdb.RowVersion(t, pool, "tb", "g", 0)
+	require.False(t, found)
+	r, err = b.Limit(ctx, "tb", "g", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+}
+
+// A batch that deadlocks against a caller's own transaction (rows locked in the other order) is
+// retried whole: the call is granted exactly once.
+func TestBatcherRetriesDeadlock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	b, _ := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	reqs := []ratelimit.Request{{Name: "tb", Key: "d1"}, {Name: "tb", Key: "d2"}}
+	_, err := b.LimitMany(ctx, reqs, nil) // both rows exist, 4 left each
+	require.NoError(t, err)
+
+	// (pg_stat_activity is read on the pool: inside a transaction it is a snapshot.)
+	// The caller's transaction locks d2; the batch locks d1 and waits for d2; the transaction
+	// then asks for d1: one of the two is chosen as the deadlock victim.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	testdb.LockRow(t, tx, "tb", "d2", 0)
+	pid := tx.Conn().PgConn().PID()
+	many := make(chan error, 1)
+	var res ratelimit.ManyResult
+	go func() {
+		var err error
+		res, err = b.LimitMany(ctx, reqs, nil)
+		many <- err
+	}()
+	eventually(t, "the batch waits for d2", func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
+		return n == 1
+	})
+	var one int
+	txErr := tx.QueryRow(ctx, "SELECT 1 FROM txlimit_state WHERE name = 'tb' AND key = 'd1' AND shard = 0 FOR UPDATE").Scan(&one)
+	_ = tx.Rollback(ctx)
+	require.NoError(t, <-many)
+	require.True(t, res.OK)
+	t.Logf("caller's transaction: %v", txErr)
+	for _, k := range []string{"d1", "d2"} {
+		r, err := b.Check(ctx, "tb", k, nil)
+		require.NoError(t, err)
+		require.Equal(t, 2.0, r.Value, "%s: charged exactly once more (3 left, less the check's 1)", k)
+	}
+}
+
+// Close stops accepting calls, decides the calls in flight and queued, and leaves no goroutine.
+func TestBatcherClose(t *testing.T) {
+	ctx := context.Background()
+	pool, lim := bSetup(t, nil)
+	ignore := goleak.IgnoreCurrent()
+	b, err := ratelimit.NewBatcher(pool, lim, &ratelimit.BatcherConfig{Lanes: 4})
+	require.NoError(t, err)
+	log := &bLog{}
+	ratelimit.SetBatchObserver(b, log.observe)
+	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	queued := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "block", "k", nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+
+	closed := make(chan struct{})
+	go func() { b.Close(); close(closed) }()
+	eventually(t, "calls are refused", func() bool {
+		cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer cancel()
+		_, err := b.Limit(cctx, "tb", "after", nil)
+		return errors.Is(err, ratelimit.ErrBatcherClosed)
+	})
+	select {
+	case <-closed:
+		t.Fatal("Close returned while a batch was in flight")
+	default:
+	}
+	lock.release(t)
+	require.NoError(t, bWait(t, blocked).err)
+	o := bWait(t, queued)
+	require.NoError(t, o.err, "a call queued before Close is decided")
+	require.True(t, o.res.OK)
+	<-closed
+	b.Close() // again: a no-op
+	_, err = b.LimitMany(ctx, []ratelimit.Request{{Name: "tb", Key: "x"}}, nil)
+	require.ErrorIs(t, err, ratelimit.ErrBatcherClosed)
+	goleak.VerifyNone(t, ignore)
+}
+
+func TestNewBatcherRefusesNil(t *testing.T) {
+	t.Parallel()
+	lim, err := ratelimit.New(nil)
+	require.NoError(t, err)
+	_, err = ratelimit.NewBatcher(nil, lim, nil)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	_, err = ratelimit.NewBatcher(&pgxpool.Pool{}, nil, nil)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	_, err = ratelimit.NewBatcher(&pgxpool.Pool{}, lim, &ratelimit.BatcherConfig{Lanes: -1})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+}
+
+// (e) seed 003's over-grant test through a Batcher: burst 10, rate 10/s, 64 callers, 3 s.
+func TestOverGrantBatcher(t *testing.T) {
+	t.Parallel()
+	pool, lim := overGrantLimiter(t)
+	b, err := ratelimit.NewBatcher(pool, lim, nil)
+	require.NoError(t, err)
+	defer b.Close()
+	allowed, in3s, errs, max := overGrantRunWindow(t, func(ctx context.Context) (bool, time.Time, error) {
+		r, err := b.Limit(ctx, "hot", "k", nil)
+		return r.OK, r.Time, err
+	}, hotTS(t, pool, lim))
+	require.Zero(t, errs)
+	requireNoOverGrant(t, "batcher", allowed, in3s, errs, max)
+}
