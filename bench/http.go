@@ -62,8 +62,13 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 	if err != nil {
 		return nil, err
 	}
+	batcher, err := ratelimit.NewBatcher(env.Pool, limiter, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer batcher.Close()
 	mw, err := httplimit.New(&httplimit.Config{
-		Decider: httplimit.OnPool(limiter, env.Pool),
+		Decider: batcher,
 		Policies: []httplimit.Policy{{Name: "http", Key: key,
 			Config: ratelimit.Config{Rate: httpRate, Period: time.Second}}},
 	})
@@ -72,7 +77,7 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 	}
 	out := []*HTTPResult{
 		runHTTPServer(ctx, "no limiter", "the handler alone", ok, d),
-		runHTTPServer(ctx, "httplimit (pool)", "httplimit.Middleware with httplimit.OnPool: one statement per request (LimitN, one policy), RateLimit fields on every response", mw.Handler(ok), d),
+		runHTTPServer(ctx, "httplimit (batched)", "httplimit.Middleware deciding through a ratelimit.Batcher on the pool, RateLimit fields on every response", mw.Handler(ok), d),
 	}
 	redisRes := &HTTPResult{Name: "redis_rate", What: "go-redis/redis_rate v10 (GCRA in a Lua script), RateLimit-style headers on every response"}
 	if env.Redis == nil {
@@ -209,6 +214,6 @@ func httpMarkdown(results []*HTTPResult) string {
 		return fmt.Sprintf("%.3f×", x.PerSecond()/y.PerSecond())
 	}
 	fmt.Fprintf(&b, "\nhttplimit / redis_rate: **%s**; httplimit / no limiter: **%s**.\n",
-		ratio("httplimit (pool)", "redis_rate"), ratio("httplimit (pool)", "no limiter"))
+		ratio("httplimit (batched)", "redis_rate"), ratio("httplimit (batched)", "no limiter"))
 	return b.String()
 }

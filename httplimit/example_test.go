@@ -27,8 +27,14 @@ func Example_middleware() {
 	}
 
 	// example:begin
+	// The Batcher decides concurrent requests together: one statement and one commit per batch.
+	batcher, err := ratelimit.NewBatcher(pool, limiter, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer batcher.Close()
 	mw, err := httplimit.New(&httplimit.Config{
-		Decider: httplimit.OnPool(limiter, pool),
+		Decider: batcher,
 		Policies: []httplimit.Policy{
 			{Name: "perIP", Config: ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3}, Key: httplimit.ClientIP(nil)},
 			{Name: "perUser", Config: ratelimit.PerHour(100), Key: httplimit.Header("X-User"), MissingKey: httplimit.MissingKeySkip},

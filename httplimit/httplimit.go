@@ -17,12 +17,16 @@ import (
 )
 
 // Decider decides a request's limits together, all or nothing, on a connection of its own: a
-// *ratelimit.Limiter on a pool (see OnPool) or a batching front end with the same method.
+// *ratelimit.Batcher (the one to use: concurrent requests share one statement and one commit), or
+// a *ratelimit.Limiter on a pool, one statement per request (see OnPool).
 type Decider interface {
 	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error)
 }
 
-// OnPool returns a Decider that decides with limiter on pool, one statement per request: LimitN
+var _ Decider = (*ratelimit.Batcher)(nil)
+
+// OnPool returns a Decider that decides with limiter on pool, one statement per request (a
+// *ratelimit.Batcher is faster under load and needs no adapter): LimitN
 // for a single policy (the leaner statement), LimitMany for several.
 func OnPool(limiter *ratelimit.Limiter, pool *pgxpool.Pool) Decider {
 	return poolDecider{limiter: limiter, pool: pool}
@@ -168,7 +172,7 @@ func New(cfg *Config) (*Middleware, error) {
 		return nil, err
 	}
 	if len(m.decided) > 0 && cfg.Decider == nil {
-		return nil, errors.New("httplimit: Config.Decider is nil: pass httplimit.OnPool(limiter, pool)")
+		return nil, errors.New("httplimit: Config.Decider is nil: pass a *ratelimit.Batcher (ratelimit.NewBatcher(pool, limiter, nil))")
 	}
 	if cfg.RetryJitter < 0 {
 		return nil, fmt.Errorf("httplimit: Config.RetryJitter must be >= 0 (got %s)", cfg.RetryJitter)

@@ -97,8 +97,13 @@ func run(ctx context.Context, addr string, demo bool) error {
 	if secret == "" {
 		secret = "demo secret: set HTTPSERVER_SECRET"
 	}
+	batcher, err := ratelimit.NewBatcher(pool, limiter, nil)
+	if err != nil {
+		return err
+	}
+	defer batcher.Close()
 	mw, err := httplimit.New(&httplimit.Config{
-		Decider:       httplimit.OnPool(limiter, pool),
+		Decider:       batcher,
 		Logger:        logger,
 		MeterProvider: meters,
 		Policies: []httplimit.Policy{
