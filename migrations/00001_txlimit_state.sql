@@ -215,9 +215,10 @@ $$;
 -- 2. Lock those rows in row order (the global order), FOR UPDATE, which re-reads their latest
 --    committed version. A missing row is inserted full, stamped so that it evaluates exactly as
 --    missing, and so created and locked here: no caller ever re-runs a decision.
--- 3. Decide again, in list order, on the locked versions; a request is granted only on rows this
---    transaction holds (else it is refused: an under-grant, possible only when a concurrent
---    transaction changed the rows between the passes, never an over-grant).
+-- 3. When a locked row differs from the row read (a concurrent transaction changed it under READ
+--    COMMITTED), decide again, in list order, on the locked versions; a request is then granted
+--    only on rows this transaction holds (else it is refused: an under-grant, never an
+--    over-grant). When none differs, the first pass's answers stand.
 -- 4. Write every row a granted group changed; a denied group writes nothing.
 -- Every access is a primary-key probe (sequential and bitmap scans, hash and merge joins are off
 -- for this function), so
@@ -252,6 +253,7 @@ RETURNS TABLE (ok boolean, reserved boolean, busy boolean, level_sum double prec
                shard_a integer, shard_b integer, charged integer, retry_at_us bigint, now_us bigint)
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     n integer := cardinality(p_grp);
@@ -288,7 +290,10 @@ DECLARE
     -- Steering.
     base bigint; snap pg_snapshot; xr bigint; x bigint; xm bigint; pos integer;
     -- The lone request's SKIP LOCKED switch.
-    pick integer; other integer; switched boolean := false; tries integer;
+    pick integer; other integer; tries integer;
+    -- Whether a row locked differs from the row read (or a lone request switched shards): only
+    -- then is the list decided again on the locked rows; otherwise the first pass stands.
+    changed boolean := false;
     -- The writes.
     d_name text[] := '{}'; d_key text[] := '{}'; d_shard integer[] := '{}';
     d_val double precision[] := '{}'; d_ts bigint[] := '{}';
@@ -416,8 +421,6 @@ BEGIN
                 granted := txlimit_granted(ch, end_a, end_b, p_allow[i]);
                 IF pass = 1 THEN
                     q_charge[i] := ch;
-                    g_ok := g_ok AND granted;
-                    CONTINUE;
                 END IF;
                 now_ok := txlimit_granted(ch, end_a, end_b, 0);
                 -- Held: every row the request charges is locked by this transaction.
@@ -519,6 +522,7 @@ BEGIN
                 FOR UPDATE SKIP LOCKED;
                 IF FOUND THEN
                     l_got[pick] := true; l_val[pick] := va; l_ts[pick] := ta; want[pick] := false;
+                    changed := changed OR va IS DISTINCT FROM r_val[pick] OR ta IS DISTINCT FROM r_ts[pick];
                 ELSE
                     -- The other pick serves alone if its plan level holds the count.
                     IF r_ex[other] THEN
@@ -534,8 +538,10 @@ BEGIN
                             FOR UPDATE SKIP LOCKED;
                             IF FOUND THEN
                                 l_got[other] := true; l_val[other] := va; l_ts[other] := ta; want[pick] := false;
+                                changed := true;
                             END IF;
                         ELSE
+                            changed := true;
                             want[pick] := false; want[other] := true;
                             ph_val[other] := p_cap[1]; ph_ts[other] := txlimit_missing_ts(p_kind[1], p_anchor_us[1]);
                         END IF;
@@ -564,10 +570,12 @@ BEGIN
                 LOOP
                     j := r + rec.i - 1;
                     l_got[j] := true; l_val[j] := rec.v; l_ts[j] := rec.t;
+                    changed := changed OR rec.v IS DISTINCT FROM r_val[j] OR rec.t IS DISTINCT FROM r_ts[j];
                 END LOOP;
                 FOR j IN r .. e LOOP
                     IF want[j] AND NOT l_got[j] THEN
                         r_ex[j] := false;
+                        changed := true;
                     END IF;
                 END LOOP;
             END IF;
@@ -581,6 +589,7 @@ BEGIN
                         FOR UPDATE;
                         IF FOUND THEN
                             l_got[r] := true; l_val[r] := va; l_ts[r] := ta;
+                            changed := changed OR NOT r_ex[r] OR va IS DISTINCT FROM r_val[r] OR ta IS DISTINCT FROM r_ts[r];
                             EXIT;
                         END IF;
                     END IF;
@@ -602,6 +611,7 @@ BEGIN
             END IF;
             r := r + 1;
         END LOOP;
+        EXIT WHEN NOT changed;
     END LOOP;
 
     -- The writes: every row a granted group changed, each through its whole primary key.
