@@ -227,7 +227,7 @@ func (l *Limiter) one(ctx context.Context, db Executor, op, name, key string, co
 	for attempt := 1; ; attempt++ {
 		row, err := decide(l.clock())
 		if err != nil {
-			return Result{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+			return Result{}, dbError(ctx, db, op, err)
 		}
 		if row.Status == statusBusy {
 			return Result{}, &BusyError{Name: name, Key: key, Candidates: len(cands)}
@@ -386,7 +386,7 @@ func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Reque
 		var err error
 		rows, err = q.Decide(ctx, db, p)
 		if err != nil {
-			return ManyResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+			return ManyResult{}, dbError(ctx, db, op, err)
 		}
 		if len(rows) != len(specs) {
 			return ManyResult{}, fmt.Errorf("ratelimit: %s: decision returned %d rows for %d requests", op, len(rows), len(specs))
