@@ -13,8 +13,9 @@
 // started no faster than the budget allowed, and exits 0.
 //
 // It connects to DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
-// drops at the end, so it can be run again and again.
+// postgres://postgres@localhost:5432/test?sslmode=disable, else a private throwaway Postgres it
+// starts and removes itself when the Postgres server is installed (docs/deploy.md), and works in a
+// schema of its own that it drops at the end, so it can be run again and again.
 package main
 
 import (
@@ -126,7 +127,7 @@ func main() {
 
 func run(ctx context.Context) error {
 	// A schema of our own, dropped at the end.
-	pool, done, err := scratch.Open(ctx, scratch.URL(), "txlimit_llmbudget_", 16)
+	pool, done, err := scratch.OpenAny(ctx, "txlimit_llmbudget_", 16)
 	if err != nil {
 		return err
 	}
