@@ -30,6 +30,14 @@ demo: ## Run the runnable examples (migrates; needs Postgres, see README).
 test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).
 	$(GO) test -race -count=1 -p 1 -timeout 15m ./...
 
+.PHONY: test-pgbouncer
+test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode (.ci/pgbouncer.sh starts one unless TXLIMIT_PGBOUNCER_URL is set).
+	@if [ -n "$$TXLIMIT_PGBOUNCER_URL" ]; then \
+		$(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/; \
+	else \
+		.ci/pgbouncer.sh $(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/; \
+	fi
+
 .PHONY: lint
 lint: ## gofmt and go vet over every module.
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
