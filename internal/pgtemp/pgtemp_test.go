@@ -6,7 +6,9 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -70,14 +72,70 @@ func TestStartConnectStop(t *testing.T) {
 func TestKilledOwner(t *testing.T) {
 	needBinaries(t)
 	if os.Getenv("PGTEMP_HELPER") == "1" {
-		c, err := pgtemp.Start(context.Background())
-		if err != nil {
-			os.Stdout.WriteString("error " + err.Error() + "\n")
-			os.Exit(1)
-		}
-		os.Stdout.WriteString(c.Dir + " " + c.URL + "\n")
-		time.Sleep(time.Hour)
+		helper()
 	}
+	dir, url, owner := startHelper(t)
+	_ = owner.Process.Kill()
+	_ = owner.Wait()
+	gone(t, dir)
+	if conn, err := pgx.Connect(context.Background(), url); err == nil {
+		_ = conn.Close(context.Background())
+		t.Fatal("the cluster still answers after its directory was removed")
+	}
+}
+
+// TestSweepRemovesOrphans: when the watchdog itself is killed with SIGKILL along with its owner,
+// the cluster is left running; the next Sweep (run by every Start) stops it and removes it.
+func TestSweepRemovesOrphans(t *testing.T) {
+	needBinaries(t)
+	dir, url, owner := startHelper(t)
+	b, err := os.ReadFile(dir + "/watchdog.pid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = owner.Process.Kill()
+	_ = owner.Wait()
+	for syscall.Kill(pid, 0) == nil { // until the killed watchdog is reaped
+		time.Sleep(50 * time.Millisecond)
+	}
+	if conn, err := pgx.Connect(context.Background(), url); err != nil {
+		t.Fatalf("the orphaned cluster should still run before Sweep: %v", err)
+	} else {
+		_ = conn.Close(context.Background())
+	}
+	pgtemp.Sweep()
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Fatalf("after Sweep: %s: %v; want it removed", dir, err)
+	}
+	if conn, err := pgx.Connect(context.Background(), url); err == nil {
+		_ = conn.Close(context.Background())
+		t.Fatal("the orphaned cluster still answers after Sweep")
+	}
+}
+
+// helper is the child process of the tests above: it starts a cluster, prints its directory and
+// URL, and sleeps until it is killed.
+func helper() {
+	c, err := pgtemp.Start(context.Background())
+	if err != nil {
+		os.Stdout.WriteString("error " + err.Error() + "\n")
+		os.Exit(1)
+	}
+	os.Stdout.WriteString(c.Dir + " " + c.URL + "\n")
+	time.Sleep(time.Hour)
+	os.Exit(0)
+}
+
+// startHelper runs this test binary as helper and returns the cluster's directory and URL.
+func startHelper(t *testing.T) (dir, url string, owner *exec.Cmd) {
+	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestKilledOwner$")
 	cmd.Env = append(os.Environ(), "PGTEMP_HELPER=1")
 	out, err := cmd.StdoutPipe()
@@ -91,15 +149,10 @@ func TestKilledOwner(t *testing.T) {
 	dir, url, ok := strings.Cut(strings.TrimSpace(line), " ")
 	if !ok || dir == "error" {
 		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
 		t.Fatalf("helper: %q", line)
 	}
-	_ = cmd.Process.Kill()
-	_ = cmd.Wait()
-	gone(t, dir)
-	if conn, err := pgx.Connect(context.Background(), url); err == nil {
-		_ = conn.Close(context.Background())
-		t.Fatal("the cluster still answers after its directory was removed")
-	}
+	return dir, url, cmd
 }
 
 // TestDroppedClusterKeepsRunning: a caller that keeps only the URL (as testdb does) still has a
