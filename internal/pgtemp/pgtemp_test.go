@@ -67,14 +67,23 @@ func TestStartConnectStop(t *testing.T) {
 	}
 }
 
-// TestKilledOwner: a process that started a cluster is killed with SIGKILL (as `go test -timeout`
-// or an OOM killer would): its watchdog stops the cluster and removes the directory anyway.
+// TestKilledOwner: a process that started a cluster and dropped its *Cluster (as testdb does) still
+// has a running cluster after garbage collection; when it is killed with SIGKILL (as `go test
+// -timeout` or an OOM killer would), its watchdog stops the cluster and removes the directory.
 func TestKilledOwner(t *testing.T) {
 	needBinaries(t)
 	if os.Getenv("PGTEMP_HELPER") == "1" {
 		helper()
 	}
 	dir, url, owner := startHelper(t)
+	if _, err := owner.lines.ReadString('\n'); err != nil {
+		t.Fatalf("helper: %v", err)
+	}
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatalf("after the owner dropped its *Cluster and collected garbage: %v", err)
+	}
+	_ = conn.Close(context.Background())
 	_ = owner.Process.Kill()
 	_ = owner.Wait()
 	gone(t, dir)
@@ -129,12 +138,18 @@ func helper() {
 		os.Exit(1)
 	}
 	os.Stdout.WriteString(c.Dir + " " + c.URL + "\n")
+	c = nil
+	for range 3 { // the *Cluster is dropped, as testdb drops it: the cluster must keep running
+		runtime.GC()
+		time.Sleep(300 * time.Millisecond)
+	}
+	os.Stdout.WriteString("collected\n")
 	time.Sleep(time.Hour)
 	os.Exit(0)
 }
 
 // startHelper runs this test binary as helper and returns the cluster's directory and URL.
-func startHelper(t *testing.T) (dir, url string, owner *exec.Cmd) {
+func startHelper(t *testing.T) (dir, url string, owner helperProc) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestKilledOwner$")
 	cmd.Env = append(os.Environ(), "PGTEMP_HELPER=1")
@@ -145,33 +160,19 @@ func startHelper(t *testing.T) (dir, url string, owner *exec.Cmd) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	line, _ := bufio.NewReader(out).ReadString('\n')
+	lines := bufio.NewReader(out)
+	line, _ := lines.ReadString('\n')
 	dir, url, ok := strings.Cut(strings.TrimSpace(line), " ")
 	if !ok || dir == "error" {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 		t.Fatalf("helper: %q", line)
 	}
-	return dir, url, cmd
+	return dir, url, helperProc{cmd, lines}
 }
 
-// TestDroppedClusterKeepsRunning: a caller that keeps only the URL (as testdb does) still has a
-// cluster after garbage collection; it is removed when the binary ends.
-func TestDroppedClusterKeepsRunning(t *testing.T) {
-	needBinaries(t)
-	ctx := context.Background()
-	c, err := pgtemp.Start(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	url := c.URL
-	c = nil
-	runtime.GC()
-	runtime.GC()
-	time.Sleep(time.Second)
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		t.Fatalf("after the *Cluster was dropped and collected: %v", err)
-	}
-	_ = conn.Close(ctx)
+// helperProc is the helper process and the rest of its output.
+type helperProc struct {
+	*exec.Cmd
+	lines *bufio.Reader
 }
