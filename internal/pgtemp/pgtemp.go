@@ -64,6 +64,7 @@ type Cluster struct {
 // watchdog runs as the cluster's owner: initdb, start, report "ready", wait for end-of-file on
 // standard input, stop, remove. Arguments: bindir, dir, port.
 const watchdog = `
+trap '' PIPE  # an owner dead before "ready" must not kill the watchdog: it still has to clean up
 bindir=$1 dir=$2 port=$3
 cleanup() { "$bindir/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1; rm -rf "$dir"; }
 if ! "$bindir/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --locale=C -N >"$dir/initdb.log" 2>&1; then

@@ -5,7 +5,9 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -175,4 +177,35 @@ func startHelper(t *testing.T) (dir, url string, owner helperProc) {
 type helperProc struct {
 	*exec.Cmd
 	lines *bufio.Reader
+}
+
+// TestOwnerKilledDuringStart: the owner dies while initdb runs, before the cluster is ready: the
+// watchdog still starts it, finds its owner gone, stops it and removes the directory.
+func TestOwnerKilledDuringStart(t *testing.T) {
+	needBinaries(t)
+	before, _ := filepath.Glob(filepath.Join(os.TempDir(), "txlimit-pg-*"))
+	cmd := exec.Command(os.Args[0], "-test.run=^TestKilledOwner$")
+	cmd.Env = append(os.Environ(), "PGTEMP_HELPER=1")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var dir string
+	for deadline := time.Now().Add(60 * time.Second); dir == "" && time.Now().Before(deadline); {
+		now, _ := filepath.Glob(filepath.Join(os.TempDir(), "txlimit-pg-*"))
+		for _, d := range now {
+			if !slices.Contains(before, d) {
+				dir = d
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	if dir == "" {
+		t.Fatal("the helper created no cluster directory")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "data", "postmaster.pid")); err == nil {
+		t.Logf("the cluster was already up when its owner was killed; the test shows the plain case")
+	}
+	gone(t, dir)
 }
