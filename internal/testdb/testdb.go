@@ -12,8 +12,8 @@
 //     ends however it ends (TXLIMIT_PRIVATE_CLUSTER=off skips this step);
 //
 // and otherwise the test fails with one message naming the three ways to provide a database. Each
-// call to Pool creates a fresh schema, applies txlimit's migrations in it and drops it when the test ends, so tests can run in
-// parallel without seeing each other's rows.
+// call to Pool creates a fresh schema, applies txlimit's migrations in it and drops it when the
+// test ends, so tests can run in parallel without seeing each other's rows.
 package testdb
 
 import (
