@@ -74,8 +74,25 @@ func Latest() int64 {
 // LockTable in that schema): migrating one schema never waits for another, nor for the
 // application's goose. A waiting migrator retries every 250 ms for up to 5 minutes; a migrator that
 // died holding the lock releases it after 30 s. Use the Provider for anything beyond Up: status,
-// down, a target version.
+// down, a target version. Its locked operations need two connections of db (goose holds one for
+// the migrations, the locker uses another); Up needs only one.
 func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
+	locker, err := newLocker(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	return newProvider(db, goose.WithLocker(locker))
+}
+
+func newProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
+	return goose.NewProvider(goose.DialectPostgres, db, FS, append([]goose.ProviderOption{
+		goose.WithTableName(VersionTable),
+		goose.WithDisableGlobalRegistry(true),
+	}, opts...)...)
+}
+
+// newLocker returns goose's table locker on the lock row of db's current schema.
+func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, error) {
 	var schema sql.NullString
 	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&schema); err != nil {
 		return nil, fmt.Errorf("migrations: find the schema: %w", err)
@@ -83,7 +100,7 @@ func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
 	if !schema.Valid {
 		return nil, errors.New("migrations: no schema of the connection's search_path exists: create it, or call Up with CreateSchema()")
 	}
-	locker, err := lock.NewPostgresTableLocker(
+	return lock.NewPostgresTableLocker(
 		lock.WithTableName(LockTable),
 		lock.WithTableLockID(LockID(schema.String)),
 		lock.WithTableLeaseDuration(lockLease),
@@ -91,14 +108,6 @@ func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
 		lock.WithTableLockTimeout(lockRetry, lockRetries),
 		lock.WithTableUnlockTimeout(time.Second, 60),
 		lock.WithTableRetryPolicy(retryable),
-	)
-	if err != nil {
-		return nil, err
-	}
-	return goose.NewProvider(goose.DialectPostgres, db, FS,
-		goose.WithTableName(VersionTable),
-		goose.WithLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
 	)
 }
 
@@ -137,11 +146,25 @@ func Up(ctx context.Context, pool *pgxpool.Pool, opts ...Option) error {
 	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	p, err := NewProvider(ctx, db)
+	// The lock is taken around goose's whole run rather than by goose itself: goose would hold one
+	// connection for the migrations while its locker waits for a second, which a pool of one
+	// connection never gives. Held this way, the lock also covers goose's check for pending
+	// migrations, so concurrent first migrators do not race to create the version table.
+	locker, err := newLocker(ctx, db)
 	if err != nil {
-		return fmt.Errorf("migrations: %w", err)
+		return err
 	}
-	if _, err := p.Up(ctx); err != nil {
+	if err := locker.Lock(ctx, db); err != nil {
+		return fmt.Errorf("migrations: take the migration lock: %w", err)
+	}
+	p, err := newProvider(db)
+	if err == nil {
+		_, err = p.Up(ctx)
+	}
+	if uerr := locker.Unlock(ctx, db); uerr != nil && err == nil {
+		err = fmt.Errorf("release the migration lock: %w", uerr)
+	}
+	if err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
 	return nil

@@ -162,3 +162,24 @@ func TestUpRefusesAnEmptySearchPath(t *testing.T) {
 		t.Fatalf("Up with an empty search_path: %v; want an error saying it names no schema", err)
 	}
 }
+
+// TestUpOnAOneConnectionPool: Up needs a single connection (the lock is not taken by goose, which
+// would hold one connection while its locker waits for a second).
+func TestUpOnAOneConnectionPool(t *testing.T) {
+	t.Parallel()
+	schema := testdb.NewSchema(t)
+	pool := poolOn(t, schema)
+	pool.Reset()
+	cfg := pool.Config()
+	cfg.MaxConns = 1
+	one, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer one.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := migrations.Up(ctx, one); err != nil {
+		t.Fatalf("Up on a pool of one connection: %v", err)
+	}
+}
