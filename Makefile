@@ -22,14 +22,20 @@ help: ## Show the targets and what they do.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: demo
-demo: ## Run the runnable examples (migrates; needs Postgres, see README).
-	$(GO) run ./examples/demo
-	$(GO) run ./examples/llmbudget
-	$(GO) run ./examples/httpserver -demo
+demo: ## Run the runnable examples (migrates; finds or starts a Postgres, see README).
+	$(GO) run ./internal/cmd/withdb -- bash -c '$(GO) run ./examples/demo && $(GO) run ./examples/llmbudget && $(GO) run ./examples/httpserver -demo'
 
 .PHONY: test
 test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).
 	$(GO) test -race -count=1 -p 1 -timeout 15m ./...
+
+.PHONY: test-pgbouncer
+test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode (.ci/pgbouncer.sh starts one unless TXLIMIT_PGBOUNCER_URL is set).
+	@if [ -n "$$TXLIMIT_PGBOUNCER_URL" ]; then \
+		$(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/; \
+	else \
+		.ci/pgbouncer.sh $(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/; \
+	fi
 
 .PHONY: lint
 lint: ## gofmt and go vet over every module.

@@ -3,15 +3,26 @@
 // The migrations keep their own goose version table, txlimit_goose_version, so they never touch an
 // application's goose_db_version. Tables are created in the first schema of the connection's
 // search_path, the same schema the library's queries use.
+//
+// Concurrent migrators of one schema are kept apart by a lock row in a table of that schema,
+// txlimit_goose_lock (goose's table locker), not by a session-level advisory lock: a session lock
+// does not survive a transaction pooler such as PgBouncer in transaction mode, which may run the
+// lock and the unlock on different server connections. See docs/deploy.md.
 package migrations
 
 import (
 	"context"
 	"database/sql"
 	"embed"
+	"errors"
 	"fmt"
 	"hash/fnv"
+	"io/fs"
+	"strings"
+	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -24,47 +35,237 @@ var FS embed.FS
 // VersionTable is the name of the goose version table these migrations keep.
 const VersionTable = "txlimit_goose_version"
 
-// NewProvider returns a goose Provider for txlimit's migrations on db, with txlimit's own version
-// table and a Postgres session lock so that concurrent migrators of the same schema wait for each
-// other. The lock is txlimit's own, per schema (goose's default is one lock for the whole database,
-// shared with the application's goose): migrating one schema never waits for another. Use the
-// Provider for anything beyond Up: status, down, a target version.
-func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
-	var schema string
-	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&schema); err != nil {
-		return nil, fmt.Errorf("migrations: find the schema: %w", err)
+// LockTable is the name of the table holding the lock row that concurrent migrators of one schema
+// take in turn. It is created next to VersionTable on first use.
+const LockTable = "txlimit_goose_lock"
+
+// The table locker's timing: a dead migrator's lock expires after lockLease (its heartbeat renews
+// it every lockHeartbeat while it runs); a waiting migrator retries every lockRetry, for at most
+// lockRetries times (5 minutes).
+const (
+	lockLease     = 30 * time.Second
+	lockHeartbeat = 5 * time.Second
+	lockRetry     = 250 * time.Millisecond
+	lockRetries   = 1200
+)
+
+// Latest returns the highest migration version embedded in this package: the version a schema
+// must be at for this build of txlimit. It panics if an embedded file name has no version, which
+// a test rules out.
+func Latest() int64 {
+	names, err := fs.Glob(FS, "*.sql")
+	if err != nil {
+		panic(err)
 	}
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(LockID(schema)), lock.WithLockTimeout(1, 300))
+	var latest int64
+	for _, name := range names {
+		v, err := goose.NumericComponent(name)
+		if err != nil {
+			panic(fmt.Sprintf("migrations: %s: %v", name, err))
+		}
+		latest = max(latest, v)
+	}
+	return latest
+}
+
+// NewProvider returns a goose Provider for txlimit's migrations on db, with txlimit's own version
+// table and goose's table locker, so that concurrent migrators of the same schema wait for each
+// other even through a transaction pooler. The lock is txlimit's own, per schema (a row of
+// LockTable in that schema): migrating one schema never waits for another, nor for the
+// application's goose. A waiting migrator retries every 250 ms for up to 5 minutes; a migrator that
+// died holding the lock releases it after 30 s. Use the Provider for anything beyond Up: status,
+// down, a target version. Its locked operations need two connections of db (goose holds one for
+// the migrations, the locker uses another); Up needs only one.
+func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
+	locker, err := newLocker(ctx, db)
 	if err != nil {
 		return nil, err
 	}
-	return goose.NewProvider(goose.DialectPostgres, db, FS,
+	return newProvider(db, goose.WithLocker(locker))
+}
+
+func newProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
+	return goose.NewProvider(goose.DialectPostgres, db, FS, append([]goose.ProviderOption{
 		goose.WithTableName(VersionTable),
-		goose.WithSessionLocker(locker),
 		goose.WithDisableGlobalRegistry(true),
+	}, opts...)...)
+}
+
+// newLocker returns goose's table locker on the lock row of db's current schema.
+func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, error) {
+	var schema sql.NullString
+	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&schema); err != nil {
+		return nil, fmt.Errorf("migrations: find the schema: %w", err)
+	}
+	if !schema.Valid {
+		return nil, errors.New("migrations: no schema of the connection's search_path exists: create it, or call Up with CreateSchema()")
+	}
+	return lock.NewPostgresTableLocker(
+		lock.WithTableName(LockTable),
+		lock.WithTableLockID(LockID(schema.String)),
+		lock.WithTableLeaseDuration(lockLease),
+		lock.WithTableHeartbeatInterval(lockHeartbeat),
+		lock.WithTableLockTimeout(lockRetry, lockRetries),
+		lock.WithTableUnlockTimeout(time.Second, 60),
+		lock.WithTableRetryPolicy(retryable),
 	)
 }
 
-// Up applies every pending migration through the pool. It is safe to call at every start-up and
-// from several processes at once.
-func Up(ctx context.Context, pool *pgxpool.Pool) error {
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	p, err := NewProvider(ctx, db)
-	if err != nil {
+// retryable says whether a failed attempt to take or release the lock is worth another try: yes
+// when the lock is held by another migrator or the connection failed, no when Postgres refused the
+// statement (a permission error, say), which a retry would only repeat for five minutes.
+func retryable(err error) bool {
+	var pgErr *pgconn.PgError
+	return !errors.As(err, &pgErr)
+}
+
+// Option changes what Up does.
+type Option func(*upConfig)
+
+type upConfig struct {
+	createSchema bool
+}
+
+// CreateSchema makes Up create the schema it migrates, the first schema named in the connection's
+// search_path ("$user" counts only when such a schema exists, as in Postgres), when it does not
+// exist yet. Without it, Up fails when that schema is missing rather than migrating into a later
+// schema of the search_path. Defaults to off.
+func CreateSchema() Option { return func(c *upConfig) { c.createSchema = true } }
+
+// Up applies every pending migration through the pool, in the first schema of the connection's
+// search_path. It is safe to call at every start-up and from several processes at once, also
+// through PgBouncer in transaction pooling mode (see docs/deploy.md for the pool's exec mode and
+// search_path there).
+func Up(ctx context.Context, pool *pgxpool.Pool, opts ...Option) error {
+	var cfg upConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if err := ensureSchema(ctx, pool, cfg.createSchema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
-	if _, err := p.Up(ctx); err != nil {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	// The lock is taken around goose's whole run rather than by goose itself: goose would hold one
+	// connection for the migrations while its locker waits for a second, which a pool of one
+	// connection never gives. Held this way, the lock also covers goose's check for pending
+	// migrations, so concurrent first migrators do not race to create the version table.
+	locker, err := newLocker(ctx, db)
+	if err != nil {
+		return err
+	}
+	if err := locker.Lock(ctx, db); err != nil {
+		return fmt.Errorf("migrations: take the migration lock: %w", err)
+	}
+	p, err := newProvider(db)
+	if err == nil {
+		_, err = p.Up(ctx)
+	}
+	if uerr := locker.Unlock(ctx, db); uerr != nil && err == nil {
+		err = fmt.Errorf("release the migration lock: %w", uerr)
+	}
+	if err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
 	return nil
 }
 
-// LockID is the Postgres advisory lock ID that NewProvider's migrations hold while they run in
-// schema: a 64-bit FNV-1a hash of "txlimit migrations" and the schema name.
+// ensureSchema finds the schema Up is to migrate (the first of the search_path) and creates it
+// when asked to; otherwise a missing schema is an error that names it.
+func ensureSchema(ctx context.Context, pool *pgxpool.Pool, create bool) error {
+	var searchPath, user string
+	if err := pool.QueryRow(ctx, "SELECT current_setting('search_path'), current_user").Scan(&searchPath, &user); err != nil {
+		return fmt.Errorf("read the search_path: %w", err)
+	}
+	entries := splitSearchPath(searchPath)
+	target := ""
+	for _, e := range entries {
+		if e == "$user" {
+			var exists bool
+			if err := pool.QueryRow(ctx, "SELECT to_regnamespace($1) IS NOT NULL", pgx.Identifier{user}.Sanitize()).Scan(&exists); err != nil {
+				return fmt.Errorf("look up schema %q: %w", user, err)
+			}
+			if exists {
+				target = user
+				break
+			}
+			continue
+		}
+		target = e
+		break
+	}
+	if target == "" {
+		return fmt.Errorf("search_path %q names no schema to migrate: set it to the schema txlimit is to live in", searchPath)
+	}
+	var exists bool
+	if err := pool.QueryRow(ctx, "SELECT to_regnamespace($1) IS NOT NULL", pgx.Identifier{target}.Sanitize()).Scan(&exists); err != nil {
+		return fmt.Errorf("look up schema %q: %w", target, err)
+	}
+	if exists {
+		return nil
+	}
+	if !create {
+		return fmt.Errorf("schema %q, the first of search_path %q, does not exist: create it, or call Up with CreateSchema()", target, searchPath)
+	}
+	_, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{target}.Sanitize())
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+		err = nil // created concurrently by another migrator between the check and the CREATE
+	}
+	if err != nil {
+		return fmt.Errorf("create schema %q: %w", target, err)
+	}
+	return nil
+}
+
+// splitSearchPath splits a search_path setting into schema names as Postgres reads them:
+// double-quoted names keep their case and "" stands for one quote; other names are folded to lower
+// case; "$user" is returned as it is.
+func splitSearchPath(s string) []string {
+	var out []string
+	for i := 0; i < len(s); {
+		for i < len(s) && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == ',') {
+			i++
+		}
+		if i >= len(s) {
+			break
+		}
+		var name strings.Builder
+		if s[i] == '"' {
+			i++
+			for i < len(s) {
+				if s[i] == '"' {
+					if i+1 < len(s) && s[i+1] == '"' {
+						name.WriteByte('"')
+						i += 2
+						continue
+					}
+					i++
+					break
+				}
+				name.WriteByte(s[i])
+				i++
+			}
+		} else {
+			start := i
+			for i < len(s) && s[i] != ',' {
+				i++
+			}
+			name.WriteString(strings.ToLower(strings.TrimSpace(s[start:i])))
+		}
+		for i < len(s) && s[i] != ',' {
+			i++
+		}
+		out = append(out, name.String())
+	}
+	return out
+}
+
+// LockID is the ID of the lock row (in LockTable) that NewProvider's migrations hold while they
+// run in schema: a positive 63-bit FNV-1a hash of "txlimit migrations" and the schema name.
 func LockID(schema string) int64 {
 	h := fnv.New64a()
 	h.Write([]byte("txlimit migrations\x00"))
 	h.Write([]byte(schema))
-	return int64(h.Sum64())
+	return int64(h.Sum64()>>1) | 1
 }

@@ -438,7 +438,11 @@ func (b *Batcher) decideOnce(ctx context.Context, calls []*call) ([]outcome, err
 	defer conn.Release() // a broken connection goes back to be destroyed
 	// One statement in autocommit: one durable commit for the whole batch, and nothing of it is
 	// written when it fails (so a retried batch charges nothing twice).
-	return b.lim.decideCalls(ctx, conn, calls)
+	outs, err := b.lim.decideCalls(ctx, conn, calls)
+	if err != nil {
+		return nil, dbError(ctx, conn, "Batcher", err)
+	}
+	return outs, nil
 }
 
 // Close stops the Batcher: calls made from now on return ErrBatcherClosed, calls already queued

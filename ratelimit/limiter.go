@@ -196,7 +196,7 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	}
 	out, err := l.decideCalls(ctx, db, []*call{c})
 	if err != nil {
-		err = fmt.Errorf("ratelimit: %s: %w", op, err)
+		err = dbError(ctx, db, op, err)
 	} else {
 		err = out[0].err
 	}
@@ -307,7 +307,7 @@ func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []R
 	}
 	out, err := l.decideCalls(ctx, db, []*call{c})
 	if err != nil {
-		err = fmt.Errorf("ratelimit: %s: %w", op, err)
+		err = dbError(ctx, db, op, err)
 	} else {
 		err = out[0].err
 	}

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
@@ -51,7 +50,7 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 			Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
 		})
 		if err != nil {
-			return deleted, fmt.Errorf("ratelimit: %s: %w", op, err)
+			return deleted, dbError(ctx, db, op, err)
 		}
 		if len(rows) == 0 {
 			return deleted, nil
@@ -72,7 +71,7 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 		if len(del.Keys) > 0 {
 			n, err := q.PruneDelete(ctx, db, del)
 			if err != nil {
-				return deleted, fmt.Errorf("ratelimit: %s: %w", op, err)
+				return deleted, dbError(ctx, db, op, err)
 			}
 			deleted += n
 		}

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
@@ -47,7 +46,7 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 		Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	})
 	if err != nil {
-		return State{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+		return State{}, dbError(ctx, db, op, err)
 	}
 	st := State{Name: name, Key: key, Config: s.effective(), Shards: make([]float64, s.shards)}
 	for i := range st.Shards {
@@ -83,7 +82,7 @@ func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) erro
 		return err
 	}
 	if _, err := dbsqlc.New().Reset(ctx, db, dbsqlc.ResetParams{Name: name, Key: key}); err != nil {
-		return fmt.Errorf("ratelimit: %s: %w", op, err)
+		return dbError(ctx, db, op, err)
 	}
 	return nil
 }
@@ -119,7 +118,7 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 		Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	})
 	if err != nil {
-		return CreditResult{}, fmt.Errorf("ratelimit: %s: %w", op, err)
+		return CreditResult{}, dbError(ctx, db, op, err)
 	}
 	existing := 0
 	for _, row := range rows {

@@ -3,8 +3,9 @@
 // reservation with its retryAt, and two limits taken together. It prints what happened and exits 0.
 //
 // It connects to DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
-// drops at the end, so it can be run again and again.
+// postgres://postgres@localhost:5432/test?sslmode=disable, else a private throwaway Postgres it
+// starts and removes itself when the Postgres server is installed (docs/deploy.md), and works in a
+// schema of its own that it drops at the end, so it can be run again and again.
 package main
 
 import (
@@ -29,7 +30,7 @@ func main() {
 
 func run(ctx context.Context) error {
 	fmt.Println("== migrate")
-	pool, done, err := scratch.Open(ctx, scratch.URL(), "txlimit_demo_", 0)
+	pool, done, err := scratch.OpenAny(ctx, "txlimit_demo_", 0)
 	if err != nil {
 		return err
 	}

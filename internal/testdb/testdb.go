@@ -4,11 +4,16 @@
 //  1. TEST_DATABASE_URL, when set;
 //  2. a Postgres container started with testcontainers, when a Docker daemon answers;
 //  3. Postgres on localhost:5432 (user postgres, database test, no password), when it accepts a
-//     connection;
+//     connection (TXLIMIT_LOCAL_URL names another URL to probe instead: set it to a closed port,
+//     e.g. postgres://postgres@127.0.0.1:1/test, to skip this step on a machine where it answers);
+//  4. a private throwaway cluster (package internal/pgtemp), when Postgres server binaries are
+//     installed (initdb and pg_ctl on $PATH or under /usr/lib/postgresql/*/bin): one per test
+//     binary, in a temporary directory on a free loopback port, stopped and removed when the binary
+//     ends however it ends (TXLIMIT_PRIVATE_CLUSTER=off skips this step);
 //
-// and otherwise the test fails with a message naming all three. Each call to Pool creates a fresh
-// schema, applies txlimit's migrations in it and drops it when the test ends, so tests can run in
-// parallel without seeing each other's rows.
+// and otherwise the test fails with one message naming the three ways to provide a database. Each
+// call to Pool creates a fresh schema, applies txlimit's migrations in it and drops it when the
+// test ends, so tests can run in parallel without seeing each other's rows.
 package testdb
 
 import (
@@ -26,6 +31,7 @@ import (
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
 
+	"github.com/txlimit/txlimit/internal/pgtemp"
 	"github.com/txlimit/txlimit/internal/scratch"
 	"github.com/txlimit/txlimit/migrations"
 )
@@ -35,6 +41,10 @@ const EnvURL = "TEST_DATABASE_URL"
 
 // LocalURL is the database tried when neither EnvURL nor Docker is available.
 const LocalURL = "postgres://postgres@localhost:5432/test?sslmode=disable"
+
+// EnvLocalURL names the URL probed instead of LocalURL. Set it to a closed port to make the tests
+// start a private cluster on a machine where LocalURL answers.
+const EnvLocalURL = "TXLIMIT_LOCAL_URL"
 
 var (
 	dsnOnce sync.Once
@@ -53,7 +63,8 @@ func DSN(tb testing.TB) string {
 	return dsn
 }
 
-// Source says where the DSN came from: "TEST_DATABASE_URL", "testcontainers" or "localhost".
+// Source says where the DSN came from: "TEST_DATABASE_URL", "testcontainers", "localhost" or
+// "private cluster".
 func Source() string { return dsnFrom }
 
 func find() (string, string, error) {
@@ -70,15 +81,22 @@ func find() (string, string, error) {
 		}
 		dockerErr = err
 	}
-	localErr := ping(ctx, LocalURL)
+	local := LocalURL
+	if u := os.Getenv(EnvLocalURL); u != "" {
+		local = u
+	}
+	localErr := ping(ctx, local)
 	if localErr == nil {
-		return LocalURL, "localhost", nil
+		return local, "localhost", nil
+	}
+	c, clusterErr := pgtemp.Start(ctx)
+	if clusterErr == nil {
+		// Never stopped here: the cluster's watchdog stops it and removes it when this binary ends.
+		return c.URL, "private cluster", nil
 	}
 	return "", "", fmt.Errorf("testdb: no Postgres for tests. Tried, in order:\n"+
-		"  1. %s: not set (set it to a postgres:// URL of a database the tests may create schemas in)\n"+
-		"  2. testcontainers: %v (start a Docker daemon)\n"+
-		"  3. %s: %v (start Postgres on localhost:5432 with user postgres and database test)",
-		EnvURL, dockerErr, LocalURL, localErr)
+		"  - %s: not set\n  - testcontainers: %v\n  - %s: %v\n  - %v\n%s",
+		EnvURL, dockerErr, local, localErr, clusterErr, pgtemp.Ways(EnvURL))
 }
 
 func dockerAnswers(ctx context.Context) (err error) {

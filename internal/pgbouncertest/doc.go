@@ -1,0 +1,8 @@
+// Package pgbouncertest runs txlimit through a real PgBouncer in transaction pooling mode: decisions
+// under each pgx QueryExecMode, LimitMany, Credit, the migrations (up and down, concurrent
+// migrators, under load) and the scheduler's reserve-and-run with River in poll-only mode. Its
+// tests need TXLIMIT_PGBOUNCER_URL (a URL through PgBouncer to the database of TEST_DATABASE_URL or
+// localhost, as user postgres) and are skipped without it: `make test-pgbouncer` starts a PgBouncer
+// and sets it (.ci/pgbouncer.sh). docs/deploy.md says what a user behind PgBouncer configures;
+// these tests check every line of it.
+package pgbouncertest

@@ -1,0 +1,185 @@
+package migrations_test
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3/lock"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/migrations"
+)
+
+// poolOn opens a pool whose search_path is schema (which need not exist), closed when the test ends.
+func poolOn(t *testing.T, schema string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestLatestIsTheLastEmbeddedMigration pins Latest to what goose itself reads from FS.
+func TestLatestIsTheLastEmbeddedMigration(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	p, err := migrations.NewProvider(context.Background(), db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sources := p.ListSources()
+	if got, want := migrations.Latest(), sources[len(sources)-1].Version; got != want {
+		t.Fatalf("Latest() = %d; want %d, the last embedded migration", got, want)
+	}
+	if v, err := p.GetDBVersion(context.Background()); err != nil || v != migrations.Latest() {
+		t.Fatalf("after Up: version %d, %v; want %d", v, err, migrations.Latest())
+	}
+}
+
+// TestConcurrentMigratorsAreKeptApart runs Up from eight pools at once on one empty schema: every
+// call succeeds and each migration ran exactly once (the ballast migration's 1,000 rows are there
+// once, not eight times, and goose would fail a second run of a CREATE TABLE).
+func TestConcurrentMigratorsAreKeptApart(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := testdb.NewSchema(t)
+	const n = 8
+	pools := make([]*pgxpool.Pool, n)
+	for i := range pools {
+		pools[i] = poolOn(t, schema)
+	}
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range pools {
+		wg.Go(func() { errs[i] = migrations.Up(ctx, pools[i]) })
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("migrator %d: %v", i, err)
+		}
+	}
+	var ballast, applied, locked int
+	if err := pools[0].QueryRow(ctx, "SELECT count(*) FROM txlimit_state WHERE name = ''").Scan(&ballast); err != nil {
+		t.Fatal(err)
+	}
+	if err := pools[0].QueryRow(ctx, "SELECT count(*) FROM "+migrations.VersionTable+" WHERE version_id > 0").Scan(&applied); err != nil {
+		t.Fatal(err)
+	}
+	if err := pools[0].QueryRow(ctx, "SELECT count(*) FROM "+migrations.LockTable+" WHERE locked").Scan(&locked); err != nil {
+		t.Fatal(err)
+	}
+	if ballast != 1000 || int64(applied) != migrations.Latest() || locked != 0 {
+		t.Fatalf("after %d concurrent Ups: %d ballast rows, %d versions applied, %d locks held; want 1000, %d, 0",
+			n, ballast, applied, locked, migrations.Latest())
+	}
+}
+
+// TestUpWaitsForTheLockHolder holds the schema's migration lock the way another migrator would
+// (goose's table locker on the same row): Up does not finish while it is held, and finishes once it
+// is released.
+func TestUpWaitsForTheLockHolder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := testdb.NewSchema(t)
+	holder := poolOn(t, schema)
+	db := stdlib.OpenDBFromPool(holder)
+	defer db.Close()
+	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Lock(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- migrations.Up(ctx, poolOn(t, schema)) }()
+	select {
+	case err := <-done:
+		t.Fatalf("Up finished while another migrator held the lock: %v", err)
+	case <-time.After(2 * time.Second):
+	}
+	if err := l.Unlock(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Up after the lock was released: %v", err)
+	}
+}
+
+// TestUpCreateSchema: a search_path naming a schema that does not exist makes Up fail with a
+// message naming the schema and the option, and with CreateSchema Up creates it and migrates it.
+func TestUpCreateSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := testdb.NewSchema(t) + "_Created" // mixed case: quoted in the search_path
+	admin := testdb.Conn(t, poolOn(t, "public"))
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
+	pool := poolOn(t, pgx.Identifier{schema}.Sanitize()+", public")
+	err := migrations.Up(ctx, pool)
+	if err == nil || !strings.Contains(err.Error(), schema) || !strings.Contains(err.Error(), "CreateSchema()") {
+		t.Fatalf("Up on a missing schema: %v; want an error naming %q and CreateSchema()", err, schema)
+	}
+	if err := migrations.Up(ctx, pool, migrations.CreateSchema()); err != nil {
+		t.Fatalf("Up with CreateSchema: %v", err)
+	}
+	var where string
+	if err := pool.QueryRow(ctx, "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'txlimit_state'::regclass").Scan(&where); err != nil {
+		t.Fatal(err)
+	}
+	if where != schema {
+		t.Fatalf("txlimit_state is in schema %q; want %q", where, schema)
+	}
+	if err := migrations.Up(ctx, pool, migrations.CreateSchema()); err != nil {
+		t.Fatalf("Up with CreateSchema a second time: %v", err)
+	}
+}
+
+// TestUpRefusesAnEmptySearchPath: nothing to migrate into is an error, not a migration into
+// whatever schema happens to come next.
+func TestUpRefusesAnEmptySearchPath(t *testing.T) {
+	t.Parallel()
+	err := migrations.Up(context.Background(), poolOn(t, ""), migrations.CreateSchema())
+	if err == nil || !strings.Contains(err.Error(), "names no schema") {
+		t.Fatalf("Up with an empty search_path: %v; want an error saying it names no schema", err)
+	}
+}
+
+// TestUpOnAOneConnectionPool: Up needs a single connection (the lock is not taken by goose, which
+// would hold one connection while its locker waits for a second).
+func TestUpOnAOneConnectionPool(t *testing.T) {
+	t.Parallel()
+	schema := testdb.NewSchema(t)
+	pool := poolOn(t, schema)
+	pool.Reset()
+	cfg := pool.Config()
+	cfg.MaxConns = 1
+	one, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer one.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := migrations.Up(ctx, one); err != nil {
+		t.Fatalf("Up on a pool of one connection: %v", err)
+	}
+}

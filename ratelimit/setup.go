@@ -1,0 +1,99 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
+	"github.com/txlimit/txlimit/migrations"
+)
+
+// ErrSetup is matched (errors.Is) by every *SetupError: the database is reachable but txlimit's
+// schema is not where the connection looks for it.
+var ErrSetup = errors.New("ratelimit: database schema not set up")
+
+// SetupError reports a set-up mistake rather than a failed decision: a table or function of txlimit
+// that Postgres did not find (SQLSTATE 42P01 or 42883: a forgotten migration, a search_path that
+// does not name the migrated schema, a schema migrated by an older txlimit), or, from CheckSchema,
+// a schema whose migration version is behind this build. It names the call that creates the
+// missing objects and the connection's search_path. Nothing was written.
+type SetupError struct {
+	// Op is the call that failed, e.g. "Limit" or "CheckSchema".
+	Op string
+	// Fix is the call that creates the missing objects. Defaults to "migrations.Up".
+	Fix string
+	// SearchPath is the connection's search_path, read after the failure; empty when it could not be
+	// read (inside a transaction the failure has aborted). Defaults to "".
+	SearchPath string
+	// Version is the migration version found in the schema and Want the version this build needs
+	// (migrations.Latest()), when the error comes from CheckSchema; both 0 otherwise.
+	Version, Want int64
+	// Err is Postgres's error (a *pgconn.PgError, reachable with errors.As), or nil when the schema is
+	// merely behind. Defaults to nil.
+	Err error
+}
+
+// Error says what is missing, where Postgres looked, and which call creates it.
+func (e *SetupError) Error() string {
+	fix := e.Fix
+	if fix == "" {
+		fix = "migrations.Up"
+	}
+	where := "search_path unknown (the transaction is aborted: run SHOW search_path on that connection)"
+	if e.SearchPath != "" || e.Err == nil {
+		where = fmt.Sprintf("search_path is %q", e.SearchPath)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "ratelimit: %s: ", e.Op)
+	if e.Err != nil {
+		fmt.Fprintf(&b, "%v: txlimit's schema is not set up where this connection looks for it (%s): ", e.Err, where)
+		fmt.Fprintf(&b, "run %s(ctx, pool) with this search_path at start-up, or set search_path to the schema it ran in (see docs/deploy.md)", fix)
+		return b.String()
+	}
+	fmt.Fprintf(&b, "the schema is at migration version %d, this build of txlimit needs %d (%s): run %s(ctx, pool) with this search_path at start-up (see docs/deploy.md)",
+		e.Version, e.Want, where, fix)
+	return b.String()
+}
+
+// Is makes errors.Is(err, ErrSetup) true.
+func (e *SetupError) Is(target error) bool { return target == ErrSetup }
+
+// Unwrap returns Err, Postgres's error.
+func (e *SetupError) Unwrap() error { return e.Err }
+
+// dbError wraps an error of op's database call. A missing txlimit table or function becomes a
+// *SetupError, at the price of one more query on db to read the search_path; anything else is
+// returned as "ratelimit: op: err".
+func dbError(ctx context.Context, db Executor, op string, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") ||
+		!strings.Contains(pgErr.Message, "txlimit_") {
+		return fmt.Errorf("ratelimit: %s: %w", op, err)
+	}
+	searchPath, _ := dbsqlc.New().SearchPath(ctx, db) // fails in an aborted transaction: left empty
+	return &SetupError{Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
+}
+
+// CheckSchema verifies, in one query, that the schema db's search_path leads to holds txlimit's
+// tables at the migration version this build needs (migrations.Latest(), or later: code keeps
+// working on a schema migrated by a newer txlimit). Call it once at start-up, after migrating: it
+// returns nil, a *SetupError (errors.Is(err, ErrSetup)) naming the fix and the search_path, or the
+// database error.
+func CheckSchema(ctx context.Context, db Executor) error {
+	const op = "CheckSchema"
+	if err := checkExecutor(op, db); err != nil {
+		return err
+	}
+	row, err := dbsqlc.New().SchemaVersion(ctx, db)
+	if err != nil {
+		return dbError(ctx, db, op, err)
+	}
+	if want := migrations.Latest(); row.Version < want {
+		return &SetupError{Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
+	}
+	return nil
+}

@@ -1,0 +1,191 @@
+package ratelimit_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/migrations"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// setupPool opens a pool whose search_path is schema, closed when the test ends.
+func setupPool(t *testing.T, schema string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// requireSetupError checks that err is a *SetupError of op naming migrations.Up and searchPath,
+// with Postgres's error (SQLSTATE code, one of "42P01|42883", or none when code is "") reachable.
+func requireSetupError(t *testing.T, step string, err error, op, searchPath, code string) {
+	t.Helper()
+	var se *ratelimit.SetupError
+	if !errors.As(err, &se) || !errors.Is(err, ratelimit.ErrSetup) {
+		t.Fatalf("%s: got %v (%T); want a *ratelimit.SetupError", step, err, err)
+	}
+	if errors.Is(err, ratelimit.ErrInvalid) {
+		t.Errorf("%s: a set-up error matches ErrInvalid", step)
+	}
+	if se.Op != op || se.SearchPath != searchPath || se.Fix != "migrations.Up" {
+		t.Errorf("%s: Op %q, SearchPath %q, Fix %q; want %q, %q, migrations.Up", step, se.Op, se.SearchPath, se.Fix, op, searchPath)
+	}
+	msg := err.Error()
+	for _, want := range []string{"migrations.Up(ctx, pool)", "docs/deploy.md", "ratelimit: " + op + ": "} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("%s: message %q does not name %q", step, msg, want)
+		}
+	}
+	if searchPath != "" && !strings.Contains(msg, `search_path is "`+searchPath+`"`) {
+		t.Errorf("%s: message %q does not name the search_path %q", step, msg, searchPath)
+	}
+	var pgErr *pgconn.PgError
+	if code == "" {
+		if errors.As(err, &pgErr) {
+			t.Errorf("%s: a PgError (%v) is reachable; want none", step, pgErr)
+		}
+		return
+	}
+	if !errors.As(err, &pgErr) || !strings.Contains(code, pgErr.Code) {
+		t.Errorf("%s: PgError %v; want SQLSTATE %s reachable with errors.As", step, pgErr, code)
+	}
+}
+
+// TestSetupErrors: each set-up mistake gives a *SetupError naming the fix and the search_path: a
+// forgotten migration (every call, CheckSchema, and inside a transaction, where the search_path
+// cannot be read any more), a search_path naming another schema, and a schema behind this build.
+func TestSetupErrors(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"a":       {Rate: 1, Period: time.Second},
+		"sharded": {Rate: 8, Period: time.Second, Shards: 4},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := []struct {
+		op   string
+		call func(db ratelimit.Executor) error
+	}{
+		{"LimitN", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }},
+		{"LimitN", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }},
+		{"CheckN", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }},
+		{"LimitMany", func(db ratelimit.Executor) error {
+			_, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
+			return err
+		}},
+		{"Credit", func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }},
+		{"Value", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }},
+		{"Reset", func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "a", "k") }},
+		{"Prune", func(db ratelimit.Executor) error { _, err := lim.Prune(ctx, db, "a", nil); return err }},
+		{"CheckSchema", func(db ratelimit.Executor) error { return ratelimit.CheckSchema(ctx, db) }},
+	}
+
+	t.Run("forgotten migration", func(t *testing.T) {
+		t.Parallel()
+		schema := testdb.NewSchema(t)
+		pool := setupPool(t, schema)
+		for _, c := range calls {
+			requireSetupError(t, c.op, c.call(pool), c.op, schema, "42P01|42883")
+		}
+		// Inside a transaction the failed statement aborts it: the search_path is unknown, the
+		// message says how to find it, and the transaction is still the caller's to roll back.
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		err = calls[0].call(tx)
+		requireSetupError(t, "in a transaction", err, "LimitN", "", "42P01")
+		if !strings.Contains(err.Error(), "SHOW search_path") {
+			t.Errorf("in a transaction: %q does not say how to read the search_path", err)
+		}
+	})
+
+	t.Run("search_path names another schema", func(t *testing.T) {
+		t.Parallel()
+		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
+		other := testdb.NewSchema(t)
+		pool := setupPool(t, other+", public")
+		requireSetupError(t, "Limit", calls[0].call(pool), "LimitN", other+", public", "42P01")
+		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01")
+	})
+
+	t.Run("schema behind", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		if err := ratelimit.CheckSchema(ctx, pool); err != nil {
+			t.Fatalf("CheckSchema on a current schema: %v", err)
+		}
+		db := stdlib.OpenDBFromPool(pool)
+		defer db.Close()
+		p, err := migrations.NewProvider(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Down(ctx); err != nil {
+			t.Fatal(err)
+		}
+		v, err := p.GetDBVersion(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var schema string
+		if err := pool.QueryRow(ctx, "SHOW search_path").Scan(&schema); err != nil {
+			t.Fatal(err)
+		}
+		err = ratelimit.CheckSchema(ctx, pool)
+		requireSetupError(t, "CheckSchema", err, "CheckSchema", schema, "")
+		var se *ratelimit.SetupError
+		if errors.As(err, &se); se.Version != v || se.Want != migrations.Latest() || v >= se.Want {
+			t.Errorf("CheckSchema: Version %d, Want %d; want %d, %d", se.Version, se.Want, v, migrations.Latest())
+		}
+		// The last migration's objects are gone: a sharded decision needs them.
+		var pgErr *pgconn.PgError
+		err = calls[1].call(pool)
+		if !errors.As(err, &pgErr) {
+			t.Fatalf("sharded Limit on a schema behind: %v; want a Postgres error", err)
+		}
+		requireSetupError(t, "sharded Limit", err, "LimitN", schema, pgErr.Code)
+	})
+
+	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		for i, c := range calls {
+			if err := c.call(pool); err != nil {
+				t.Errorf("step %d %s: %v", i, c.op, err)
+			}
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if _, err := tx.Exec(ctx, "SELECT 1/0"); err == nil {
+			t.Fatal("1/0 succeeded")
+		}
+		err = calls[0].call(tx) // 25P02: the transaction is aborted, not a set-up mistake
+		if err == nil || errors.Is(err, ratelimit.ErrSetup) || !strings.HasPrefix(err.Error(), "ratelimit: LimitN: ") {
+			t.Errorf("Limit in an aborted transaction: %v; want a plain database error", err)
+		}
+	})
+}
