@@ -28,7 +28,7 @@ var (
 	limitAllow = Limit{Name: "allow", Rate: 1e9, Period: time.Second, Burst: 1e9}
 	// limitDeny is tight: 10 per second per key, so nearly every decision is denied (deny-heavy mix).
 	limitDeny = Limit{Name: "deny", Rate: 10, Period: time.Second, Burst: 10}
-	// limitOverGrant is seed 003's correctness test: burst 10, rate 10/s, cost 1.
+	// limitOverGrant is the over-grant test's limit: burst 10, rate 10/s, cost 1.
 	limitOverGrant = Limit{Name: "overgrant", Rate: 10, Period: time.Second, Burst: 10}
 
 	benchLimits = []Limit{limitAllow, limitDeny, limitOverGrant}

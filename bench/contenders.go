@@ -59,7 +59,7 @@ var contenders = []*Def{
 	{
 		ID:     "redis-lua",
 		Name:   "Redis Lua (EVALSHA)",
-		What:   "A token bucket in a Lua script run by EVALSHA (seed 003's winner), on Redis's clock; go-redis v9, pool of 64.",
+		What:   "A token bucket in a Lua script run by EVALSHA (the usual way to rate-limit with Redis), on Redis's clock; go-redis v9, pool of 64.",
 		Family: FamilyRedis,
 		New: func(ctx context.Context, env *Env) (Contender, error) {
 			if env.Redis == nil {

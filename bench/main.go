@@ -32,7 +32,7 @@ type Mode struct {
 	Cell time.Duration
 	// Shard is how long each run of the 1-vs-16-shards SERIALIZABLE comparison lasts.
 	Shard time.Duration
-	// OverGrant is the over-grant test's window: seed 003's 3 s in every mode.
+	// OverGrant is the over-grant test's window: 3 s in every mode.
 	OverGrant time.Duration
 }
 
@@ -44,7 +44,7 @@ var (
 // Bounds that keep every loop finite whatever the speed of the contender.
 const (
 	maxPerCaller = 20_000_000
-	// overGrantCallers is seed 003's goroutine count.
+	// overGrantCallers is the over-grant test's number of callers (64).
 	overGrantCallers = 64
 )
 

@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// TestOverGrant runs seed 003's correctness test briefly against every txlimit contender: burst 10,
+// TestOverGrant runs the over-grant test (docs/spec.md §7) briefly against every txlimit contender: burst 10,
 // rate 10/s, 64 goroutines on one key. It fails if any grants more than a bucket that starts full
 // could: 10 + 10·span, span being the first to the last decision on Postgres's clock.
 func TestOverGrant(t *testing.T) {
@@ -24,7 +24,7 @@ func TestOverGrant(t *testing.T) {
 
 	ran := 0
 	for _, def := range Defs() {
-		if def.Family != FamilyTxlimit || def.SweepOnly { // the sweep's 64 shards cannot hold seed 003's count
+		if def.Family != FamilyTxlimit || def.SweepOnly { // the sweep's 64 shards cannot hold the over-grant test's count
 			continue
 		}
 		ran++

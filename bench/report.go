@@ -121,7 +121,7 @@ func (rep *Report) Markdown() string {
 		w(" |\n")
 	}
 
-	w("\n## Over-grant (seed 003's test)\n\n")
+	w("\n## Over-grant (burst 10, rate 10/s, 64 callers, 3 s)\n\n")
 	w("Burst 10, rate 10/s, cost 1, %d goroutines on one fresh key for %s; the 16-shard contenders split the same total limit over 16 rows. ",
 		overGrantCallers, rep.Mode.OverGrant)
 	w("A bucket that starts full grants at most 10 + 10·t in the t seconds after its first decision, so **max** is 10 + 10·span, rounded down, where span runs from the first to the last decision on the decider's own clock (Postgres's, Redis's, or this process's). ")

@@ -173,7 +173,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	return res
 }
 
-// OverGrant is the outcome of seed 003's correctness test for one contender.
+// OverGrant is the outcome of the over-grant test (docs/spec.md §7) for one contender.
 type OverGrant struct {
 	Def                        *Def
 	Decisions, Allowed, Errors int64
@@ -182,7 +182,7 @@ type OverGrant struct {
 	Window                     time.Duration // how long callers issued decisions
 	Span                       time.Duration // first to last decision time, on the decider's clock
 	Max                        int64         // Burst + Rate·Span, rounded down
-	Nominal                    int64         // Burst + Rate·Window: 40 for seed 003's 3 s
+	Nominal                    int64         // Burst + Rate·Window: 40 for the test's 3 s
 	firstAt, lastAt            time.Time
 }
 

@@ -307,15 +307,23 @@ BEGIN
     END IF;
     base := 'txlimit_state'::regclass::oid::bigint << 20;
 
-    -- The lock-free read of every row a request without steering may use, in one probe each.
-    FOR rec IN
-        SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
-        FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
-        JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
-        WHERE u.bulk
-    LOOP
-        r_ex[rec.i] := true; r_val[rec.i] := rec.v; r_ts[rec.i] := rec.t;
-    END LOOP;
+    -- The lock-free read of every row a request without steering may use, in one probe each (one
+    -- statement for a single row, cheaper than the join over arrays).
+    IF m = 1 AND p_row_bulk[1] THEN
+        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+        FROM txlimit_state s
+        WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+        r_ex[1] := FOUND; r_val[1] := va; r_ts[1] := ta;
+    ELSIF m > 1 THEN
+        FOR rec IN
+            SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
+            FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
+            JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+            WHERE u.bulk
+        LOOP
+            r_ex[rec.i] := true; r_val[rec.i] := rec.v; r_ts[rec.i] := rec.t;
+        END LOOP;
+    END IF;
     FOR r IN 1 .. m LOOP
         r_read[r] := p_row_bulk[r];
     END LOOP;
@@ -554,11 +562,13 @@ BEGIN
         -- run that was deleted since it was read is created right after its run.
         r := 1;
         WHILE r <= m LOOP
+            e := r;
             IF want[r] AND r_ex[r] AND NOT l_got[r] THEN
-                e := r;
                 WHILE e < m AND (NOT want[e + 1] OR r_ex[e + 1]) LOOP
                     e := e + 1;
                 END LOOP;
+            END IF;
+            IF e > r THEN -- a run of two rows or more (a single row is locked below)
                 FOR rec IN
                     SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
                     FROM unnest(p_row_name[r:e], p_row_key[r:e], p_row_shard[r:e], want[r:e], l_got[r:e])
@@ -620,7 +630,15 @@ BEGIN
         d_name := d_name || p_row_name[r]; d_key := d_key || p_row_key[r]; d_shard := d_shard || p_row_shard[r];
         d_val := d_val || w_val[r]; d_ts := d_ts || w_ts[r];
     END LOOP;
-    IF cardinality(d_name) > 0 THEN
+    IF cardinality(d_name) = 1 THEN
+        UPDATE txlimit_state s
+        SET value = d_val[1], ts = 'epoch'::timestamptz + d_ts[1] * interval '1 microsecond'
+        WHERE s.name = d_name[1] AND s.key = d_key[1] AND s.shard = d_shard[1];
+        GET DIAGNOSTICS k = ROW_COUNT;
+        IF k <> 1 THEN
+            RAISE EXCEPTION 'txlimit: wrote % of 1 locked row', k;
+        END IF;
+    ELSIF cardinality(d_name) > 1 THEN
         UPDATE txlimit_state s
         SET value = u.v, ts = 'epoch'::timestamptz + u.t * interval '1 microsecond'
         FROM unnest(d_name, d_key, d_shard, d_val, d_ts) AS u(nm, ky, sh, v, t)

@@ -603,7 +603,7 @@ func TestNewBatcherRefusesNil(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
 }
 
-// (e) seed 003's over-grant test through a Batcher: burst 10, rate 10/s, 64 callers, 3 s.
+// (e) the over-grant test through a Batcher: burst 10, rate 10/s, 64 callers, 3 s.
 func TestOverGrantBatcher(t *testing.T) {
 	t.Parallel()
 	pool, lim := overGrantLimiter(t)

@@ -93,7 +93,7 @@ func TestSetupErrors(t *testing.T) {
 			return err
 		}},
 		{"Credit", func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }},
-		{"Value", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }},
+		{"State", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }},
 		{"Reset", func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "a", "k") }},
 		{"Prune", func(db ratelimit.Executor) error { _, err := lim.Prune(ctx, db, "a", nil); return err }},
 		{"CheckSchema", func(db ratelimit.Executor) error { return ratelimit.CheckSchema(ctx, db) }},
@@ -114,7 +114,7 @@ func TestSetupErrors(t *testing.T) {
 		}
 		defer tx.Rollback(ctx)
 		err = calls[0].call(tx)
-		requireSetupError(t, "in a transaction", err, "LimitN", "", "42P01")
+		requireSetupError(t, "in a transaction", err, "LimitN", "", "42883") // txlimit_decide
 		if !strings.Contains(err.Error(), "SHOW search_path") {
 			t.Errorf("in a transaction: %q does not say how to read the search_path", err)
 		}
@@ -125,7 +125,7 @@ func TestSetupErrors(t *testing.T) {
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
 		pool := setupPool(t, other+", public")
-		requireSetupError(t, "Limit", calls[0].call(pool), "LimitN", other+", public", "42P01")
+		requireSetupError(t, "Limit", calls[0].call(pool), "LimitN", other+", public", "42883")
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01")
 	})
 
