@@ -276,6 +276,10 @@ DECLARE
     -- Requests: the rows chosen, and the answers.
     q_a integer[] := array_fill(0, ARRAY[n]); q_b integer[] := array_fill(0, ARRAY[n]);
     q_two boolean[] := array_fill(false, ARRAY[n]); q_charge integer[] := array_fill(0, ARRAY[n]);
+    -- The levels each request was decided on, and the ts of its rows (for its writes).
+    q_lva double precision[] := array_fill(0::double precision, ARRAY[n]);
+    q_lvb double precision[] := array_fill(0::double precision, ARRAY[n]);
+    q_ta bigint[] := array_fill(0::bigint, ARRAY[n]); q_tb bigint[] := array_fill(0::bigint, ARRAY[n]);
     q_held boolean[] := array_fill(true, ARRAY[n]); q_planned boolean[] := array_fill(false, ARRAY[n]); q_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
     o_ok boolean[] := array_fill(false, ARRAY[n]); o_res boolean[] := array_fill(false, ARRAY[n]);
     o_busy boolean[] := array_fill(false, ARRAY[n]); o_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
@@ -424,6 +428,7 @@ BEGIN
                     fixed := CASE WHEN l_got[a] THEN 1 ELSE 0 END + CASE WHEN two AND l_got[b] THEN 2 ELSE 0 END;
                 END IF;
                 ch := txlimit_charge(lv_a, lv_b, two, p_count[i], fixed);
+                q_lva[i] := lv_a; q_lvb[i] := lv_b; q_ta[i] := ta; q_tb[i] := tb;
                 end_a := txlimit_left(0, ch, lv_a, lv_b, p_count[i]);
                 end_b := txlimit_left(1, ch, lv_a, lv_b, p_count[i]);
                 granted := txlimit_granted(ch, end_a, end_b, p_allow[i]);
@@ -477,38 +482,22 @@ BEGIN
             IF g_ok AND NOT p_dry[g] THEN
                 FOR i IN g .. g_end LOOP
                     q_planned[i] := pass = 1;
-                    kind := p_kind[i]; a := q_a[i]; b := q_b[i]; two := q_two[i];
-                    mts := txlimit_missing_ts(kind, p_anchor_us[i]);
-                    IF w_mod[a] THEN va := w_val[a]; ta := w_ts[a];
-                    ELSIF pass = 2 AND l_got[a] THEN va := l_val[a]; ta := l_ts[a];
-                    ELSIF r_ex[a] THEN va := r_val[a]; ta := r_ts[a];
-                    ELSE va := p_cap[i]; ta := mts;
-                    END IF;
-                    lv_a := txlimit_level(kind, va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]);
-                    lv_b := 0;
-                    IF two THEN
-                        IF w_mod[b] THEN vb := w_val[b]; tb := w_ts[b];
-                        ELSIF pass = 2 AND l_got[b] THEN vb := l_val[b]; tb := l_ts[b];
-                        ELSIF r_ex[b] THEN vb := r_val[b]; tb := r_ts[b];
-                        ELSE vb := p_cap[i]; tb := mts;
-                        END IF;
-                        lv_b := txlimit_level(kind, vb, tb, t_now, p_rate[i], p_period_us[i], p_cap[i]);
-                    END IF;
+                    a := q_a[i]; b := q_b[i];
                     ch := CASE WHEN pass = 1 THEN q_charge[i] ELSE o_ch[i] END;
                     IF ch IN (1, 3) THEN
-                        w_val[a] := txlimit_left(0, ch, lv_a, lv_b, p_count[i]);
-                        w_ts[a] := txlimit_next_ts(kind, ta, t_now, p_period_us[i]);
+                        w_val[a] := txlimit_left(0, ch, q_lva[i], q_lvb[i], p_count[i]);
+                        w_ts[a] := txlimit_next_ts(p_kind[i], q_ta[i], t_now, p_period_us[i]);
                         w_mod[a] := true;
                         IF pass = 1 AND NOT want[a] THEN
-                            want[a] := true; ph_val[a] := p_cap[i]; ph_ts[a] := mts;
+                            want[a] := true; ph_val[a] := p_cap[i]; ph_ts[a] := txlimit_missing_ts(p_kind[i], p_anchor_us[i]);
                         END IF;
                     END IF;
                     IF ch IN (2, 3) THEN
-                        w_val[b] := txlimit_left(1, ch, lv_a, lv_b, p_count[i]);
-                        w_ts[b] := txlimit_next_ts(kind, tb, t_now, p_period_us[i]);
+                        w_val[b] := txlimit_left(1, ch, q_lva[i], q_lvb[i], p_count[i]);
+                        w_ts[b] := txlimit_next_ts(p_kind[i], q_tb[i], t_now, p_period_us[i]);
                         w_mod[b] := true;
                         IF pass = 1 AND NOT want[b] THEN
-                            want[b] := true; ph_val[b] := p_cap[i]; ph_ts[b] := mts;
+                            want[b] := true; ph_val[b] := p_cap[i]; ph_ts[b] := txlimit_missing_ts(p_kind[i], p_anchor_us[i]);
                         END IF;
                     END IF;
                 END LOOP;
