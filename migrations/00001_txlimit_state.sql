@@ -261,30 +261,30 @@ DECLARE
     t_now bigint := (extract(epoch FROM coalesce(p_now, clock_timestamp())) * 1000000)::bigint;
     snap_iso boolean := current_setting('transaction_isolation') IN ('serializable', 'repeatable read');
     -- Rows: as read without a lock, as locked, and as the current pass has left them.
-    r_read boolean[] := array_fill(false, ARRAY[m]);
-    r_ex boolean[] := array_fill(false, ARRAY[m]);
-    r_val double precision[] := array_fill(0::double precision, ARRAY[m]);
-    r_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
-    l_got boolean[] := array_fill(false, ARRAY[m]);
-    l_val double precision[] := array_fill(0::double precision, ARRAY[m]);
-    l_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
-    w_mod boolean[]; w_val double precision[] := array_fill(0::double precision, ARRAY[m]);
-    w_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
-    want boolean[] := array_fill(false, ARRAY[m]);
-    ph_val double precision[] := array_fill(0::double precision, ARRAY[m]);
-    ph_ts bigint[] := array_fill(0::bigint, ARRAY[m]);
+    r_read boolean[];
+    r_ex boolean[];
+    r_val double precision[];
+    r_ts bigint[];
+    l_got boolean[];
+    l_val double precision[];
+    l_ts bigint[];
+    w_mod boolean[]; w_val double precision[];
+    w_ts bigint[];
+    want boolean[];
+    ph_val double precision[];
+    ph_ts bigint[];
     -- Requests: the rows chosen, and the answers.
-    q_a integer[] := array_fill(0, ARRAY[n]); q_b integer[] := array_fill(0, ARRAY[n]);
-    q_two boolean[] := array_fill(false, ARRAY[n]); q_charge integer[] := array_fill(0, ARRAY[n]);
+    q_a integer[]; q_b integer[];
+    q_two boolean[]; q_charge integer[];
     -- The levels each request was decided on, and the ts of its rows (for its writes).
-    q_lva double precision[] := array_fill(0::double precision, ARRAY[n]);
-    q_lvb double precision[] := array_fill(0::double precision, ARRAY[n]);
-    q_ta bigint[] := array_fill(0::bigint, ARRAY[n]); q_tb bigint[] := array_fill(0::bigint, ARRAY[n]);
-    q_held boolean[] := array_fill(true, ARRAY[n]); q_planned boolean[] := array_fill(false, ARRAY[n]); q_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
-    o_ok boolean[] := array_fill(false, ARRAY[n]); o_res boolean[] := array_fill(false, ARRAY[n]);
-    o_busy boolean[] := array_fill(false, ARRAY[n]); o_lvl double precision[] := array_fill(0::double precision, ARRAY[n]);
-    o_sa integer[] := array_fill(-1, ARRAY[n]); o_sb integer[] := array_fill(-1, ARRAY[n]);
-    o_ch integer[] := array_fill(0, ARRAY[n]); o_retry bigint[] := array_fill(0::bigint, ARRAY[n]);
+    q_lva double precision[];
+    q_lvb double precision[];
+    q_ta bigint[]; q_tb bigint[];
+    q_held boolean[]; q_planned boolean[]; q_lvl double precision[];
+    o_ok boolean[]; o_res boolean[];
+    o_busy boolean[]; o_lvl double precision[];
+    o_sa integer[]; o_sb integer[];
+    o_ch integer[]; o_retry bigint[];
     g_ok boolean; g_end integer; g integer; pass integer;
     i integer; j integer; r integer; e integer; a integer; b integer; off integer; cnt integer; k bigint;
     kind smallint; fixed integer; ch integer; two boolean; dry boolean;
@@ -305,6 +305,104 @@ DECLARE
     -- The last refusal's search: its inputs and its answer.
     m_key record; m_retry bigint;
 BEGIN
+    -- A lone request on one row (an unsharded limit, the most common call) takes a short path:
+    -- the same steps and the same rules, with none of the arrays a list needs.
+    IF n = 1 AND m = 1 AND p_cand_n[1] = 1 THEN
+        kind := p_kind[1];
+        mts := txlimit_missing_ts(kind, p_anchor_us[1]);
+        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+        FROM txlimit_state s
+        WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+        IF NOT FOUND THEN
+            va := p_cap[1]; ta := mts;
+        END IF;
+        lv_a := txlimit_level(kind, va, ta, t_now, p_rate[1], p_period_us[1], p_cap[1]);
+        end_a := txlimit_left(0, 1, lv_a, 0, p_count[1]);
+        granted := txlimit_granted(1, end_a, 0, p_allow[1]);
+        IF granted AND NOT p_dry[1] THEN
+            -- Lock the row (creating it when missing) and decide again if it changed meanwhile.
+            tries := 0;
+            LOOP
+                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO vb, tb
+                FROM txlimit_state s
+                WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
+                FOR UPDATE;
+                EXIT WHEN FOUND;
+                INSERT INTO txlimit_state (name, key, shard, value, ts)
+                VALUES (p_row_name[1], p_row_key[1], p_row_shard[1], p_cap[1],
+                        'epoch'::timestamptz + mts * interval '1 microsecond')
+                ON CONFLICT DO NOTHING;
+                GET DIAGNOSTICS k = ROW_COUNT;
+                IF k = 1 THEN
+                    vb := p_cap[1]; tb := mts;
+                    EXIT;
+                END IF;
+                tries := tries + 1;
+                IF tries > 100 THEN
+                    RAISE EXCEPTION 'txlimit: row (%, %, %) keeps appearing and vanishing', p_row_name[1], p_row_key[1], p_row_shard[1]
+                        USING ERRCODE = '40001';
+                END IF;
+            END LOOP;
+            IF vb IS DISTINCT FROM va OR tb IS DISTINCT FROM ta THEN
+                va := vb; ta := tb;
+                lv_a := txlimit_level(kind, va, ta, t_now, p_rate[1], p_period_us[1], p_cap[1]);
+                end_a := txlimit_left(0, 1, lv_a, 0, p_count[1]);
+                granted := txlimit_granted(1, end_a, 0, p_allow[1]);
+            END IF;
+            IF granted THEN
+                UPDATE txlimit_state s
+                SET value = end_a, ts = 'epoch'::timestamptz + txlimit_next_ts(kind, ta, t_now, p_period_us[1]) * interval '1 microsecond'
+                WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+            END IF;
+        END IF;
+        now_ok := txlimit_granted(1, end_a, 0, 0);
+        IF NOT granted THEN
+            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
+                                           false, va, ta, NULL, NULL, t_now);
+        ELSIF NOT now_ok THEN
+            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false,
+                                           end_a, txlimit_next_ts(kind, ta, t_now, p_period_us[1]), NULL, NULL, t_now);
+        ELSE
+            m_retry := 0;
+        END IF;
+        RETURN QUERY SELECT now_ok, granted AND NOT now_ok, false,
+                            CASE WHEN granted THEN end_a ELSE lv_a END, p_cand_shard[1], -1, 1, m_retry, t_now;
+        RETURN;
+    END IF;
+
+    -- The general path: the arrays of rows and requests.
+    r_read := array_fill(false, ARRAY[m]);
+    r_ex := array_fill(false, ARRAY[m]);
+    r_val := array_fill(0::double precision, ARRAY[m]);
+    r_ts := array_fill(0::bigint, ARRAY[m]);
+    l_got := array_fill(false, ARRAY[m]);
+    l_val := array_fill(0::double precision, ARRAY[m]);
+    l_ts := array_fill(0::bigint, ARRAY[m]);
+    w_val := array_fill(0::double precision, ARRAY[m]);
+    w_ts := array_fill(0::bigint, ARRAY[m]);
+    want := array_fill(false, ARRAY[m]);
+    ph_val := array_fill(0::double precision, ARRAY[m]);
+    ph_ts := array_fill(0::bigint, ARRAY[m]);
+    q_a := array_fill(0, ARRAY[n]);
+    q_b := array_fill(0, ARRAY[n]);
+    q_two := array_fill(false, ARRAY[n]);
+    q_charge := array_fill(0, ARRAY[n]);
+    q_lva := array_fill(0::double precision, ARRAY[n]);
+    q_lvb := array_fill(0::double precision, ARRAY[n]);
+    q_ta := array_fill(0::bigint, ARRAY[n]);
+    q_tb := array_fill(0::bigint, ARRAY[n]);
+    q_held := array_fill(true, ARRAY[n]);
+    q_planned := array_fill(false, ARRAY[n]);
+    q_lvl := array_fill(0::double precision, ARRAY[n]);
+    o_ok := array_fill(false, ARRAY[n]);
+    o_res := array_fill(false, ARRAY[n]);
+    o_busy := array_fill(false, ARRAY[n]);
+    o_lvl := array_fill(0::double precision, ARRAY[n]);
+    o_sa := array_fill(-1, ARRAY[n]);
+    o_sb := array_fill(-1, ARRAY[n]);
+    o_ch := array_fill(0, ARRAY[n]);
+    o_retry := array_fill(0::bigint, ARRAY[n]);
+
     IF snap_iso THEN
         snap := pg_current_snapshot();
         xr := pg_snapshot_xmax(snap)::text::bigint;
