@@ -45,7 +45,7 @@ func benchLateness(b *testing.B, precise bool) {
 		b.Fatal(err)
 	}
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		cfgKey: {Rate: rate, Period: time.Second, Capacity: 1},
+		cfgKey: {Rate: rate, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded},
 	}})
 	if err != nil {
 		b.Fatal(err)
