@@ -109,6 +109,36 @@ AS $$
 $$;
 -- +goose StatementEnd
 
+-- txlimit_estimate: the real-arithmetic instant after from_us at which a row short of deficit
+-- tokens has them: ceil(deficit/r) µs later for a token bucket, ceil(deficit/Rate) windows after
+-- the current window's start (window_start) for a fixed window; at least 1 µs and at most 2^61 µs
+-- after from_us. txlimit_first_grant starts its search there.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_estimate(kind smallint, rate double precision, period_us bigint, deficit double precision,
+                                 window_start bigint, from_us bigint)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT from_us + least(greatest(
+        CASE WHEN kind = 0 THEN ceil(deficit * period_us::double precision / rate)
+             ELSE (window_start - from_us)::double precision + ceil(deficit / rate) * period_us::double precision
+        END, 1), 2305843009213693952::double precision)::bigint
+$$;
+-- +goose StatementEnd
+
+-- txlimit_row_grants_at: txlimit_grants_at for a request on one row (an unsharded limit), as one
+-- expression, so that a decision can test the estimate without a function call of its own.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_row_grants_at(kind smallint, rate double precision, period_us bigint, cap double precision,
+                                      count double precision, allow double precision,
+                                      va double precision, ta bigint, t_us bigint)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us, rate, period_us, cap), 0, count), 0, allow)
+$$;
+-- +goose StatementEnd
+
 -- txlimit_grants_at: whether a request for count (allowance allow) on rows (va, ta) and, when two,
 -- (vb, tb) is granted at t_us by the rules above.
 -- +goose StatementBegin
@@ -158,13 +188,8 @@ BEGIN
     ch := txlimit_charge(lv_a, lv_b, two, count, 0);
     est := -least(CASE WHEN ch IN (1, 3) THEN txlimit_left(0, ch, lv_a, lv_b, count) ELSE 'Infinity' END,
                   CASE WHEN ch IN (2, 3) THEN txlimit_left(1, ch, lv_a, lv_b, count) ELSE 'Infinity' END) - allow;
-    IF kind = 0 THEN
-        est := ceil(est * period_us::double precision / rate);
-    ELSE
-        est := (txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us) - from_us)::double precision
-               + ceil(est / rate) * period_us::double precision;
-    END IF;
-    hi := from_us + least(greatest(est, 1), max_wait::double precision)::bigint;
+    hi := txlimit_estimate(kind, rate, period_us, est,
+                           txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us), from_us);
     -- Gallop until granted at hi (not granted at lo).
     step := greatest(hi - lo, 1);
     WHILE NOT txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, hi) LOOP
@@ -356,17 +381,33 @@ BEGIN
             END IF;
         END IF;
         now_ok := txlimit_granted(1, end_a, 0, 0);
+        -- RetryAt: the estimate when the rules grant there and not a microsecond earlier (as they
+        -- usually do), else txlimit_first_grant's search.
         IF NOT granted THEN
-            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
-                                           false, va, ta, NULL, NULL, t_now);
+            m_retry := txlimit_estimate(kind, p_rate[1], p_period_us[1], -end_a - p_allow[1],
+                                        txlimit_next_ts(kind, ta, t_now, p_period_us[1]), t_now);
+            IF NOT txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1], va, ta, m_retry)
+               OR (m_retry - 1 > t_now
+                   AND txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1], va, ta, m_retry - 1)) THEN
+                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
+                                               false, va, ta, NULL, NULL, t_now);
+            END IF;
         ELSIF NOT now_ok THEN
-            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false,
-                                           end_a, txlimit_next_ts(kind, ta, t_now, p_period_us[1]), NULL, NULL, t_now);
+            tb := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
+            m_retry := txlimit_estimate(kind, p_rate[1], p_period_us[1], -end_a, tb, t_now);
+            IF NOT txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, end_a, tb, m_retry)
+               OR (m_retry - 1 > t_now
+                   AND txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, end_a, tb, m_retry - 1)) THEN
+                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false,
+                                               end_a, tb, NULL, NULL, t_now);
+            END IF;
         ELSE
             m_retry := 0;
         END IF;
-        RETURN QUERY SELECT now_ok, granted AND NOT now_ok, false,
-                            CASE WHEN granted THEN end_a ELSE lv_a END, p_cand_shard[1], -1, 1, m_retry, t_now;
+        ok := now_ok; reserved := granted AND NOT now_ok; busy := false;
+        level_sum := CASE WHEN granted THEN end_a ELSE lv_a END;
+        shard_a := p_cand_shard[1]; shard_b := -1; charged := 1; retry_at_us := m_retry; now_us := t_now;
+        RETURN NEXT;
         RETURN;
     END IF;
 
@@ -749,6 +790,9 @@ DROP FUNCTION txlimit_decide(timestamptz, integer[], double precision[], double 
                              integer[], integer[], integer[], integer[], text[], text[], integer[], boolean[]);
 DROP FUNCTION txlimit_first_grant(smallint, double precision, bigint, double precision, double precision,
                                   double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_row_grants_at(smallint, double precision, bigint, double precision, double precision,
+                                    double precision, double precision, bigint, bigint);
+DROP FUNCTION txlimit_estimate(smallint, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_grants_at(smallint, double precision, bigint, double precision, double precision,
                                 double precision, boolean, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_granted(integer, double precision, double precision, double precision);
