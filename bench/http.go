@@ -1,6 +1,6 @@
 package main
 
-// The HTTP cell (issue 13): a trivial handler on loopback, 64 keep-alive clients, served (a) with
+// The HTTP cell: a trivial handler on loopback, 64 keep-alive clients, served (a) with
 // no limiter, (b) behind httplimit and (c) behind a middleware built on go-redis/redis_rate, one
 // after another in one run. Every client has a key of its own and the limit is generous, so every
 // request is decided and granted: the cell measures what deciding costs per request.

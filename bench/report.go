@@ -137,7 +137,7 @@ func (rep *Report) Markdown() string {
 	}
 
 	if len(rep.Shards) > 0 {
-		w("\n## One hot limit in SERIALIZABLE transactions: 1, 4, 16 and 64 shards (issue 3)\n\n")
+		w("\n## One hot limit in SERIALIZABLE transactions: 1, 4, 16 and 64 shards\n\n")
 		w("64 callers, one key, allow-heavy limit, each decision in its own SERIALIZABLE transaction via `ratelimit.InSerializableTx` (default retries), %s per run. Retries are failed attempts (40001/40P01) per decision that returned.\n\n", rep.Mode.Shard)
 		w("| shards | decisions/s | retries/decision | p50 | p99 | round trips/decision | WAL bytes/decision | errors (retries exhausted) |\n|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 		for _, r := range rep.Shards {
