@@ -16,23 +16,6 @@ import (
 	"github.com/txlimit/txlimit/migrations"
 )
 
-// poolOn opens a pool whose search_path is schema (which need not exist), closed when the test ends.
-func poolOn(t *testing.T, schema string) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
-}
-
 // TestLatestIsTheLastEmbeddedMigration pins Latest to what goose itself reads from FS.
 func TestLatestIsTheLastEmbeddedMigration(t *testing.T) {
 	t.Parallel()
@@ -62,7 +45,7 @@ func TestConcurrentMigratorsAreKeptApart(t *testing.T) {
 	const n = 8
 	pools := make([]*pgxpool.Pool, n)
 	for i := range pools {
-		pools[i] = poolOn(t, schema)
+		pools[i] = testdb.PoolOn(t, schema)
 	}
 	errs := make([]error, n)
 	var wg sync.WaitGroup
@@ -95,7 +78,7 @@ func TestUpWaitsForTheLockHolder(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	schema := testdb.NewSchema(t)
-	holder := poolOn(t, schema)
+	holder := testdb.PoolOn(t, schema)
 	db := stdlib.OpenDBFromPool(holder)
 	defer db.Close()
 	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
@@ -106,7 +89,7 @@ func TestUpWaitsForTheLockHolder(t *testing.T) {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- migrations.Up(ctx, poolOn(t, schema)) }()
+	go func() { done <- migrations.Up(ctx, testdb.PoolOn(t, schema)) }()
 	select {
 	case err := <-done:
 		t.Fatalf("Up finished while another migrator held the lock: %v", err)
@@ -126,11 +109,11 @@ func TestUpCreateSchema(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	schema := testdb.NewSchema(t) + "_Created" // mixed case: quoted in the search_path
-	admin := testdb.Conn(t, poolOn(t, "public"))
+	admin := testdb.Conn(t, testdb.PoolOn(t, "public"))
 	t.Cleanup(func() {
 		_, _ = admin.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
 	})
-	pool := poolOn(t, pgx.Identifier{schema}.Sanitize()+", public")
+	pool := testdb.PoolOn(t, pgx.Identifier{schema}.Sanitize()+", public")
 	err := migrations.Up(ctx, pool)
 	if err == nil || !strings.Contains(err.Error(), schema) || !strings.Contains(err.Error(), "CreateSchema()") {
 		t.Fatalf("Up on a missing schema: %v; want an error naming %q and CreateSchema()", err, schema)
@@ -154,7 +137,7 @@ func TestUpCreateSchema(t *testing.T) {
 // whatever schema happens to come next.
 func TestUpRefusesAnEmptySearchPath(t *testing.T) {
 	t.Parallel()
-	err := migrations.Up(context.Background(), poolOn(t, ""), migrations.CreateSchema())
+	err := migrations.Up(context.Background(), testdb.PoolOn(t, ""), migrations.CreateSchema())
 	if err == nil || !strings.Contains(err.Error(), "names no schema") {
 		t.Fatalf("Up with an empty search_path: %v; want an error saying it names no schema", err)
 	}
@@ -165,7 +148,7 @@ func TestUpRefusesAnEmptySearchPath(t *testing.T) {
 func TestUpOnAOneConnectionPool(t *testing.T) {
 	t.Parallel()
 	schema := testdb.NewSchema(t)
-	pool := poolOn(t, schema)
+	pool := testdb.PoolOn(t, schema)
 	pool.Reset()
 	cfg := pool.Config()
 	cfg.MaxConns = 1

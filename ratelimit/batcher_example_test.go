@@ -3,8 +3,6 @@ package ratelimit_test
 import (
 	"context"
 	"fmt"
-	"os"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -59,22 +57,5 @@ func ExampleBatcher() {
 
 // The README quotes ExampleBatcher; this keeps the quote identical to the code that runs.
 func TestReadmeQuotesTheBatcherExample(t *testing.T) {
-	readme, err := os.ReadFile("../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	example, err := os.ReadFile("batcher_example_test.go")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, rest, ok := strings.Cut(string(readme), "<!-- batcher:begin -->\n```go\n")
-	quote, _, ok2 := strings.Cut(rest, "```\n<!-- batcher:end -->")
-	if !ok || !ok2 || strings.TrimSpace(quote) == "" {
-		t.Fatal("README.md has no Batcher block between its markers")
-	}
-	_, body, _ := strings.Cut(string(example), "func ExampleBatcher() {\n")
-	body, _, _ = strings.Cut(body, "\n}\n")
-	if !strings.Contains(body, strings.TrimSuffix(quote, "\n")) {
-		t.Fatalf("README.md's Batcher snippet is not a verbatim part of ExampleBatcher; update the README from ratelimit/batcher_example_test.go.\nREADME quote:\n%s", quote)
-	}
+	testdb.RequireReadmeQuote(t, "../README.md", "batcher", "batcher_example_test.go", "ExampleBatcher")
 }

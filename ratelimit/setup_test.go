@@ -8,30 +8,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
-
-// setupPool opens a pool whose search_path is schema, closed when the test ends.
-func setupPool(t *testing.T, schema string) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
-}
 
 // requireSetupError checks that err is a *SetupError of op naming migrations.Up and searchPath,
 // with Postgres's error (SQLSTATE code, one of "42P01|42883", or none when code is "") reachable.
@@ -102,7 +84,7 @@ func TestSetupErrors(t *testing.T) {
 	t.Run("forgotten migration", func(t *testing.T) {
 		t.Parallel()
 		schema := testdb.NewSchema(t)
-		pool := setupPool(t, schema)
+		pool := testdb.PoolOn(t, schema)
 		for _, c := range calls {
 			requireSetupError(t, c.op, c.call(pool), c.op, schema, "42P01|42883")
 		}
@@ -124,7 +106,7 @@ func TestSetupErrors(t *testing.T) {
 		t.Parallel()
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
-		pool := setupPool(t, other+", public")
+		pool := testdb.PoolOn(t, other+", public")
 		requireSetupError(t, "Limit", calls[0].call(pool), "LimitN", other+", public", "42883")
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01")
 	})
