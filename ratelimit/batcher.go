@@ -23,8 +23,8 @@ type BatcherConfig struct {
 	// connection of the pool, acquired for the batch and released after it, so a Batcher holds at
 	// most Lanes connections at once. Every (name, key) always goes to the same lane, so two batches
 	// never wait on each other's row locks. More lanes decide more distinct keys in parallel; one
-	// lane gives a hot key the biggest batches. Defaults to 2 (measured: see the README section
-	// "Batched decisions on the pool").
+	// lane gives a hot key the biggest batches. Defaults to 2 (see the README section "Batched
+	// decisions on the pool" for how it was chosen).
 	Lanes int
 
 	// MaxBatch is the most calls one lane decides in one statement. Defaults to 256.
