@@ -105,7 +105,7 @@ CREATE FUNCTION txlimit_granted(charge integer, end_a double precision, end_b do
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT CASE charge WHEN 1 THEN end_a WHEN 2 THEN end_b ELSE least(end_a, end_b) END >= -allow
+    SELECT least(CASE WHEN charge <> 2 THEN end_a END, CASE WHEN charge <> 1 THEN end_b END) >= -allow
 $$;
 -- +goose StatementEnd
 
@@ -123,19 +123,6 @@ AS $$
         CASE WHEN kind = 0 THEN ceil(deficit * period_us::double precision / rate)
              ELSE (window_start - from_us)::double precision + ceil(deficit / rate) * period_us::double precision
         END, 1), 2305843009213693952::double precision)::bigint
-$$;
--- +goose StatementEnd
-
--- txlimit_row_grants_at: txlimit_grants_at for a request on one row (an unsharded limit), as one
--- expression, so that a decision can test the estimate without a function call of its own.
--- +goose StatementBegin
-CREATE FUNCTION txlimit_row_grants_at(kind smallint, rate double precision, period_us bigint, cap double precision,
-                                      count double precision, allow double precision,
-                                      va double precision, ta bigint, t_us bigint)
-RETURNS boolean
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$
-    SELECT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us, rate, period_us, cap), 0, count), 0, allow)
 $$;
 -- +goose StatementEnd
 
@@ -161,10 +148,11 @@ $$;
 -- txlimit_first_grant: the first microsecond t >= from_us at which txlimit_grants_at holds (with
 -- count 0 and allow 0 on a single row: when that row is out of debt). It searches on the very rules
 -- a decision applies, so the answer is exact: one microsecond earlier the same request is refused.
--- It tries the real-arithmetic estimate and the microsecond before it, and only when float8
--- rounding or a cap puts the answer elsewhere gallops and bisects, so it ends within about 130
--- evaluations for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
--- years, ratelimit.MaxRetryWaitMicros); a request not granted by then returns that bound.
+-- It tries the real-arithmetic estimate and the microsecond before it (for one row without a call
+-- of txlimit_grants_at), and only when float8 rounding or a cap puts the answer elsewhere gallops
+-- and bisects, so it ends within about 130 evaluations for any input. The wait is bounded: t is at
+-- most from_us + 2^61 µs (about 73,000 years, ratelimit.MaxRetryWaitMicros); a request not granted
+-- by then returns that bound.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_first_grant(kind smallint, rate double precision, period_us bigint, cap double precision,
                                     count double precision, allow double precision, two boolean,
@@ -177,19 +165,33 @@ DECLARE
     max_wait constant bigint := 2305843009213693952; -- 2^61
     horizon bigint := from_us + max_wait;
     lo bigint := from_us; hi bigint; mid bigint; step bigint;
-    lv_a double precision; lv_b double precision := 0; ch integer; est double precision;
+    lv_a double precision; lv_b double precision := 0; ch integer; end_a double precision; end_b double precision;
 BEGIN
-    IF txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, from_us) THEN
-        RETURN from_us;
-    END IF;
-    -- The estimate: the deficit of the emptiest charged row at from_us, refilled at rate.
     lv_a := txlimit_level(kind, va, ta, from_us, rate, period_us, cap);
     IF two THEN lv_b := txlimit_level(kind, vb, tb, from_us, rate, period_us, cap); END IF;
     ch := txlimit_charge(lv_a, lv_b, two, count, 0);
-    est := -least(CASE WHEN ch IN (1, 3) THEN txlimit_left(0, ch, lv_a, lv_b, count) ELSE 'Infinity' END,
-                  CASE WHEN ch IN (2, 3) THEN txlimit_left(1, ch, lv_a, lv_b, count) ELSE 'Infinity' END) - allow;
-    hi := txlimit_estimate(kind, rate, period_us, est,
+    end_a := txlimit_left(0, ch, lv_a, lv_b, count);
+    end_b := txlimit_left(1, ch, lv_a, lv_b, count);
+    IF txlimit_granted(ch, end_a, end_b, allow) THEN
+        RETURN from_us;
+    END IF;
+    -- The estimate: the deficit of the emptiest charged row at from_us, refilled at rate.
+    hi := txlimit_estimate(kind, rate, period_us,
+                           -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
                            txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us), from_us);
+    -- One row: usually the estimate is the answer (granted there, refused a microsecond earlier).
+    IF NOT two THEN
+        lv_a := txlimit_level(kind, va, ta, hi, rate, period_us, cap);
+        IF txlimit_granted(1, txlimit_left(0, 1, lv_a, 0, count), 0, allow) THEN
+            IF hi - 1 = from_us THEN
+                RETURN hi;
+            END IF;
+            lv_a := txlimit_level(kind, va, ta, hi - 1, rate, period_us, cap);
+            IF NOT txlimit_granted(1, txlimit_left(0, 1, lv_a, 0, count), 0, allow) THEN
+                RETURN hi;
+            END IF;
+        END IF;
+    END IF;
     -- Gallop until granted at hi (not granted at lo).
     step := greatest(hi - lo, 1);
     WHILE NOT txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, hi) LOOP
@@ -323,12 +325,18 @@ DECLARE
     -- Whether a row locked differs from the row read (or a lone request switched shards): only
     -- then is the list decided again on the locked rows; otherwise the first pass stands.
     changed boolean := false;
-    -- The writes.
-    d_name text[] := '{}'; d_key text[] := '{}'; d_shard integer[] := '{}';
-    d_val double precision[] := '{}'; d_ts bigint[] := '{}';
+    -- Every group one request on one candidate row (a batch of Limit and Check calls): the lean
+    -- decision loop, on rows that depend on nothing but their own requests.
+    lean boolean;
+    n_want integer := 0; n_new integer := 0; -- the lean loop's rows to lock, and those to create
+    r_found boolean;
     rec record;
     -- The last refusal's search: its inputs and its answer.
     m_key record; m_retry bigint;
+    -- The lean loop's search inputs (row, count, allowance) and its last search.
+    sv double precision; st bigint; sc double precision; sa double precision;
+    m_r integer := 0; m_sv double precision; m_st bigint; m_sc double precision; m_sa double precision;
+    m_kind smallint; m_rate double precision; m_per bigint; m_cap double precision;
 BEGIN
     -- A lone request on one row (an unsharded limit, the most common call) takes a short path:
     -- the same steps and the same rules, with none of the arrays a list needs.
@@ -338,69 +346,71 @@ BEGIN
         SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
         FROM txlimit_state s
         WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
-        IF NOT FOUND THEN
+        r_found := FOUND;
+        IF NOT r_found THEN
             va := p_cap[1]; ta := mts;
         END IF;
         lv_a := txlimit_level(kind, va, ta, t_now, p_rate[1], p_period_us[1], p_cap[1]);
         end_a := txlimit_left(0, 1, lv_a, 0, p_count[1]);
         granted := txlimit_granted(1, end_a, 0, p_allow[1]);
         IF granted AND NOT p_dry[1] THEN
-            -- Lock the row (creating it when missing) and decide again if it changed meanwhile.
-            tries := 0;
-            LOOP
-                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO vb, tb
-                FROM txlimit_state s
+            -- Write the row if it is still as read (locking it, or creating it when it was missing)
+            -- in one statement.
+            tb := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
+            IF r_found THEN
+                UPDATE txlimit_state s
+                SET value = end_a, ts = 'epoch'::timestamptz + tb * interval '1 microsecond'
                 WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
-                FOR UPDATE;
-                EXIT WHEN FOUND;
+                  AND s.value = va AND s.ts = 'epoch'::timestamptz + ta * interval '1 microsecond';
+            ELSE
                 INSERT INTO txlimit_state (name, key, shard, value, ts)
-                VALUES (p_row_name[1], p_row_key[1], p_row_shard[1], p_cap[1],
-                        'epoch'::timestamptz + mts * interval '1 microsecond')
+                VALUES (p_row_name[1], p_row_key[1], p_row_shard[1], end_a, 'epoch'::timestamptz + tb * interval '1 microsecond')
                 ON CONFLICT DO NOTHING;
-                GET DIAGNOSTICS k = ROW_COUNT;
-                IF k = 1 THEN
-                    vb := p_cap[1]; tb := mts;
-                    EXIT;
-                END IF;
-                tries := tries + 1;
-                IF tries > 100 THEN
-                    RAISE EXCEPTION 'txlimit: row (%, %, %) keeps appearing and vanishing', p_row_name[1], p_row_key[1], p_row_shard[1]
-                        USING ERRCODE = '40001';
-                END IF;
-            END LOOP;
-            IF vb IS DISTINCT FROM va OR tb IS DISTINCT FROM ta THEN
-                va := vb; ta := tb;
+            END IF;
+            GET DIAGNOSTICS k = ROW_COUNT;
+            IF k = 0 THEN
+                -- It changed meanwhile: lock it (creating it when missing) and decide again on it.
+                tries := 0;
+                LOOP
+                    SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                    FROM txlimit_state s
+                    WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
+                    FOR UPDATE;
+                    EXIT WHEN FOUND;
+                    INSERT INTO txlimit_state (name, key, shard, value, ts)
+                    VALUES (p_row_name[1], p_row_key[1], p_row_shard[1], p_cap[1],
+                            'epoch'::timestamptz + mts * interval '1 microsecond')
+                    ON CONFLICT DO NOTHING;
+                    GET DIAGNOSTICS k = ROW_COUNT;
+                    IF k = 1 THEN
+                        va := p_cap[1]; ta := mts;
+                        EXIT;
+                    END IF;
+                    tries := tries + 1;
+                    IF tries > 100 THEN
+                        RAISE EXCEPTION 'txlimit: row (%, %, %) keeps appearing and vanishing', p_row_name[1], p_row_key[1], p_row_shard[1]
+                            USING ERRCODE = '40001';
+                    END IF;
+                END LOOP;
                 lv_a := txlimit_level(kind, va, ta, t_now, p_rate[1], p_period_us[1], p_cap[1]);
                 end_a := txlimit_left(0, 1, lv_a, 0, p_count[1]);
                 granted := txlimit_granted(1, end_a, 0, p_allow[1]);
-            END IF;
-            IF granted THEN
-                UPDATE txlimit_state s
-                SET value = end_a, ts = 'epoch'::timestamptz + txlimit_next_ts(kind, ta, t_now, p_period_us[1]) * interval '1 microsecond'
-                WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+                IF granted THEN
+                    UPDATE txlimit_state s
+                    SET value = end_a, ts = 'epoch'::timestamptz + txlimit_next_ts(kind, ta, t_now, p_period_us[1]) * interval '1 microsecond'
+                    WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+                END IF;
             END IF;
         END IF;
         now_ok := txlimit_granted(1, end_a, 0, 0);
-        -- RetryAt: the estimate when the rules grant there and not a microsecond earlier (as they
-        -- usually do), else txlimit_first_grant's search.
+        -- RetryAt: for a refusal when the same request is granted, for a reservation when its debt
+        -- is paid.
         IF NOT granted THEN
-            m_retry := txlimit_estimate(kind, p_rate[1], p_period_us[1], -end_a - p_allow[1],
-                                        txlimit_next_ts(kind, ta, t_now, p_period_us[1]), t_now);
-            IF NOT txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1], va, ta, m_retry)
-               OR (m_retry - 1 > t_now
-                   AND txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1], va, ta, m_retry - 1)) THEN
-                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
-                                               false, va, ta, NULL, NULL, t_now);
-            END IF;
+            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
+                                           false, va, ta, NULL, NULL, t_now);
         ELSIF NOT now_ok THEN
-            tb := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
-            m_retry := txlimit_estimate(kind, p_rate[1], p_period_us[1], -end_a, tb, t_now);
-            IF NOT txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, end_a, tb, m_retry)
-               OR (m_retry - 1 > t_now
-                   AND txlimit_row_grants_at(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, end_a, tb, m_retry - 1)) THEN
-                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false,
-                                               end_a, tb, NULL, NULL, t_now);
-            END IF;
+            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false,
+                                           end_a, txlimit_next_ts(kind, ta, t_now, p_period_us[1]), NULL, NULL, t_now);
         ELSE
             m_retry := 0;
         END IF;
@@ -412,10 +422,32 @@ BEGIN
     END IF;
 
     -- The general path: the arrays of rows and requests.
-    r_read := array_fill(false, ARRAY[m]);
-    r_ex := array_fill(false, ARRAY[m]);
-    r_val := array_fill(0::double precision, ARRAY[m]);
-    r_ts := array_fill(0::bigint, ARRAY[m]);
+    IF n = 1 THEN
+        lean := p_cand_n[1] = 1 AND NOT p_steer[1];
+    ELSE
+        SELECT bool_and(u.c = 1 AND NOT u.st AND u.g IS DISTINCT FROM p_grp[u.i - 1])
+        INTO lean
+        FROM unnest(p_grp, p_cand_n, p_steer) WITH ORDINALITY AS u(g, c, st, i);
+    END IF;
+    -- The lock-free read of every row a request without steering may use, in one statement (a
+    -- single row by its key: cheaper than the join over arrays).
+    IF m = 1 THEN
+        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+        FROM txlimit_state s
+        WHERE p_row_bulk[1] AND s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+        r_ex := ARRAY[FOUND]; r_val := ARRAY[va]; r_ts := ARRAY[ta];
+    ELSE
+        SELECT array_agg(s.v IS NOT NULL ORDER BY u.i), array_agg(s.v ORDER BY u.i), array_agg(s.t ORDER BY u.i)
+        INTO r_ex, r_val, r_ts
+        FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
+        LEFT JOIN LATERAL (
+            SELECT s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
+            FROM txlimit_state s
+            WHERE u.bulk AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+            OFFSET 0 -- kept a subquery, so that a row not to read is not looked up either
+        ) s ON true;
+    END IF;
+    r_read := p_row_bulk;
     l_got := array_fill(false, ARRAY[m]);
     l_val := array_fill(0::double precision, ARRAY[m]);
     l_ts := array_fill(0::bigint, ARRAY[m]);
@@ -424,17 +456,6 @@ BEGIN
     want := array_fill(false, ARRAY[m]);
     ph_val := array_fill(0::double precision, ARRAY[m]);
     ph_ts := array_fill(0::bigint, ARRAY[m]);
-    q_a := array_fill(0, ARRAY[n]);
-    q_b := array_fill(0, ARRAY[n]);
-    q_two := array_fill(false, ARRAY[n]);
-    q_charge := array_fill(0, ARRAY[n]);
-    q_lva := array_fill(0::double precision, ARRAY[n]);
-    q_lvb := array_fill(0::double precision, ARRAY[n]);
-    q_ta := array_fill(0::bigint, ARRAY[n]);
-    q_tb := array_fill(0::bigint, ARRAY[n]);
-    q_held := array_fill(true, ARRAY[n]);
-    q_planned := array_fill(false, ARRAY[n]);
-    q_lvl := array_fill(0::double precision, ARRAY[n]);
     o_ok := array_fill(false, ARRAY[n]);
     o_res := array_fill(false, ARRAY[n]);
     o_busy := array_fill(false, ARRAY[n]);
@@ -443,37 +464,73 @@ BEGIN
     o_sb := array_fill(-1, ARRAY[n]);
     o_ch := array_fill(0, ARRAY[n]);
     o_retry := array_fill(0::bigint, ARRAY[n]);
-
-    IF snap_iso THEN
-        snap := pg_current_snapshot();
-        xr := pg_snapshot_xmax(snap)::text::bigint;
+    IF NOT lean THEN
+        q_a := array_fill(0, ARRAY[n]);
+        q_b := array_fill(0, ARRAY[n]);
+        q_two := array_fill(false, ARRAY[n]);
+        q_charge := array_fill(0, ARRAY[n]);
+        q_lva := array_fill(0::double precision, ARRAY[n]);
+        q_lvb := array_fill(0::double precision, ARRAY[n]);
+        q_ta := array_fill(0::bigint, ARRAY[n]);
+        q_tb := array_fill(0::bigint, ARRAY[n]);
+        q_held := array_fill(true, ARRAY[n]);
+        q_planned := array_fill(false, ARRAY[n]);
+        q_lvl := array_fill(0::double precision, ARRAY[n]);
+        IF snap_iso THEN
+            snap := pg_current_snapshot();
+            xr := pg_snapshot_xmax(snap)::text::bigint;
+        END IF;
+        base := 'txlimit_state'::regclass::oid::bigint << 20;
     END IF;
-    base := 'txlimit_state'::regclass::oid::bigint << 20;
-
-    -- The lock-free read of every row a request without steering may use, in one probe each (one
-    -- statement for a single row, cheaper than the join over arrays).
-    IF m = 1 AND p_row_bulk[1] THEN
-        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
-        FROM txlimit_state s
-        WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
-        r_ex[1] := FOUND; r_val[1] := va; r_ts[1] := ta;
-    ELSIF m > 1 THEN
-        FOR rec IN
-            SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
-            FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
-            JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
-            WHERE u.bulk
-        LOOP
-            r_ex[rec.i] := true; r_val[rec.i] := rec.v; r_ts[rec.i] := rec.t;
-        END LOOP;
-    END IF;
-    FOR r IN 1 .. m LOOP
-        r_read[r] := p_row_bulk[r];
-    END LOOP;
 
     FOR pass IN 1 .. 2 LOOP
         w_mod := array_fill(false, ARRAY[m]);
-        g := 1;
+        -- The lean loop: each request alone on its row, seeing the grants before it on that row.
+        -- A row of the second pass is locked when a request of the first was granted on it, and
+        -- is read as in the first pass otherwise (so it is granted nothing then either).
+        FOR i IN 1 .. CASE WHEN lean THEN n ELSE 0 END LOOP
+            kind := p_kind[i]; r := p_cand_row[p_cand_off[i]];
+            IF w_mod[r] THEN va := w_val[r]; ta := w_ts[r];
+            ELSIF pass = 2 AND l_got[r] THEN va := l_val[r]; ta := l_ts[r];
+            ELSIF r_ex[r] THEN va := r_val[r]; ta := r_ts[r];
+            ELSE va := p_cap[i]; ta := txlimit_missing_ts(kind, p_anchor_us[i]);
+            END IF;
+            lv_a := txlimit_level(kind, va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]);
+            end_a := txlimit_left(0, 1, lv_a, 0, p_count[i]);
+            granted := txlimit_granted(1, end_a, 0, p_allow[i]);
+            now_ok := txlimit_granted(1, end_a, 0, 0);
+            o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_ch[i] := 1;
+            o_sa[i] := p_cand_shard[p_cand_off[i]];
+            o_lvl[i] := CASE WHEN granted THEN end_a ELSE lv_a END + 0;
+            IF granted AND NOT p_dry[i] THEN
+                IF pass = 2 AND NOT l_got[r] THEN
+                    RAISE EXCEPTION 'txlimit: granted on row % that is not locked', r;
+                END IF;
+                w_val[r] := end_a; w_ts[r] := txlimit_next_ts(kind, ta, t_now, p_period_us[i]); w_mod[r] := true;
+                IF NOT want[r] THEN
+                    want[r] := true; ph_val[r] := p_cap[i]; ph_ts[r] := txlimit_missing_ts(kind, p_anchor_us[i]);
+                    n_want := n_want + 1; n_new := n_new + CASE WHEN r_ex[r] THEN 0 ELSE 1 END;
+                END IF;
+            END IF;
+            -- RetryAt, for a refusal when the same request is granted, for a reservation when its
+            -- debt is paid. A run of identical searches (a flood on one key) is done once.
+            IF NOT now_ok THEN
+                IF granted THEN
+                    sv := end_a; st := txlimit_next_ts(kind, ta, t_now, p_period_us[i]); sc := 0; sa := 0;
+                ELSE
+                    sv := va; st := ta; sc := p_count[i]; sa := p_allow[i];
+                END IF;
+                IF NOT (m_r = r AND m_sv = sv AND m_st = st AND m_sc = sc AND m_sa = sa AND m_kind = kind
+                        AND m_rate = p_rate[i] AND m_per = p_period_us[i] AND m_cap = p_cap[i]) THEN
+                    m_retry := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], sc, sa,
+                                                   false, sv, st, NULL, NULL, t_now);
+                    m_r := r; m_sv := sv; m_st := st; m_sc := sc; m_sa := sa; m_kind := kind;
+                    m_rate := p_rate[i]; m_per := p_period_us[i]; m_cap := p_cap[i];
+                END IF;
+                o_retry[i] := m_retry;
+            END IF;
+        END LOOP;
+        g := CASE WHEN lean THEN n + 1 ELSE 1 END;
         WHILE g <= n LOOP
             g_end := g;
             WHILE g_end < n AND p_grp[g_end + 1] = p_grp[g] LOOP
@@ -646,6 +703,20 @@ BEGIN
 
         EXIT WHEN pass = 2;
 
+        -- A lean list whose rows to lock all exist: one statement locks them, in row order. When
+        -- none changed since it was read, the first pass stands; else the steps below lock the rest.
+        IF lean AND n_new = 0 AND n_want > 0 THEN
+            SELECT count(*), coalesce(bool_or(q.v IS DISTINCT FROM r_val[q.i] OR q.t IS DISTINCT FROM r_ts[q.i]), false)
+            INTO k, changed
+            FROM (SELECT u.i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
+                  FROM unnest(p_row_name, p_row_key, p_row_shard, want) WITH ORDINALITY AS u(nm, ky, sh, w, i)
+                  JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+                  WHERE u.w
+                  ORDER BY u.i
+                  FOR UPDATE OF s) q;
+            EXIT WHEN k = n_want AND NOT changed;
+            changed := false;
+        END IF;
         -- The locks. A lone sharded request charging one shard tries it without waiting, then its
         -- other pick when that can serve alone, and waits only when both are held.
         IF n = 1 AND p_steer[1] AND q_two[1] AND q_charge[1] IN (1, 2) AND want[q_a[1]] <> want[q_b[1]] THEN
@@ -753,27 +824,23 @@ BEGIN
     END LOOP;
 
     -- The writes: every row a granted group changed, each through its whole primary key.
-    FOR r IN 1 .. m LOOP
-        CONTINUE WHEN NOT w_mod[r];
-        d_name := d_name || p_row_name[r]; d_key := d_key || p_row_key[r]; d_shard := d_shard || p_row_shard[r];
-        d_val := d_val || w_val[r]; d_ts := d_ts || w_ts[r];
-    END LOOP;
-    IF cardinality(d_name) = 1 THEN
+    k := cardinality(array_positions(w_mod, true));
+    IF m = 1 AND k = 1 THEN
         UPDATE txlimit_state s
-        SET value = d_val[1], ts = 'epoch'::timestamptz + d_ts[1] * interval '1 microsecond'
-        WHERE s.name = d_name[1] AND s.key = d_key[1] AND s.shard = d_shard[1];
-        GET DIAGNOSTICS k = ROW_COUNT;
-        IF k <> 1 THEN
-            RAISE EXCEPTION 'txlimit: wrote % of 1 locked row', k;
+        SET value = w_val[1], ts = 'epoch'::timestamptz + w_ts[1] * interval '1 microsecond'
+        WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+        GET DIAGNOSTICS j = ROW_COUNT;
+        IF j <> 1 THEN
+            RAISE EXCEPTION 'txlimit: wrote % of 1 locked row', j;
         END IF;
-    ELSIF cardinality(d_name) > 1 THEN
+    ELSIF k > 0 THEN
         UPDATE txlimit_state s
         SET value = u.v, ts = 'epoch'::timestamptz + u.t * interval '1 microsecond'
-        FROM unnest(d_name, d_key, d_shard, d_val, d_ts) AS u(nm, ky, sh, v, t)
-        WHERE s.name = u.nm AND s.key = u.ky AND s.shard = u.sh;
-        GET DIAGNOSTICS k = ROW_COUNT;
-        IF k <> cardinality(d_name) THEN
-            RAISE EXCEPTION 'txlimit: wrote % of % locked rows', k, cardinality(d_name);
+        FROM unnest(p_row_name, p_row_key, p_row_shard, w_mod, w_val, w_ts) AS u(nm, ky, sh, md, v, t)
+        WHERE u.md AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh;
+        GET DIAGNOSTICS j = ROW_COUNT;
+        IF j <> k THEN
+            RAISE EXCEPTION 'txlimit: wrote % of % locked rows', j, k;
         END IF;
     END IF;
 
@@ -790,8 +857,6 @@ DROP FUNCTION txlimit_decide(timestamptz, integer[], double precision[], double 
                              integer[], integer[], integer[], integer[], text[], text[], integer[], boolean[]);
 DROP FUNCTION txlimit_first_grant(smallint, double precision, bigint, double precision, double precision,
                                   double precision, boolean, double precision, bigint, double precision, bigint, bigint);
-DROP FUNCTION txlimit_row_grants_at(smallint, double precision, bigint, double precision, double precision,
-                                    double precision, double precision, bigint, bigint);
 DROP FUNCTION txlimit_estimate(smallint, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_grants_at(smallint, double precision, bigint, double precision, double precision,
                                 double precision, boolean, double precision, bigint, double precision, bigint, bigint);
