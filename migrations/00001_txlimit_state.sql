@@ -437,15 +437,19 @@ BEGIN
         WHERE p_row_bulk[1] AND s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
         r_ex := ARRAY[FOUND]; r_val := ARRAY[va]; r_ts := ARRAY[ta];
     ELSE
-        SELECT array_agg(s.v IS NOT NULL ORDER BY u.i), array_agg(s.v ORDER BY u.i), array_agg(s.t ORDER BY u.i)
+        -- (One sort for the three arrays: an ORDER BY in each aggregate would sort three times.)
+        SELECT array_agg(q.v IS NOT NULL), array_agg(q.v), array_agg(q.t)
         INTO r_ex, r_val, r_ts
-        FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
-        LEFT JOIN LATERAL (
-            SELECT s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
-            FROM txlimit_state s
-            WHERE u.bulk AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
-            OFFSET 0 -- kept a subquery, so that a row not to read is not looked up either
-        ) s ON true;
+        FROM (SELECT s.v, s.t
+              FROM unnest(p_row_name, p_row_key, p_row_shard, p_row_bulk) WITH ORDINALITY AS u(nm, ky, sh, bulk, i)
+              LEFT JOIN LATERAL (
+                  SELECT s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
+                  FROM txlimit_state s
+                  WHERE u.bulk AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+                  OFFSET 0 -- kept a subquery, so that a row not to read is not looked up either
+              ) s ON true
+              ORDER BY u.i
+              OFFSET 0) q;
     END IF;
     r_read := p_row_bulk;
     l_got := array_fill(false, ARRAY[m]);

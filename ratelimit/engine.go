@@ -33,9 +33,19 @@ func compareRows(a, b rowID) int {
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
 	var p dbsqlc.DecideParams
 	p.Now = l.clock()
-	rows := map[rowID]int32{} // row -> index in rowList, renumbered in global order below
-	var rowList []rowID
-	var bulk []bool
+	n := 0
+	for _, c := range calls {
+		n += len(c.specs)
+	}
+	p.Grp, p.Count, p.Allow = make([]int32, 0, n), make([]float64, 0, n), make([]float64, 0, n)
+	p.Dry, p.Steer, p.Kind = make([]bool, 0, n), make([]bool, 0, n), make([]int16, 0, n)
+	p.Rate, p.PeriodUs, p.Cap = make([]float64, 0, n), make([]int64, 0, n), make([]float64, 0, n)
+	p.AnchorUs, p.LockBase = make([]int64, 0, n), make([]int64, 0, n)
+	p.CandOff, p.CandN = make([]int32, 0, n), make([]int32, 0, n)
+	p.CandShard, p.CandRow = make([]int32, 0, n), make([]int32, 0, n)
+	rows := make(map[rowID]int32, n) // row -> index in rowList, renumbered in global order below
+	rowList := make([]rowID, 0, n)
+	bulk := make([]bool, 0, n)
 	row := func(id rowID, steer bool) int32 {
 		i, ok := rows[id]
 		if !ok {
@@ -77,7 +87,11 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 			p.PeriodUs = append(p.PeriodUs, s.periodUs)
 			p.Cap = append(p.Cap, s.capacity)
 			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
-			p.LockBase = append(p.LockBase, shardLockBase(s.name, s.key))
+			var base int64
+			if steer {
+				base = shardLockBase(s.name, s.key) // only a steered request takes advisory locks
+			}
+			p.LockBase = append(p.LockBase, base)
 			p.CandOff = append(p.CandOff, int32(len(p.CandShard)+1))
 			p.CandN = append(p.CandN, int32(len(cands)))
 			for _, sh := range cands {
@@ -93,6 +107,9 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 	}
 	slices.SortFunc(order, func(a, b int32) int { return compareRows(rowList[a], rowList[b]) })
 	number := make([]int32, len(rowList))
+	m := len(rowList)
+	p.RowName, p.RowKey = make([]string, 0, m), make([]string, 0, m)
+	p.RowShard, p.RowBulk = make([]int32, 0, m), make([]bool, 0, m)
 	for pos, i := range order {
 		number[i] = int32(pos + 1)
 		id := rowList[i]

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -51,6 +53,9 @@ const (
 // costs a few no-op calls per decision.
 type observer struct {
 	log       *slog.Logger
+	metrics   bool     // a MeterProvider was given: record measurements
+	sets      sync.Map // attrKey -> metric.MeasurementOption
+	nsets     atomic.Int32
 	decisions metric.Int64Counter
 	duration  metric.Float64Histogram
 	retries   metric.Int64Counter
@@ -59,14 +64,15 @@ type observer struct {
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
+	o := &observer{metrics: mp != nil}
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	o.log = log
 	m := mp.Meter(MeterName)
-	o := &observer{log: log}
 	// The API returns a working no-op instrument along with any error (an invalid name, which
 	// these constants are not), so the errors are only logged.
 	var errs [5]error
@@ -92,24 +98,28 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 	if o == nil {
 		return
 	}
-	opAttr := attribute.String("txlimit.op", op)
 	callOutcome := outcomeGranted
 	switch {
 	case err != nil:
 		callOutcome = outcomeError
 		errType := errorType(err)
-		for _, r := range reqs {
-			attrs := []attribute.KeyValue{opAttr, attribute.String("txlimit.outcome", outcomeError), attribute.String("error.type", errType)}
-			if errType != "invalid" { // an invalid name is not a label
-				attrs = append(attrs, attribute.String("txlimit.limit", r.Name))
+		if o.metrics {
+			for _, r := range reqs {
+				name := r.Name
+				if errType == "invalid" {
+					name = "" // an invalid name is not a label
+				}
+				o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: name, outcome: outcomeError, errType: errType}))
 			}
-			o.decisions.Add(ctx, 1, metric.WithAttributes(attrs...))
 		}
 		if errType == "database" {
 			o.log.WarnContext(ctx, "ratelimit: decision failed", "op", op, "error", err)
 		}
 	case !res.OK:
 		callOutcome = outcomeDenied
+	}
+	if !o.metrics {
+		return
 	}
 	if err == nil {
 		for _, r := range res.Results {
@@ -122,10 +132,41 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 			case r.Reserved:
 				out = outcomeReserved
 			}
-			o.decisions.Add(ctx, 1, metric.WithAttributes(opAttr, attribute.String("txlimit.limit", r.Name), attribute.String("txlimit.outcome", out)))
+			o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: r.Name, outcome: out}))
 		}
 	}
-	o.duration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(opAttr, attribute.String("txlimit.outcome", callOutcome)))
+	o.duration.Record(ctx, time.Since(start).Seconds(), o.attrs(attrKey{op: op, outcome: callOutcome, call: true}))
+}
+
+// attrKey names one attribute set of a measurement: an empty field is not an attribute.
+type attrKey struct {
+	op, limit, outcome, errType string
+	call                        bool // the set of a call's duration (no limit)
+}
+
+// maxAttrSets bounds the attribute sets an observer keeps (they are few: calls × outcomes × limit
+// names); past it, sets are built per measurement.
+const maxAttrSets = 4096
+
+// attrs returns the measurement option of k's attributes, built once.
+func (o *observer) attrs(k attrKey) metric.MeasurementOption {
+	if v, ok := o.sets.Load(k); ok {
+		return v.(metric.MeasurementOption)
+	}
+	kvs := []attribute.KeyValue{attribute.String("txlimit.op", k.op), attribute.String("txlimit.outcome", k.outcome)}
+	if k.errType != "" {
+		kvs = append(kvs, attribute.String("error.type", k.errType))
+	}
+	if !k.call && (k.errType != "invalid") {
+		kvs = append(kvs, attribute.String("txlimit.limit", k.limit))
+	}
+	opt := metric.WithAttributeSet(attribute.NewSet(kvs...))
+	if o.nsets.Load() < maxAttrSets {
+		if _, loaded := o.sets.LoadOrStore(k, opt); !loaded {
+			o.nsets.Add(1)
+		}
+	}
+	return opt
 }
 
 // errorType names the kind of a call's error for the error.type attribute.
@@ -144,7 +185,7 @@ func errorType(err error) string {
 
 // busy records a sharded decision that found every candidate shard taken.
 func (o *observer) busy(ctx context.Context, name string) {
-	if o == nil {
+	if o == nil || !o.metrics {
 		return
 	}
 	o.busyCount.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.limit", name)))
