@@ -22,9 +22,9 @@ type BatcherConfig struct {
 	// Lanes is the number of deciding lanes. Each lane decides one batch at a time on one
 	// connection of the pool, acquired for the batch and released after it, so a Batcher holds at
 	// most Lanes connections at once. Every (name, key) always goes to the same lane, so two batches
-	// never wait on each other's row locks. More lanes decide more distinct keys in parallel; one
-	// lane gives a hot key the biggest batches. Defaults to 2 (see the README section "Batched
-	// decisions on the pool" for how it was chosen).
+	// never wait on each other's row locks. More lanes decide more distinct keys in parallel, on
+	// more database cores; one lane gives every key the biggest batches. Defaults to 1 (see the
+	// README section "Batched decisions on the pool" for how it was chosen).
 	Lanes int
 
 	// MaxBatch is the most calls one lane decides in one statement. Defaults to 256.
@@ -123,7 +123,7 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 		return nil, &ArgumentError{Op: op, Arg: "config", Reason: fmt.Sprintf("MaxBatch must be >= 0, 0 meaning the default (got %d)", cfg.MaxBatch)}
 	}
 	if cfg.Lanes == 0 {
-		cfg.Lanes = 2
+		cfg.Lanes = 1
 	}
 	if cfg.MaxBatch == 0 {
 		cfg.MaxBatch = 256
