@@ -1097,6 +1097,12 @@ func fzSeeds() []fzSeed {
 			op(fzOpList|fzBit4, 0, fzQ("a", 0, 5), fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 1, fzReserve)).
 			op(fzOpList|fzBit4|fzBit6, 0, fzQ("b", 1, 5, fzReserve, fzPicks(2, 0, 1)), fzQ("a", 0, 0.5, fzReserve), fzQ("b", 1, 1, fzReserve, fzPicks(2, 1, 0))).
 			op(fzOpList, 250000, fzQ("a", 0, 1, fzReserve), fzQ("a", 0, 0.5)).b},
+		// A list of lone unsharded calls (the lean loop): a run of identical refusals searched once,
+		// then a smaller call granted; a reservation, then identical refused ones.
+		{"list_lean_refusal_runs", fzNewSeed(0, fzC(fw, 2, sec, 0, 5, 1, 0, 0), fzC(tb, 3, sec, 0, inf, 1, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 3), fzQ("a", 0, 3), fzQ("a", 0, 1)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 3, fzReserve)).
+			op(fzOpList|fzBit4|fzBit5, 333333, fzQ("b", 0, 2), fzQ("a", 0, 1), fzQ("b", 0, 2)).b},
 		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, inf, 2, 0, 0)).
 			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
