@@ -339,6 +339,7 @@ DECLARE
     -- decision loop, on rows that depend on nothing but their own requests.
     lean boolean;
     n_want integer := 0; n_new integer := 0; -- the lean loop's rows to lock, and those to create
+    done_rows integer[]; done boolean[]; -- rows the lean list wrote in its first pass
     r_found boolean;
     rec record;
     -- The last refusal's search: its inputs and its answer.
@@ -500,10 +501,12 @@ BEGIN
     FOR pass IN 1 .. 2 LOOP
         w_mod := array_fill(false, ARRAY[m]);
         -- The lean loop: each request alone on its row, seeing the grants before it on that row.
-        -- A row of the second pass is locked when a request of the first was granted on it, and
-        -- is read as in the first pass otherwise (so it is granted nothing then either).
+        -- In the second pass a row is as locked when a request of the first was granted on it,
+        -- and as read otherwise (so it is granted nothing then either).
         FOR i IN 1 .. CASE WHEN lean THEN n ELSE 0 END LOOP
-            kind := p_kind[i]; r := p_cand_row[p_cand_off[i]];
+            r := p_cand_row[p_cand_off[i]];
+            CONTINUE WHEN pass = 2 AND done[r]; -- written in the first pass: its answers stand
+            kind := p_kind[i];
             IF w_mod[r] THEN va := w_val[r]; ta := w_ts[r];
             ELSIF pass = 2 AND l_got[r] THEN va := l_val[r]; ta := l_ts[r];
             ELSIF r_ex[r] THEN va := r_val[r]; ta := r_ts[r];
@@ -516,10 +519,13 @@ BEGIN
             o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_ch[i] := 1;
             o_sa[i] := p_cand_shard[p_cand_off[i]];
             o_lvl[i] := CASE WHEN granted THEN end_a ELSE lv_a END + 0;
+            IF granted AND NOT p_dry[i] AND pass = 2 AND NOT l_got[r] THEN
+                -- Granted by the rules on a row another transaction holds: refused, to be retried
+                -- at once.
+                o_ok[i] := false; o_res[i] := false; o_retry[i] := t_now; o_lvl[i] := lv_a + 0;
+                CONTINUE;
+            END IF;
             IF granted AND NOT p_dry[i] THEN
-                IF pass = 2 AND NOT l_got[r] THEN
-                    RAISE EXCEPTION 'txlimit: granted on row % that is not locked', r;
-                END IF;
                 w_val[r] := end_a; w_ts[r] := txlimit_next_ts(kind, ta, t_now, p_period_us[i]); w_mod[r] := true;
                 IF NOT want[r] THEN
                     want[r] := true; ph_val[r] := p_cap[i]; ph_ts[r] := txlimit_missing_ts(kind, p_anchor_us[i]);
@@ -717,19 +723,41 @@ BEGIN
 
         EXIT WHEN pass = 2;
 
-        -- A lean list whose rows to lock all exist: one statement locks them, in row order. When
-        -- none changed since it was read, the first pass stands; else the steps below lock the rest.
+        -- A lean list whose rows to write all exist: one statement writes each where it is still as
+        -- read, in row order (the write is the lock). A row changed meanwhile is not written: it is
+        -- locked without waiting, so that no lock is awaited out of row order, and its requests
+        -- are decided again on it in the second pass; a row another transaction holds meanwhile is
+        -- refused to them, to be retried at once (an under-grant, never an over-grant).
         IF lean AND n_new = 0 AND n_want > 0 THEN
-            SELECT count(*), coalesce(bool_or(q.v IS DISTINCT FROM r_val[q.i] OR q.t IS DISTINCT FROM r_ts[q.i]), false)
-            INTO k, changed
-            FROM (SELECT u.i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
-                  FROM unnest(p_row_name, p_row_key, p_row_shard, want) WITH ORDINALITY AS u(nm, ky, sh, w, i)
-                  JOIN txlimit_state s ON s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
-                  WHERE u.w
-                  ORDER BY u.i
-                  FOR UPDATE OF s) q;
-            EXIT WHEN k = n_want AND NOT changed;
-            changed := false;
+            WITH w AS (
+                UPDATE txlimit_state s
+                SET value = u.v, ts = 'epoch'::timestamptz + u.t * interval '1 microsecond'
+                FROM unnest(p_row_name, p_row_key, p_row_shard, w_mod, w_val, w_ts, r_val, r_ts) WITH ORDINALITY
+                     AS u(nm, ky, sh, md, v, t, rv, rt, i)
+                WHERE u.md AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+                  AND s.value = u.rv AND s.ts = 'epoch'::timestamptz + u.rt * interval '1 microsecond'
+                RETURNING u.i
+            )
+            SELECT count(*), array_agg(w.i::integer) INTO k, done_rows FROM w;
+            IF k = n_want THEN
+                w_mod := array_fill(false, ARRAY[m]); -- written
+                EXIT;
+            END IF;
+            done := array_fill(false, ARRAY[m]);
+            FOREACH j IN ARRAY coalesce(done_rows, '{}') LOOP
+                done[j] := true;
+            END LOOP;
+            FOR r IN 1 .. m LOOP
+                CONTINUE WHEN NOT want[r] OR done[r];
+                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+                FROM txlimit_state s
+                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
+                FOR UPDATE SKIP LOCKED;
+                IF FOUND THEN
+                    l_got[r] := true; l_val[r] := va; l_ts[r] := ta;
+                END IF;
+            END LOOP;
+            CONTINUE;
         END IF;
         -- The locks. A lone sharded request charging one shard tries it without waiting, then its
         -- other pick when that can serve alone, and waits only when both are held.

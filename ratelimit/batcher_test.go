@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -616,4 +617,63 @@ func TestOverGrantBatcher(t *testing.T) {
 	}, hotTS(t, pool, lim))
 	require.Zero(t, errs)
 	requireNoOverGrant(t, "batcher", allowed, in3s, errs, max)
+}
+
+// A batch writes each row where it is still as read. Beside transactions deciding on the same
+// keys (which change rows between a batch's read and its write), every grant is charged exactly
+// once and none beyond the capacity: the ledger of each key (capacity - grants = value, up to a
+// refill far below one token) holds, whoever decided.
+func TestBatcherBesideTransactionsIsExact(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 24})
+	const capacity = 400
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"l": {Rate: 1, Period: time.Hour, Capacity: capacity},
+	}})
+	require.NoError(t, err)
+	b, _ := newTestBatcher(t, pool, lim, nil)
+	ctx := context.Background()
+	keys := []string{"a", "b", "c", "d"}
+	var granted [4]atomic.Int64
+	stop := time.Now().Add(2 * time.Second)
+	var wg sync.WaitGroup
+	for w := range 24 {
+		wg.Go(func() {
+			for i := 0; time.Now().Before(stop); i++ {
+				k := (w + i) % len(keys)
+				var ok bool
+				switch w % 3 {
+				case 0, 1: // through the Batcher
+					r, err := b.Limit(ctx, "l", keys[k], nil)
+					if !assert.NoError(t, err) {
+						return
+					}
+					ok = r.OK
+				case 2: // in a transaction of its own, committed
+					tx, err := pool.Begin(ctx)
+					if !assert.NoError(t, err) {
+						return
+					}
+					r, err := lim.Limit(ctx, tx, "l", keys[k], nil)
+					if !assert.NoError(t, err) || !assert.NoError(t, tx.Commit(ctx)) {
+						_ = tx.Rollback(ctx)
+						return
+					}
+					ok = r.OK
+				}
+				if ok {
+					granted[k].Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for k, key := range keys {
+		st, err := lim.State(ctx, pool, "l", key, nil)
+		require.NoError(t, err)
+		g := granted[k].Load()
+		require.LessOrEqual(t, g, int64(capacity), "key %s: over-granted", key)
+		require.InDelta(t, float64(capacity-g), st.Value, 0.01, "key %s: %d granted, value %v", key, g, st.Value)
+		t.Logf("key %s: %d granted, value %.4f", key, g, st.Value)
+	}
 }
