@@ -503,8 +503,12 @@ BEGIN
         -- The lean loop: each request alone on its row, seeing the grants before it on that row.
         -- In the second pass a row is as locked when a request of the first was granted on it,
         -- and as read otherwise (so it is granted nothing then either).
+        -- (One candidate per request: request i's candidate is element i.)
+        IF lean THEN
+            o_ch := array_fill(1, ARRAY[n]); o_sa := p_cand_shard;
+        END IF;
         FOR i IN 1 .. CASE WHEN lean THEN n ELSE 0 END LOOP
-            r := p_cand_row[p_cand_off[i]];
+            r := p_cand_row[i];
             CONTINUE WHEN pass = 2 AND done[r]; -- written in the first pass: its answers stand
             kind := p_kind[i];
             IF w_mod[r] THEN va := w_val[r]; ta := w_ts[r];
@@ -516,8 +520,7 @@ BEGIN
             end_a := txlimit_left(0, 1, lv_a, 0, p_count[i]);
             granted := txlimit_granted(1, end_a, 0, p_allow[i]);
             now_ok := txlimit_granted(1, end_a, 0, 0);
-            o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_ch[i] := 1;
-            o_sa[i] := p_cand_shard[p_cand_off[i]];
+            o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok;
             o_lvl[i] := CASE WHEN granted THEN end_a ELSE lv_a END + 0;
             IF granted AND NOT p_dry[i] AND pass = 2 AND NOT l_got[r] THEN
                 -- Granted by the rules on a row another transaction holds: refused, to be retried
@@ -528,8 +531,10 @@ BEGIN
             IF granted AND NOT p_dry[i] THEN
                 w_val[r] := end_a; w_ts[r] := txlimit_next_ts(kind, ta, t_now, p_period_us[i]); w_mod[r] := true;
                 IF NOT want[r] THEN
-                    want[r] := true; ph_val[r] := p_cap[i]; ph_ts[r] := txlimit_missing_ts(kind, p_anchor_us[i]);
-                    n_want := n_want + 1; n_new := n_new + CASE WHEN r_ex[r] THEN 0 ELSE 1 END;
+                    want[r] := true; n_want := n_want + 1;
+                    IF NOT r_ex[r] THEN -- to be created
+                        ph_val[r] := p_cap[i]; ph_ts[r] := txlimit_missing_ts(kind, p_anchor_us[i]); n_new := n_new + 1;
+                    END IF;
                 END IF;
             END IF;
             -- RetryAt, for a refusal when the same request is granted, for a reservation when its
