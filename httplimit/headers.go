@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/json"
+	"hash"
 	"math"
 	"net/http"
 	"strconv"
@@ -129,7 +130,9 @@ func (m *Middleware) jitter(results []ratelimit.Result) int64 {
 
 // partitionKey is the first pkLen bytes of HMAC-SHA256(secret, name 0x00 key).
 func (m *Middleware) partitionKey(name, key string) []byte {
-	mac := hmac.New(sha256.New, m.secret)
+	mac := m.macs.Get().(hash.Hash)
+	defer m.macs.Put(mac)
+	mac.Reset()
 	mac.Write([]byte(name))
 	mac.Write([]byte{0})
 	mac.Write([]byte(key))

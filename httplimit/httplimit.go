@@ -2,12 +2,15 @@ package httplimit
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -136,6 +139,7 @@ type Middleware struct {
 	byName   map[string]*Policy
 	decided  []*Policy
 	secret   []byte
+	macs     sync.Pool // of HMAC-SHA256 keyed with secret (partitionKey)
 	jitterS  int64
 	obs      *observer
 	policies []Policy
@@ -183,6 +187,7 @@ func New(cfg *Config) (*Middleware, error) {
 		m.secret = make([]byte, 32)
 		_, _ = rand.Read(m.secret)
 	}
+	m.macs.New = func() any { return hmac.New(sha256.New, m.secret) }
 	m.obs = newObserver(cfg.MeterProvider, cfg.Logger)
 	return m, nil
 }

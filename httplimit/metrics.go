@@ -3,6 +3,7 @@ package httplimit
 import (
 	"context"
 	"log/slog"
+	"sync"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -37,17 +38,20 @@ const (
 
 type observer struct {
 	log      *slog.Logger
+	metrics  bool     // a MeterProvider was given: record measurements
+	sets     sync.Map // [2]string{policy, outcome} -> metric.MeasurementOption
 	requests metric.Int64Counter
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
+	o := &observer{metrics: mp != nil}
 	if mp == nil {
 		mp = noop.NewMeterProvider()
 	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	o := &observer{log: log}
+	o.log = log
 	var err error
 	o.requests, err = mp.Meter(MeterName).Int64Counter(MetricRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("HTTP requests by rate limit policy and outcome."))
@@ -73,6 +77,17 @@ func (o *observer) countDenied(ctx context.Context, results []ratelimit.Result, 
 	}
 }
 
+// add counts one request of policy with outcome. The attribute sets are built once each: there
+// are as many as policies (configured) times outcomes.
 func (o *observer) add(ctx context.Context, policy, outcome string) {
-	o.requests.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)))
+	if !o.metrics {
+		return
+	}
+	k := [2]string{policy, outcome}
+	opt, ok := o.sets.Load(k)
+	if !ok {
+		opt, _ = o.sets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(
+			attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))))
+	}
+	o.requests.Add(ctx, 1, opt.(metric.MeasurementOption))
 }
