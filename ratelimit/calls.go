@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"slices"
 )
 
 // call is one caller's decision, validated and resolved: a group of requests decided all or
@@ -52,16 +53,25 @@ func (l *Limiter) prepareMany(op string, reqs []Request, dry bool) (*call, error
 		return nil, &ArgumentError{Op: op, Arg: "requests", Reason: "must not be empty"}
 	}
 	c := &call{op: op, dry: dry, reqs: reqs, specs: make([]spec, len(reqs)), counts: make([]float64, len(reqs))}
-	seen := make(map[[2]string]bool, len(reqs))
+	var seen map[[2]string]bool // past a few requests; fewer are compared pairwise
+	if len(reqs) > 8 {
+		seen = make(map[[2]string]bool, len(reqs))
+	}
 	for i, r := range reqs {
 		s, err := l.resolve(op, r.Name, r.Key, r.Config)
 		if err != nil {
 			return nil, err
 		}
-		if seen[[2]string{r.Name, r.Key}] {
+		twice := seen[[2]string{r.Name, r.Key}]
+		if seen == nil {
+			twice = slices.ContainsFunc(reqs[:i], func(q Request) bool { return q.Name == r.Name && q.Key == r.Key })
+		}
+		if twice {
 			return nil, &ArgumentError{Op: op, Arg: "requests", Reason: fmt.Sprintf("name %q key %q appears twice", r.Name, r.Key)}
 		}
-		seen[[2]string{r.Name, r.Key}] = true
+		if seen != nil {
+			seen[[2]string{r.Name, r.Key}] = true
+		}
 		c.counts[i] = r.Count
 		if c.counts[i] == 0 {
 			c.counts[i] = 1
