@@ -627,14 +627,16 @@ func (r *fzRunner) list(op fzOp) {
 				continue
 			}
 			m, err := modelResolve(name, key, cfg)
+			// A lone call checks its count before its name (as LimitN does), a group its name
+			// first (as LimitMany does).
 			switch {
-			case modelCheckCount(count) != nil:
+			case len(g) == 1 && modelCheckCount(count) != nil:
 				wantErr = errModelArgument
 			case err != nil:
 				wantErr = err
 			case seen[[2]string{name, key}]:
 				wantErr = errModelArgument
-			case count > m.maxGrant(q.reserve):
+			case modelCheckCount(count) != nil, count > m.maxGrant(q.reserve):
 				wantErr = errModelArgument
 			}
 			seen[[2]string{name, key}] = true
