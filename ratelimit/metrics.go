@@ -157,7 +157,7 @@ func (o *observer) attrs(k attrKey) metric.MeasurementOption {
 	if k.errType != "" {
 		kvs = append(kvs, attribute.String("error.type", k.errType))
 	}
-	if !k.call && (k.errType != "invalid") {
+	if !k.call && k.errType != "invalid" {
 		kvs = append(kvs, attribute.String("txlimit.limit", k.limit))
 	}
 	opt := metric.WithAttributeSet(attribute.NewSet(kvs...))
