@@ -810,11 +810,15 @@ BEGIN
         WHILE r <= m LOOP
             e := r;
             IF want[r] AND r_ex[r] AND NOT l_got[r] THEN
-                WHILE e < m AND (NOT want[e + 1] OR r_ex[e + 1]) LOOP
-                    e := e + 1;
+                j := r; -- the run's last row to lock
+                WHILE j < m AND (NOT want[j + 1] OR r_ex[j + 1]) LOOP
+                    j := j + 1;
+                    IF want[j] AND NOT l_got[j] THEN
+                        e := j;
+                    END IF;
                 END LOOP;
             END IF;
-            IF e > r THEN -- a run of two rows or more (a single row is locked below)
+            IF e > r THEN -- a run of two rows to lock or more (a single row is locked below)
                 FOR rec IN
                     SELECT u.i::integer AS i, s.value AS v, (extract(epoch FROM s.ts) * 1000000)::bigint AS t
                     FROM unnest(p_row_name[r:e], p_row_key[r:e], p_row_shard[r:e], want[r:e], l_got[r:e])
@@ -872,10 +876,11 @@ BEGIN
 
     -- The writes: every row a granted group changed, each through its whole primary key.
     k := cardinality(array_positions(w_mod, true));
-    IF m = 1 AND k = 1 THEN
+    IF k = 1 THEN -- one row (the most common case): by its key, cheaper than the join over arrays
+        r := array_position(w_mod, true);
         UPDATE txlimit_state s
-        SET value = w_val[1], ts = 'epoch'::timestamptz + w_ts[1] * interval '1 microsecond'
-        WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
+        SET value = w_val[r], ts = 'epoch'::timestamptz + w_ts[r] * interval '1 microsecond'
+        WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r];
         GET DIAGNOSTICS j = ROW_COUNT;
         IF j <> 1 THEN
             RAISE EXCEPTION 'txlimit: wrote % of 1 locked row', j;
