@@ -222,6 +222,27 @@ END
 $$;
 -- +goose StatementEnd
 
+-- txlimit_xid8: the 64-bit transaction ID nearest xr whose low 32 bits are xid.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_xid8(xid bigint, xr bigint)
+RETURNS bigint LANGUAGE sql IMMUTABLE AS $$
+    SELECT xr + ((xid - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648) % 4294967296 - 2147483648
+$$;
+-- +goose StatementEnd
+
+-- txlimit_stale: whether a row whose xmax is xm (a 32-bit transaction ID; 0 or NULL: none) was
+-- written or locked by a transaction that the snapshot snap cannot see, in progress or committed
+-- after snap was taken (xr: snap's xmax as a number). Under REPEATABLE READ or SERIALIZABLE,
+-- steering passes over such a row (see txlimit_decide).
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_stale(xm bigint, xr bigint, snap pg_snapshot)
+RETURNS boolean LANGUAGE sql VOLATILE AS $$
+    SELECT coalesce(xm, 0) <> 0 AND txlimit_xid8(xm, xr) >= 3
+           AND NOT pg_visible_in_snapshot(txlimit_xid8(xm, xr)::text::xid8, snap)
+           AND (txlimit_xid8(xm, xr) >= xr OR pg_xact_status(txlimit_xid8(xm, xr)::text::xid8) IS DISTINCT FROM 'aborted')
+$$;
+-- +goose StatementEnd
+
 -- txlimit_decide decides a list of requests in one statement; every call of the library is one
 -- call of it (a single Limit is a list of one). Arrays are parallel: one element per request, per
 -- candidate shard, or per row. The caller (ratelimit/engine.go) numbers the rows the list may
@@ -251,11 +272,15 @@ $$;
 -- for this function), so under SERIALIZABLE a decision holds predicate locks on the rows it reads
 -- only.
 --
--- Two shapes take shorter roads through the same steps and rules (PL/pgSQL's cost is the
--- statements it runs, so each statement saved is time saved):
+-- Three shapes take shorter roads through the same steps and rules (PL/pgSQL's cost is the
+-- statements it runs and the expressions it evaluates, each prepared once per transaction, so
+-- each one saved is time saved):
 -- - A lone request on one row (an unsharded Limit, Check): steps 2 and 4 are one statement, an
 --   UPDATE of the row where it is still as read (or an INSERT of a row that was missing); only
 --   when the row changed meanwhile is it locked and decided again.
+-- - A lone steered request (a sharded Limit) charging one shard whose row no transaction had
+--   locked or written when it was read: the same, after steering. Any other outcome goes on
+--   through the general path with the shards steering chose.
 -- - A list whose groups are each one request on one row (a Batcher's batch of Limit and Check
 --   calls): step 1 is a loop over the requests that keeps no per-request plan (each row depends on
 --   its own requests only), a run of identical refusals searches its RetryAt once, and step 2 is
@@ -340,7 +365,8 @@ DECLARE
     lean boolean;
     n_want integer := 0; n_new integer := 0; -- the lean loop's rows to lock, and those to create
     done_rows integer[]; done boolean[]; -- rows the lean list wrote in its first pass
-    r_found boolean;
+    r_found boolean; b_found boolean; w_found boolean; xb bigint; vb_w double precision; tb_w bigint;
+    s_pos integer; -- a lone steered request's chosen candidate (the lone steered road's steering)
     rec record;
     -- The last refusal's search: its inputs and its answer.
     m_key record; m_retry bigint;
@@ -430,6 +456,109 @@ BEGIN
         shard_a := p_cand_shard[1]; shard_b := -1; charged := 1; retry_at_us := m_retry; now_us := t_now;
         RETURN NEXT;
         RETURN;
+    END IF;
+
+    -- A lone steered request (a sharded Limit alone) steers, then decides as a lone request does,
+    -- and when it charges one row that no transaction had locked or written when it was read,
+    -- writes that row where it is still as read (or creates it, already charged, when it was
+    -- missing) in one statement. Otherwise it goes on through the general path on the shards
+    -- chosen here.
+    IF n = 1 AND p_steer[1] AND NOT p_dry[1] THEN
+        kind := p_kind[1]; off := p_cand_off[1]; cnt := p_cand_n[1];
+        mts := txlimit_missing_ts(kind, p_anchor_us[1]);
+        base := 'txlimit_state'::regclass::oid::bigint << 20;
+        IF snap_iso THEN
+            snap := pg_current_snapshot();
+            xr := pg_snapshot_xmax(snap)::text::bigint;
+        END IF;
+        FOR j IN 1 .. cnt LOOP
+            CONTINUE WHEN NOT pg_try_advisory_xact_lock(p_lock_base[1] # base # p_cand_shard[off + j - 1]::bigint);
+            IF snap_iso THEN
+                r := p_cand_row[off + j - 1];
+                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO va, ta, xm
+                FROM txlimit_state s
+                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r];
+                r_found := FOUND;
+                CONTINUE WHEN txlimit_stale(xm, xr, snap);
+            END IF;
+            s_pos := j;
+            EXIT;
+        END LOOP;
+        IF s_pos IS NULL AND snap_iso THEN
+            ok := false; reserved := false; busy := true; level_sum := 0;
+            shard_a := p_cand_shard[off]; shard_b := p_cand_shard[off + 1]; charged := 0; retry_at_us := 0; now_us := t_now;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        s_pos := coalesce(s_pos, 1);
+        a := p_cand_row[off + s_pos - 1];
+        b := p_cand_row[off + s_pos % cnt];
+        IF NOT snap_iso THEN -- (under a snapshot, row a was read while steering)
+            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO va, ta, xm
+            FROM txlimit_state s
+            WHERE s.name = p_row_name[a] AND s.key = p_row_key[a] AND s.shard = p_row_shard[a];
+            r_found := FOUND;
+        END IF;
+        IF NOT r_found THEN
+            va := p_cap[1]; ta := mts;
+        END IF;
+        lv_a := txlimit_level(kind, va, ta, t_now, p_rate[1], p_period_us[1], p_cap[1]);
+        -- Under a snapshot, b is read only when a cannot serve alone.
+        two := cnt >= 2 AND NOT (snap_iso AND lv_a >= p_count[1]);
+        lv_b := 0; vb := NULL; tb := NULL;
+        IF two THEN
+            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO vb, tb, xb
+            FROM txlimit_state s
+            WHERE s.name = p_row_name[b] AND s.key = p_row_key[b] AND s.shard = p_row_shard[b];
+            b_found := FOUND;
+            IF NOT b_found THEN
+                vb := p_cap[1]; tb := mts;
+            END IF;
+            lv_b := txlimit_level(kind, vb, tb, t_now, p_rate[1], p_period_us[1], p_cap[1]);
+        END IF;
+        ch := txlimit_charge(lv_a, lv_b, two, p_count[1], 0);
+        end_a := txlimit_left(0, ch, lv_a, lv_b, p_count[1]);
+        end_b := txlimit_left(1, ch, lv_a, lv_b, p_count[1]);
+        granted := txlimit_granted(ch, end_a, end_b, p_allow[1]);
+        now_ok := txlimit_granted(ch, end_a, end_b, 0);
+        k := 0;
+        IF granted AND ch IN (1, 2) THEN
+            IF ch = 1 THEN
+                r := a; sv := end_a; st := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
+                w_found := r_found; x := xm; vb_w := va; tb_w := ta;
+            ELSE
+                r := b; sv := end_b; st := txlimit_next_ts(kind, tb, t_now, p_period_us[1]);
+                w_found := b_found; x := xb; vb_w := vb; tb_w := tb;
+            END IF;
+            IF NOT w_found THEN
+                INSERT INTO txlimit_state (name, key, shard, value, ts)
+                VALUES (p_row_name[r], p_row_key[r], p_row_shard[r], sv, 'epoch'::timestamptz + st * interval '1 microsecond')
+                ON CONFLICT DO NOTHING;
+                GET DIAGNOSTICS k = ROW_COUNT;
+            ELSIF coalesce(x, 0) = 0 THEN
+                UPDATE txlimit_state s
+                SET value = sv, ts = 'epoch'::timestamptz + st * interval '1 microsecond'
+                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
+                  AND s.value = vb_w AND s.ts = 'epoch'::timestamptz + tb_w * interval '1 microsecond';
+                GET DIAGNOSTICS k = ROW_COUNT;
+            END IF;
+        END IF;
+        IF NOT granted OR k = 1 THEN
+            IF NOT granted THEN
+                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
+                                               two, va, ta, vb, tb, t_now);
+            ELSIF NOT now_ok THEN
+                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false, sv, st, NULL, NULL, t_now);
+            ELSE
+                m_retry := 0;
+            END IF;
+            ok := now_ok; reserved := granted AND NOT now_ok; busy := false;
+            level_sum := CASE WHEN granted THEN end_a + CASE WHEN two THEN end_b ELSE 0 END ELSE lv_a + lv_b END;
+            shard_a := p_cand_shard[off + s_pos - 1]; shard_b := p_cand_shard[off + s_pos % cnt];
+            charged := ch; retry_at_us := m_retry; now_us := t_now;
+            RETURN NEXT;
+            RETURN;
+        END IF;
     END IF;
 
     -- The general path: the arrays of rows and requests.
@@ -568,7 +697,9 @@ BEGIN
                 IF pass = 1 THEN
                     -- Choose the rows.
                     pos := 1;
-                    IF p_steer[i] AND NOT dry THEN
+                    IF p_steer[i] AND NOT dry AND s_pos IS NOT NULL THEN
+                        pos := s_pos; -- chosen by the lone steered road
+                    ELSIF p_steer[i] AND NOT dry THEN
                         pos := NULL;
                         FOR j IN 1 .. cnt LOOP
                             CONTINUE WHEN NOT pg_try_advisory_xact_lock(p_lock_base[i] # base # p_cand_shard[off + j - 1]::bigint);
@@ -579,11 +710,7 @@ BEGIN
                                 FROM txlimit_state s
                                 WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r];
                                 r_read[r] := true; r_ex[r] := FOUND; r_val[r] := va; r_ts[r] := ta;
-                                IF xm IS NOT NULL AND xm <> 0 THEN
-                                    x := xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648) % 4294967296 - 2147483648;
-                                    CONTINUE WHEN x >= 3 AND NOT pg_visible_in_snapshot(x::text::xid8, snap)
-                                                  AND (x >= xr OR pg_xact_status(x::text::xid8) IS DISTINCT FROM 'aborted');
-                                END IF;
+                                CONTINUE WHEN txlimit_stale(xm, xr, snap);
                             END IF;
                             pos := j;
                             EXIT;
@@ -909,6 +1036,8 @@ DROP FUNCTION txlimit_decide(timestamptz, integer[], double precision[], double 
                              integer[], integer[], integer[], integer[], text[], text[], integer[], boolean[]);
 DROP FUNCTION txlimit_first_grant(smallint, double precision, bigint, double precision, double precision,
                                   double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);
+DROP FUNCTION txlimit_xid8(bigint, bigint);
 DROP FUNCTION txlimit_estimate(smallint, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_grants_at(smallint, double precision, bigint, double precision, double precision,
                                 double precision, boolean, double precision, bigint, double precision, bigint, bigint);
