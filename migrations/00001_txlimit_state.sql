@@ -80,19 +80,20 @@ AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_left: what row slot (0: a, 1: b) holds after count is charged as txlimit_charge chose.
+-- txlimit_left: what row slot (0: a, 1: b) holds after count is charged as txlimit_charge chose:
+-- (lv_a + lv_b - count) / 2 for both, the row's level less count for the row charged, the level
+-- of a row not charged. (Written so that each level and count appears once: Postgres then
+-- inlines the function around any argument, such as a txlimit_level expression.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_left(slot integer, charge integer, lv_a double precision, lv_b double precision,
                              count double precision)
 RETURNS double precision
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT CASE WHEN charge = 3 THEN (lv_a + lv_b - count) / 2
-                WHEN slot = 0 AND charge = 1 THEN lv_a - count
-                WHEN slot = 1 AND charge = 2 THEN lv_b - count
-                WHEN slot = 0 THEN lv_a
-                ELSE lv_b
-           END
+    SELECT (CASE WHEN slot = 0 OR charge = 3 THEN lv_a ELSE 0 END
+            + CASE WHEN slot = 1 OR charge = 3 THEN lv_b ELSE 0 END
+            - CASE WHEN charge = 3 OR charge = slot + 1 THEN count ELSE 0 END)
+           / CASE WHEN charge = 3 THEN 2 ELSE 1 END::double precision
 $$;
 -- +goose StatementEnd
 
@@ -145,11 +146,27 @@ END
 $$;
 -- +goose StatementEnd
 
+-- txlimit_grant_starts_at: whether a request for count (allowance allow) on the one row (va, ta)
+-- is granted at t_us and refused at t_us - 1: then t_us is the first instant it is granted (a
+-- row's level never falls as time passes), so a real-arithmetic estimate that passes this test is
+-- exact.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_grant_starts_at(kind smallint, rate double precision, period_us bigint, cap double precision,
+                                        count double precision, allow double precision,
+                                        va double precision, ta bigint, t_us bigint)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us, rate, period_us, cap), 0, count), 0, allow)
+           AND NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us - 1, rate, period_us, cap), 0, count),
+                                   0, allow)
+$$;
+-- +goose StatementEnd
+
 -- txlimit_first_grant: the first microsecond t >= from_us at which txlimit_grants_at holds (with
 -- count 0 and allow 0 on a single row: when that row is out of debt). It searches on the very rules
 -- a decision applies, so the answer is exact: one microsecond earlier the same request is refused.
--- It tries the real-arithmetic estimate and the microsecond before it (for one row without a call
--- of txlimit_grants_at), and only when float8 rounding or a cap puts the answer elsewhere gallops
+-- It tries the real-arithmetic estimate (for one row, txlimit_grant_starts_at), and only when float8 rounding or a cap puts the answer elsewhere gallops
 -- and bisects, so it ends within about 130 evaluations for any input. The wait is bounded: t is at
 -- most from_us + 2^61 µs (about 73,000 years, ratelimit.MaxRetryWaitMicros); a request not granted
 -- by then returns that bound.
@@ -180,17 +197,8 @@ BEGIN
                            -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
                            txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us), from_us);
     -- One row: usually the estimate is the answer (granted there, refused a microsecond earlier).
-    IF NOT two THEN
-        lv_a := txlimit_level(kind, va, ta, hi, rate, period_us, cap);
-        IF txlimit_granted(1, txlimit_left(0, 1, lv_a, 0, count), 0, allow) THEN
-            IF hi - 1 = from_us THEN
-                RETURN hi;
-            END IF;
-            lv_a := txlimit_level(kind, va, ta, hi - 1, rate, period_us, cap);
-            IF NOT txlimit_granted(1, txlimit_left(0, 1, lv_a, 0, count), 0, allow) THEN
-                RETURN hi;
-            END IF;
-        END IF;
+    IF NOT two AND txlimit_grant_starts_at(kind, rate, period_us, cap, count, allow, va, ta, hi) THEN
+        RETURN hi;
     END IF;
     -- Gallop until granted at hi (not granted at lo).
     step := greatest(hi - lo, 1);
@@ -441,15 +449,20 @@ BEGIN
         END IF;
         now_ok := txlimit_granted(1, end_a, 0, 0);
         -- RetryAt: for a refusal when the same request is granted, for a reservation when its debt
-        -- is paid.
-        IF NOT granted THEN
-            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], p_count[1], p_allow[1],
-                                           false, va, ta, NULL, NULL, t_now);
-        ELSIF NOT now_ok THEN
-            m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], 0, 0, false,
-                                           end_a, txlimit_next_ts(kind, ta, t_now, p_period_us[1]), NULL, NULL, t_now);
-        ELSE
-            m_retry := 0;
+        -- is paid (the row as charged, asked for nothing). Usually the estimate is exact; else the
+        -- search finds it.
+        m_retry := 0;
+        IF NOT now_ok THEN
+            IF granted THEN
+                sv := end_a; st := txlimit_next_ts(kind, ta, t_now, p_period_us[1]); sc := 0; sa := 0;
+            ELSE
+                sv := va; st := ta; sc := p_count[1]; sa := p_allow[1];
+            END IF;
+            m_retry := txlimit_estimate(kind, p_rate[1], p_period_us[1], -end_a - sa,
+                                        txlimit_next_ts(kind, ta, t_now, p_period_us[1]), t_now);
+            IF NOT txlimit_grant_starts_at(kind, p_rate[1], p_period_us[1], p_cap[1], sc, sa, sv, st, m_retry) THEN
+                m_retry := txlimit_first_grant(kind, p_rate[1], p_period_us[1], p_cap[1], sc, sa, false, sv, st, NULL, NULL, t_now);
+            END IF;
         END IF;
         ok := now_ok; reserved := granted AND NOT now_ok; busy := false;
         level_sum := CASE WHEN granted THEN end_a ELSE lv_a END;
@@ -676,8 +689,13 @@ BEGIN
                 END IF;
                 IF NOT (m_r = r AND m_sv = sv AND m_st = st AND m_sc = sc AND m_sa = sa AND m_kind = kind
                         AND m_rate = p_rate[i] AND m_per = p_period_us[i] AND m_cap = p_cap[i]) THEN
-                    m_retry := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], sc, sa,
-                                                   false, sv, st, NULL, NULL, t_now);
+                    -- Usually the estimate is exact (see the lone path); else the search finds it.
+                    m_retry := txlimit_estimate(kind, p_rate[i], p_period_us[i], -end_a - sa,
+                                                txlimit_next_ts(kind, ta, t_now, p_period_us[i]), t_now);
+                    IF NOT txlimit_grant_starts_at(kind, p_rate[i], p_period_us[i], p_cap[i], sc, sa, sv, st, m_retry) THEN
+                        m_retry := txlimit_first_grant(kind, p_rate[i], p_period_us[i], p_cap[i], sc, sa,
+                                                       false, sv, st, NULL, NULL, t_now);
+                    END IF;
                     m_r := r; m_sv := sv; m_st := st; m_sc := sc; m_sa := sa; m_kind := kind;
                     m_rate := p_rate[i]; m_per := p_period_us[i]; m_cap := p_cap[i];
                 END IF;
@@ -1038,6 +1056,8 @@ DROP FUNCTION txlimit_first_grant(smallint, double precision, bigint, double pre
                                   double precision, boolean, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);
 DROP FUNCTION txlimit_xid8(bigint, bigint);
+DROP FUNCTION txlimit_grant_starts_at(smallint, double precision, bigint, double precision, double precision,
+                                      double precision, double precision, bigint, bigint);
 DROP FUNCTION txlimit_estimate(smallint, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_grants_at(smallint, double precision, bigint, double precision, double precision,
                                 double precision, boolean, double precision, bigint, double precision, bigint, bigint);

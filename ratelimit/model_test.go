@@ -253,17 +253,20 @@ func charge(la, lb float64, two bool, c float64) int {
 
 // left is txlimit_left: what row slot 0 (a) or 1 (b) holds after the charge.
 func left(slot, ch int, la, lb, c float64) float64 {
-	switch {
-	case ch == 3:
-		return (la + lb - c) / 2
-	case slot == 0 && ch == 1:
-		return la - c
-	case slot == 1 && ch == 2:
-		return lb - c
-	case slot == 0:
-		return la
+	var a, b, k, d float64 = 0, 0, 0, 1
+	if slot == 0 || ch == 3 {
+		a = la
 	}
-	return lb
+	if slot == 1 || ch == 3 {
+		b = lb
+	}
+	if ch == 3 || ch == slot+1 {
+		k = c
+	}
+	if ch == 3 {
+		d = 2
+	}
+	return (a + b - k) / d
 }
 
 // grantedBy is txlimit_granted: the emptiest charged row is left with at least -allow.

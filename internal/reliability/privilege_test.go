@@ -302,6 +302,16 @@ func TestLeastPrivilege(t *testing.T) {
 		r, err := limiter.LimitN(ctx, pool, "sharded", "hot", 7, nil) // more than one shard holds: both picks
 		return errors.Join(err, want(r.OK, "denied"))
 	})
+	op("Limit on a sharded limit in a SERIALIZABLE transaction", func() error {
+		// Steering checks each shard it settles on for staleness under a snapshot (txlimit_stale).
+		var r ratelimit.Result
+		err := ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			r, err = limiter.Limit(ctx, tx, "sharded", "serializable", nil)
+			return err
+		})
+		return errors.Join(err, want(r.OK, "denied"))
+	})
 	op("LimitMany", func() error {
 		r, err := limiter.LimitMany(ctx, pool, []ratelimit.Request{
 			{Name: "api", Key: "user-2"}, {Name: "sharded", Key: "hot"}, {Name: "sharded", Key: "cold", Count: 2},
