@@ -34,11 +34,13 @@ type Mode struct {
 	Shard time.Duration
 	// OverGrant is the over-grant test's window: 3 s in every mode.
 	OverGrant time.Duration
+	// Paired is how many rounds the side-by-side latency comparison runs per limit.
+	Paired int
 }
 
 var (
-	quickMode = Mode{Name: "quick", Cell: 500 * time.Millisecond, Shard: 2 * time.Second, OverGrant: 3 * time.Second}
-	fullMode  = Mode{Name: "full", Cell: 3 * time.Second, Shard: 10 * time.Second, OverGrant: 3 * time.Second}
+	quickMode = Mode{Name: "quick", Cell: 500 * time.Millisecond, Shard: 2 * time.Second, OverGrant: 3 * time.Second, Paired: 1000}
+	fullMode  = Mode{Name: "full", Cell: 3 * time.Second, Shard: 10 * time.Second, OverGrant: 3 * time.Second, Paired: 5000}
 )
 
 // Bounds that keep every loop finite whatever the speed of the contender.
@@ -84,6 +86,7 @@ type Report struct {
 	Defs      []*Def
 	Skipped   map[string]string // contender ID -> why
 	Results   []*Result
+	Paired    []*Paired // the side-by-side latency comparison at 1 caller (paired.go)
 	Shards    []*Result // the shard comparison under SERIALIZABLE: 1, 4, 16 and 64 shards
 	OverGrant []*OverGrant
 	PredLocks string        // what predicateLocks found
@@ -154,8 +157,25 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 		}
 	}
 
-	// Issue 3: one hot limit, 64 callers, each decision in its own SERIALIZABLE transaction, over
-	// 1, 4, 16 and 64 shards.
+	// The side-by-side latency comparison at 1 caller, of whichever of its contenders run.
+	var paired []*Def
+	for _, id := range pairedIDs {
+		if def := findDef(rep.Defs, id); def != nil {
+			paired = append(paired, def)
+		}
+	}
+	if len(paired) > 1 {
+		for _, lim := range []Limit{limitAllow, limitDeny} {
+			ps := RunPaired(ctx, paired, contenders, lim, mode.Paired)
+			rep.Paired = append(rep.Paired, ps...)
+			for _, p := range ps {
+				fmt.Fprintf(os.Stderr, "[paired] %-12s %-38s p50 %s (%d decisions)\n", lim.Name, p.Def.Name, fmtDur(p.P50), p.N)
+			}
+		}
+	}
+
+	// One hot limit, 64 callers, each decision in its own SERIALIZABLE transaction, over 1, 4, 16
+	// and 64 shards.
 	for i, id := range []string{"txlimit-ser", "txlimit-4-ser", "txlimit-16-ser", "txlimit-64-ser"} {
 		def := findDef(rep.Defs, id)
 		if def == nil {

@@ -121,6 +121,8 @@ func (rep *Report) Markdown() string {
 		w(" |\n")
 	}
 
+	w("%s", rep.pairedMarkdown())
+
 	w("\n## Over-grant (burst 10, rate 10/s, 64 callers, 3 s)\n\n")
 	w("Burst 10, rate 10/s, cost 1, %d goroutines on one fresh key for %s; the 16-shard contenders split the same total limit over 16 rows. ",
 		overGrantCallers, rep.Mode.OverGrant)
