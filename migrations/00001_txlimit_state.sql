@@ -157,8 +157,10 @@ CREATE FUNCTION txlimit_grant_starts_at(kind smallint, rate double precision, pe
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us, rate, period_us, cap), 0, count), 0, allow)
-           AND NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us - 1, rate, period_us, cap), 0, count),
+    SELECT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us, rate, period_us, cap), 0, count),
+                           0, allow)
+           AND NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(kind, va, ta, t_us - 1, rate, period_us, cap),
+                                                   0, count),
                                    0, allow)
 $$;
 -- +goose StatementEnd
@@ -166,8 +168,9 @@ $$;
 -- txlimit_first_grant: the first microsecond t >= from_us at which txlimit_grants_at holds (with
 -- count 0 and allow 0 on a single row: when that row is out of debt). It searches on the very rules
 -- a decision applies, so the answer is exact: one microsecond earlier the same request is refused.
--- It tries the real-arithmetic estimate (for one row, txlimit_grant_starts_at), and only when float8 rounding or a cap puts the answer elsewhere gallops
--- and bisects, so it ends within about 130 evaluations for any input. The wait is bounded: t is at
+-- It tries the real-arithmetic estimate (for one row, txlimit_grant_starts_at), and only when
+-- float8 rounding or a cap puts the answer elsewhere gallops and bisects, so it ends within about
+-- 130 evaluations for any input. The wait is bounded: t is at
 -- most from_us + 2^61 µs (about 73,000 years, ratelimit.MaxRetryWaitMicros); a request not granted
 -- by then returns that bound.
 -- +goose StatementBegin
@@ -286,9 +289,10 @@ $$;
 -- - A lone request on one row (an unsharded Limit, Check): steps 2 and 4 are one statement, an
 --   UPDATE of the row where it is still as read (or an INSERT of a row that was missing); only
 --   when the row changed meanwhile is it locked and decided again.
--- - A lone steered request (a sharded Limit) charging one shard whose row no transaction had
---   locked or written when it was read: the same, after steering. Any other outcome goes on
---   through the general path with the shards steering chose.
+-- - A lone steered request (a sharded Limit) charging one shard: after steering, one statement
+--   locks that row without waiting and writes it where it is still as read (or inserts it when it
+--   was missing). Any other outcome (both shards charged, the row changed or held meanwhile) goes
+--   on through the general path with the shards steering chose.
 -- - A list whose groups are each one request on one row (a Batcher's batch of Limit and Check
 --   calls): step 1 is a loop over the requests that keeps no per-request plan (each row depends on
 --   its own requests only), a run of identical refusals searches its RetryAt once, and step 2 is
@@ -373,7 +377,7 @@ DECLARE
     lean boolean;
     n_want integer := 0; n_new integer := 0; -- the lean loop's rows to lock, and those to create
     done_rows integer[]; done boolean[]; -- rows the lean list wrote in its first pass
-    r_found boolean; b_found boolean; w_found boolean; xb bigint; vb_w double precision; tb_w bigint;
+    r_found boolean; b_found boolean; w_found boolean; vb_w double precision; tb_w bigint;
     s_pos integer; -- a lone steered request's chosen candidate (the lone steered road's steering)
     rec record;
     -- The last refusal's search: its inputs and its answer.
@@ -472,10 +476,10 @@ BEGIN
     END IF;
 
     -- A lone steered request (a sharded Limit alone) steers, then decides as a lone request does,
-    -- and when it charges one row that no transaction had locked or written when it was read,
-    -- writes that row where it is still as read (or creates it, already charged, when it was
-    -- missing) in one statement. Otherwise it goes on through the general path on the shards
-    -- chosen here.
+    -- and when it charges one row, locks it without waiting and writes it where it is still as
+    -- read (or creates it, already charged, when it was missing) in one statement. Otherwise (both
+    -- rows charged, or the row changed or held meanwhile) it goes on through the general path on
+    -- the shards chosen here.
     IF n = 1 AND p_steer[1] AND NOT p_dry[1] THEN
         kind := p_kind[1]; off := p_cand_off[1]; cnt := p_cand_n[1];
         mts := txlimit_missing_ts(kind, p_anchor_us[1]);
@@ -507,7 +511,7 @@ BEGIN
         a := p_cand_row[off + s_pos - 1];
         b := p_cand_row[off + s_pos % cnt];
         IF NOT snap_iso THEN -- (under a snapshot, row a was read while steering)
-            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO va, ta, xm
+            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
             FROM txlimit_state s
             WHERE s.name = p_row_name[a] AND s.key = p_row_key[a] AND s.shard = p_row_shard[a];
             r_found := FOUND;
@@ -520,7 +524,7 @@ BEGIN
         two := cnt >= 2 AND NOT (snap_iso AND lv_a >= p_count[1]);
         lv_b := 0; vb := NULL; tb := NULL;
         IF two THEN
-            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO vb, tb, xb
+            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO vb, tb
             FROM txlimit_state s
             WHERE s.name = p_row_name[b] AND s.key = p_row_key[b] AND s.shard = p_row_shard[b];
             b_found := FOUND;
@@ -538,21 +542,26 @@ BEGIN
         IF granted AND ch IN (1, 2) THEN
             IF ch = 1 THEN
                 r := a; sv := end_a; st := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
-                w_found := r_found; x := xm; vb_w := va; tb_w := ta;
+                w_found := r_found; vb_w := va; tb_w := ta;
             ELSE
                 r := b; sv := end_b; st := txlimit_next_ts(kind, tb, t_now, p_period_us[1]);
-                w_found := b_found; x := xb; vb_w := vb; tb_w := tb;
+                w_found := b_found; vb_w := vb; tb_w := tb;
             END IF;
             IF NOT w_found THEN
                 INSERT INTO txlimit_state (name, key, shard, value, ts)
                 VALUES (p_row_name[r], p_row_key[r], p_row_shard[r], sv, 'epoch'::timestamptz + st * interval '1 microsecond')
                 ON CONFLICT DO NOTHING;
                 GET DIAGNOSTICS k = ROW_COUNT;
-            ELSIF coalesce(x, 0) = 0 THEN
+            ELSE
+                -- Locked without waiting, and written, where it is still as read: a row another
+                -- transaction holds is left to the general path, which takes the other pick when
+                -- that one can serve alone.
                 UPDATE txlimit_state s
                 SET value = sv, ts = 'epoch'::timestamptz + st * interval '1 microsecond'
-                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
-                  AND s.value = vb_w AND s.ts = 'epoch'::timestamptz + tb_w * interval '1 microsecond';
+                WHERE s.ctid = (SELECT l.ctid FROM txlimit_state l
+                                WHERE l.name = p_row_name[r] AND l.key = p_row_key[r] AND l.shard = p_row_shard[r]
+                                  AND l.value = vb_w AND l.ts = 'epoch'::timestamptz + tb_w * interval '1 microsecond'
+                                FOR UPDATE SKIP LOCKED);
                 GET DIAGNOSTICS k = ROW_COUNT;
             END IF;
         END IF;

@@ -68,9 +68,8 @@
 // Otherwise it charges the one with more tokens alone. A reservation's debt is bounded per charged
 // shard by MaxReserved/N. Result.Shards names the charged shards. Only the charged shards are
 // locked and written; when the shard a call of its own (a list of one request) charges alone is
-// held by another transaction when it is read, the call takes its other pick instead if that one
-// can serve alone (SKIP LOCKED), and waits only when both are held (or when its shard is taken in
-// the instant between its read and its write).
+// held by another transaction, the call takes its other pick instead if that one can serve alone
+// (SKIP LOCKED), and waits only when both are held.
 //
 // Concurrent callers of one key are steered to different shards before they read any row. A
 // single request (Limit, LimitN, alone or in a batch) draws its candidate shards in random order, a and b first (up to
