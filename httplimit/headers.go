@@ -9,6 +9,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/dunglas/httpsfv"
@@ -52,29 +53,27 @@ type Problem struct {
 // several lines of one field).
 func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Result) {
 	var pol, lim httpsfv.List
+	var usedA [4]*sfItems
+	used := usedA[:0]
 	for _, r := range results {
 		p, ok := m.byName[r.Name]
 		if !ok {
 			continue
 		}
+		it := m.items[r.Name].Get().(*sfItems)
+		used = append(used, it)
 		pk := m.partitionKey(r.Name, r.Key)
-		q, win := quota(p.Config)
-		pi := httpsfv.NewItem(r.Name)
-		pi.Params.Add("q", q)
-		pi.Params.Add("w", win)
-		if c := capacity(p.Config); c != p.Config.Rate {
-			pi.Params.Add("txlimit-burst", sfInt(math.Floor(c)))
-		}
-		pi.Params.Add("pk", pk)
-		pol = append(pol, pi)
+		it.pol.Params.Add("pk", pk)
+		pol = append(pol, it.pol)
 
-		li := httpsfv.NewItem(r.Name)
-		li.Params.Add("r", sfInt(math.Floor(math.Max(r.Value, 0))))
+		li := &it.lim
 		if t, ok := reset(p.Config, r); ok {
+			li = &it.limT
 			li.Params.Add("t", t)
 		}
+		li.Params.Add("r", sfInt(math.Floor(math.Max(r.Value, 0))))
 		li.Params.Add("pk", pk)
-		lim = append(lim, li)
+		lim = append(lim, *li)
 	}
 	h := w.Header()
 	if len(pol) > 0 {
@@ -85,9 +84,43 @@ func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Re
 			h.Add(HeaderRateLimit, s)
 		}
 	}
+	for _, it := range used {
+		it.pool.Put(it)
+	}
 	if v := violated(results); len(v) > 0 {
 		h.Set("Retry-After", strconv.FormatInt(m.retryAfter(results), 10))
 	}
+}
+
+// sfItems are the items of one result in the two fields, kept in a pool per policy so that their
+// parameters are set, not built, for each response: a policy's q and w (and txlimit-burst) never
+// change, and the RateLimit item's parameters keep their order (r, t, pk) when overwritten.
+type sfItems struct {
+	pool      *sync.Pool
+	pol       httpsfv.Item // RateLimit-Policy: q, w, [txlimit-burst,] pk
+	lim, limT httpsfv.Item // RateLimit: r, pk; and r, t, pk
+}
+
+// newItemPool returns the pool of p's *sfItems.
+func newItemPool(p *Policy) *sync.Pool {
+	pool := &sync.Pool{}
+	pool.New = func() any {
+		it := &sfItems{pool: pool, pol: httpsfv.NewItem(p.Name), lim: httpsfv.NewItem(p.Name), limT: httpsfv.NewItem(p.Name)}
+		q, win := quota(p.Config)
+		it.pol.Params.Add("q", q)
+		it.pol.Params.Add("w", win)
+		if c := capacity(p.Config); c != p.Config.Rate {
+			it.pol.Params.Add("txlimit-burst", sfInt(math.Floor(c)))
+		}
+		it.pol.Params.Add("pk", []byte(nil))
+		it.lim.Params.Add("r", int64(0))
+		it.lim.Params.Add("pk", []byte(nil))
+		it.limT.Params.Add("r", int64(0))
+		it.limT.Params.Add("t", int64(0))
+		it.limT.Params.Add("pk", []byte(nil))
+		return it
+	}
+	return pool
 }
 
 // WriteDenied answers 429 Too Many Requests for results, some of which were denied: the fields of

@@ -139,7 +139,8 @@ type Middleware struct {
 	byName   map[string]*Policy
 	decided  []*Policy
 	secret   []byte
-	macs     sync.Pool // of HMAC-SHA256 keyed with secret (partitionKey)
+	macs     sync.Pool             // of HMAC-SHA256 keyed with secret (partitionKey)
+	items    map[string]*sync.Pool // policy name -> pool of its *sfItems (WriteHeaders)
 	jitterS  int64
 	obs      *observer
 	policies []Policy
@@ -188,6 +189,10 @@ func New(cfg *Config) (*Middleware, error) {
 		_, _ = rand.Read(m.secret)
 	}
 	m.macs.New = func() any { return hmac.New(sha256.New, m.secret) }
+	m.items = make(map[string]*sync.Pool, len(m.policies))
+	for i := range m.policies {
+		m.items[m.policies[i].Name] = newItemPool(&m.policies[i])
+	}
 	m.obs = newObserver(cfg.MeterProvider, cfg.Logger)
 	return m, nil
 }
