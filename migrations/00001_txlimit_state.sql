@@ -671,7 +671,7 @@ BEGIN
             end_a := txlimit_left(0, 1, lv_a, 0, p_count[i]);
             granted := txlimit_granted(1, end_a, 0, p_allow[i]);
             now_ok := txlimit_granted(1, end_a, 0, 0);
-            o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok;
+            o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_retry[i] := 0; -- (set below when due)
             o_lvl[i] := CASE WHEN granted THEN end_a ELSE lv_a END + 0;
             IF granted AND NOT p_dry[i] AND pass = 2 AND NOT l_got[r] THEN
                 -- Granted by the rules on a row another transaction holds: refused, to be retried
@@ -813,7 +813,7 @@ BEGIN
                 now_ok := txlimit_granted(ch, end_a, end_b, 0);
                 -- Held: every row the request charges is locked by this transaction.
                 q_held[i] := dry OR NOT ((ch IN (1, 3) AND NOT l_got[a]) OR (ch IN (2, 3) AND NOT l_got[b]));
-                o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_ch[i] := ch;
+                o_ok[i] := now_ok; o_res[i] := granted AND NOT now_ok; o_ch[i] := ch; o_retry[i] := 0;
                 o_lvl[i] := CASE WHEN granted THEN end_a + CASE WHEN two THEN end_b ELSE 0 END
                                  ELSE lv_a + lv_b END;
                 q_lvl[i] := lv_a + lv_b;

@@ -272,3 +272,63 @@ func TestEveryCallHonoursItsContext(t *testing.T) {
 		require.True(t, errors.Is(err, context.DeadlineExceeded) || ctx.Err() != nil, "%s: %v", what, err)
 	}
 }
+
+// A request refused on the rows as read and granted on the rows as locked (a concurrent Credit
+// committed in between) reports no RetryAt: it is granted now. Both roads of a list: calls of one
+// request each (a Batcher's batch), and a list with a group of two requests.
+func TestListRegrantedOnLockedRowsHasNoRetryAt(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		calls []ratelimit.ListCall
+	}{
+		{"one request per call", []ratelimit.ListCall{
+			{Single: true, Reqs: []ratelimit.Request{{Name: "four", Key: "k1", Count: 2}}},
+			{Single: true, Reqs: []ratelimit.Request{{Name: "four", Key: "k1", Count: 2}}},
+		}},
+		{"a group of two", []ratelimit.ListCall{
+			{Reqs: []ratelimit.Request{{Name: "four", Key: "k2", Count: 2}, {Name: "four", Key: "other"}}},
+			{Reqs: []ratelimit.Request{{Name: "four", Key: "k2", Count: 2}}},
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, map[string]ratelimit.Config{"four": {Rate: 4, Period: time.Hour}})
+			b.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+			key := tc.calls[0].Reqs[0].Key
+			r, err := b.lim.Limit(b.ctx, b.pool, "four", key, nil) // 3 left
+			require.NoError(t, err)
+			require.True(t, r.OK)
+
+			holder, err := b.pool.Begin(b.ctx)
+			require.NoError(t, err)
+			defer holder.Rollback(b.ctx)
+			c, err := b.lim.Credit(b.ctx, holder, "four", key, 1, nil) // 4, not yet committed
+			require.NoError(t, err)
+			require.Equal(t, 4.0, c.Value)
+
+			type answer struct {
+				res  []ratelimit.ManyResult
+				errs []error
+				err  error
+			}
+			done := make(chan answer, 1)
+			go func() {
+				// As read: 3 tokens, so the first call is granted (1 left) and the second refused.
+				// As locked, after the Credit commits: 4, so both are granted (2, then 0 left).
+				res, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, tc.calls)
+				done <- answer{res, errs, err}
+			}()
+			time.Sleep(200 * time.Millisecond)
+			require.NoError(t, holder.Commit(b.ctx))
+			a := <-done
+			require.NoError(t, a.err)
+			for i, res := range a.res {
+				require.NoError(t, a.errs[i])
+				require.True(t, res.OK, "call %d", i)
+				require.True(t, res.Results[0].RetryAt.IsZero(), "call %d: RetryAt %v for a grant", i, res.Results[0].RetryAt)
+			}
+			require.Equal(t, 0.0, a.res[1].Results[0].Value)
+		})
+	}
+}
