@@ -85,6 +85,9 @@ func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Re
 		}
 	}
 	for _, it := range used {
+		it.pol.Params.Add("pk", []byte(nil)) // keep no partition key in the pool
+		it.lim.Params.Add("pk", []byte(nil))
+		it.limT.Params.Add("pk", []byte(nil))
 		it.pool.Put(it)
 	}
 	if v := violated(results); len(v) > 0 {
