@@ -254,6 +254,38 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $$
 $$;
 -- +goose StatementEnd
 
+-- txlimit_steer: the steering of a sharded request (see txlimit_decide, "Sharded requests"): the
+-- position (from 1) in shards of the first candidate whose transaction-scoped advisory lock
+-- (lock_key XOR the shard) this transaction gets without waiting and, under a snapshot (snap not
+-- NULL, xr its xmax), whose row (s_name, s_key, shard) is not stale; NULL when every candidate is
+-- taken. Under a snapshot it also returns the chosen row as read (found, value, ts_us); under READ
+-- COMMITTED it reads nothing. Called by txlimit_decide only, whose settings keep its read on the
+-- primary key.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_steer(lock_key bigint, shards integer[], s_name text, s_key text, snap pg_snapshot, xr bigint,
+                              OUT pos integer, OUT found boolean, OUT value double precision, OUT ts_us bigint)
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    xm bigint;
+BEGIN
+    FOR j IN 1 .. cardinality(shards) LOOP
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock(lock_key # shards[j]::bigint);
+        IF snap IS NOT NULL THEN
+            SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO value, ts_us, xm
+            FROM txlimit_state s
+            WHERE s.name = s_name AND s.key = s_key AND s.shard = shards[j];
+            found := FOUND;
+            CONTINUE WHEN txlimit_stale(xm, xr, snap);
+        END IF;
+        pos := j;
+        RETURN;
+    END LOOP;
+    found := NULL; value := NULL; ts_us := NULL;
+END
+$$;
+-- +goose StatementEnd
+
 -- txlimit_decide decides a list of requests in one statement; every call of the library is one
 -- call of it (a single Limit is a list of one). Arrays are parallel: one element per request, per
 -- candidate shard, or per row. The caller (ratelimit/engine.go) numbers the rows the list may
@@ -488,19 +520,9 @@ BEGIN
             snap := pg_current_snapshot();
             xr := pg_snapshot_xmax(snap)::text::bigint;
         END IF;
-        FOR j IN 1 .. cnt LOOP
-            CONTINUE WHEN NOT pg_try_advisory_xact_lock(p_lock_base[1] # base # p_cand_shard[off + j - 1]::bigint);
-            IF snap_iso THEN
-                r := p_cand_row[off + j - 1];
-                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO va, ta, xm
-                FROM txlimit_state s
-                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r];
-                r_found := FOUND;
-                CONTINUE WHEN txlimit_stale(xm, xr, snap);
-            END IF;
-            s_pos := j;
-            EXIT;
-        END LOOP;
+        r := p_cand_row[off];
+        SELECT t.pos, t.found, t.value, t.ts_us INTO s_pos, r_found, va, ta
+        FROM txlimit_steer(p_lock_base[1] # base, p_cand_shard[off:off + cnt - 1], p_row_name[r], p_row_key[r], snap, xr) t;
         IF s_pos IS NULL AND snap_iso THEN
             ok := false; reserved := false; busy := true; level_sum := 0;
             shard_a := p_cand_shard[off]; shard_b := p_cand_shard[off + 1]; charged := 0; retry_at_us := 0; now_us := t_now;
@@ -727,21 +749,14 @@ BEGIN
                     IF p_steer[i] AND NOT dry AND s_pos IS NOT NULL THEN
                         pos := s_pos; -- chosen by the lone steered road
                     ELSIF p_steer[i] AND NOT dry THEN
-                        pos := NULL;
-                        FOR j IN 1 .. cnt LOOP
-                            CONTINUE WHEN NOT pg_try_advisory_xact_lock(p_lock_base[i] # base # p_cand_shard[off + j - 1]::bigint);
-                            IF snap_iso THEN
-                                r := p_cand_row[off + j - 1];
-                                SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint
-                                INTO va, ta, xm
-                                FROM txlimit_state s
-                                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r];
-                                r_read[r] := true; r_ex[r] := FOUND; r_val[r] := va; r_ts[r] := ta;
-                                CONTINUE WHEN txlimit_stale(xm, xr, snap);
-                            END IF;
-                            pos := j;
-                            EXIT;
-                        END LOOP;
+                        r := p_cand_row[off];
+                        SELECT t.pos, t.found, t.value, t.ts_us INTO pos, r_found, va, ta
+                        FROM txlimit_steer(p_lock_base[i] # base, p_cand_shard[off:off + cnt - 1], p_row_name[r], p_row_key[r],
+                                           snap, xr) t;
+                        IF snap_iso AND pos IS NOT NULL THEN -- the chosen row, as read while steering
+                            r := p_cand_row[off + pos - 1];
+                            r_read[r] := true; r_ex[r] := r_found; r_val[r] := va; r_ts[r] := ta;
+                        END IF;
                         IF pos IS NULL AND snap_iso THEN
                             o_busy[i] := true; g_ok := false;
                             o_sa[i] := p_cand_shard[off]; o_sb[i] := p_cand_shard[off + 1];
@@ -1063,6 +1078,7 @@ DROP FUNCTION txlimit_decide(timestamptz, integer[], double precision[], double 
                              integer[], integer[], integer[], integer[], text[], text[], integer[], boolean[]);
 DROP FUNCTION txlimit_first_grant(smallint, double precision, bigint, double precision, double precision,
                                   double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_steer(bigint, integer[], text, text, pg_snapshot, bigint);
 DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);
 DROP FUNCTION txlimit_xid8(bigint, bigint);
 DROP FUNCTION txlimit_grant_starts_at(smallint, double precision, bigint, double precision, double precision,

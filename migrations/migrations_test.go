@@ -63,7 +63,7 @@ func TestDownAndUpAgain(t *testing.T) {
 		"function txlimit_level", "function txlimit_next_ts", "function txlimit_missing_ts",
 		"function txlimit_charge", "function txlimit_left", "function txlimit_granted",
 		"function txlimit_grants_at", "function txlimit_grant_starts_at", "function txlimit_first_grant",
-		"function txlimit_xid8", "function txlimit_stale", "function txlimit_decide",
+		"function txlimit_xid8", "function txlimit_stale", "function txlimit_steer", "function txlimit_decide",
 	} {
 		if !slices.Contains(full, want) {
 			t.Errorf("after Up: no %s in %v", want, full)
