@@ -27,10 +27,45 @@ func compareRows(a, b rowID) int {
 }
 
 // decideCalls decides calls in list order, in one statement (one call of the database function
-// txlimit_decide), and returns one outcome per call. Each call is an all-or-nothing group; a
-// call sees the effect of the calls granted before it in the list. An error returned alone (a
-// database error) fails every call: nothing of the list was granted.
+// txlimit_decide; a list of one request on one row is sent as scalars, see decideOne), and returns
+// one outcome per call. Each call is an all-or-nothing group; a call sees the effect of the calls
+// granted before it in the list. An error returned alone (a database error) fails every call:
+// nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
+	var got []dbsqlc.DecideRow
+	var err error
+	if len(calls) == 1 && len(calls[0].specs) == 1 && calls[0].specs[0].shards < 2 {
+		got, err = l.decideOne(ctx, db, calls[0])
+	} else {
+		got, err = l.decideList(ctx, db, calls)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return l.outcomes(ctx, calls, got), nil
+}
+
+// decideOne decides a list of one request on one row (an unsharded single call, the most common
+// call): the same call of txlimit_decide as decideList's, sent as scalars.
+func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
+	s := &c.specs[0]
+	allow := 0.0
+	if c.reqs[0].Reserve {
+		allow = s.maxRes
+	}
+	d, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
+		Now: l.clock(), Count: c.counts[0], Allow: allow, Dry: c.dry, Kind: s.kind, Rate: s.rate,
+		PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs, Name: s.name, Key: s.key,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return []dbsqlc.DecideRow{dbsqlc.DecideRow(d)}, nil
+}
+
+// decideList decides any list: one request per element of each array, the rows numbered in the
+// global lock order.
+func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([]dbsqlc.DecideRow, error) {
 	var p dbsqlc.DecideParams
 	p.Now = l.clock()
 	n := 0
@@ -129,6 +164,11 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 	if len(got) != len(p.Grp) {
 		return nil, fmt.Errorf("decision returned %d rows for %d requests", len(got), len(p.Grp))
 	}
+	return got, nil
+}
+
+// outcomes turns the engine's rows (one per request, in list order) into one outcome per call.
+func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []dbsqlc.DecideRow) []outcome {
 	out := make([]outcome, len(calls))
 	k := 0
 	for g, c := range calls {
@@ -179,7 +219,7 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 		}
 		out[g].res = res
 	}
-	return out, nil
+	return out
 }
 
 // allowance is how far below zero a reservation may take one shard: MaxReserved per shard, or
