@@ -200,11 +200,15 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	} else {
 		err = out[0].err
 	}
+	var res ManyResult
+	if err == nil {
+		res = out[0].res
+	}
+	l.obs.decided(ctx, op, start, c.reqs, res, err)
 	var r Result
 	if err == nil {
-		r = out[0].res.Results[0]
+		r = res.Results[0]
 	}
-	l.obs.decided(ctx, op, start, c.reqs, ManyResult{OK: r.OK, Results: []Result{r}}, err)
 	if err != nil {
 		return Result{}, err
 	}
