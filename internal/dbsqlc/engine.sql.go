@@ -169,9 +169,10 @@ type DecideOneRow struct {
 	NowUs     int64
 }
 
-// DecideOne is Decide for a list of one request on one row (an unsharded Limit, LimitN, Check or
-// CheckN, the most common call): the same call of txlimit_decide, its one-element arrays built
-// here from scalars, which cost the client less to send than twenty arrays.
+// DecideOne is Decide for a list of one request on an unsharded limit (a Limit, LimitN, Check or
+// CheckN, a one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call):
+// the same call of txlimit_decide, its one-element arrays built here from scalars, which cost the
+// client less to send than nineteen arrays.
 func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (DecideOneRow, error) {
 	row := db.QueryRow(ctx, decideOne,
 		arg.Now,

@@ -23,9 +23,10 @@ FROM txlimit_decide(
 ) d;
 
 -- name: DecideOne :one
--- DecideOne is Decide for a list of one request on one row (an unsharded Limit, LimitN, Check or
--- CheckN, the most common call): the same call of txlimit_decide, its one-element arrays built
--- here from scalars, which cost the client less to send than twenty arrays.
+-- DecideOne is Decide for a list of one request on an unsharded limit (a Limit, LimitN, Check or
+-- CheckN, a one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call):
+-- the same call of txlimit_decide, its one-element arrays built here from scalars, which cost the
+-- client less to send than nineteen arrays.
 SELECT d.ok::boolean AS ok,
        d.reserved::boolean AS reserved,
        d.busy::boolean AS busy,
