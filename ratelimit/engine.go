@@ -27,16 +27,19 @@ func compareRows(a, b rowID) int {
 }
 
 // decideCalls decides calls in list order, in one statement (one call of the database function
-// txlimit_decide; a list of one request on one row is sent as scalars, see decideOne), and returns
-// one outcome per call. Each call is an all-or-nothing group; a call sees the effect of the calls
+// txlimit_decide; a lone unsharded request and a lone steered one are sent as scalars, see
+// decideOne and decideSteered), and returns one outcome per call. Each call is an all-or-nothing group; a call sees the effect of the calls
 // granted before it in the list. An error returned alone (a database error) fails every call:
 // nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
 	var got []dbsqlc.DecideRow
 	var err error
-	if len(calls) == 1 && len(calls[0].specs) == 1 && calls[0].specs[0].shards < 2 {
+	switch {
+	case len(calls) == 1 && len(calls[0].specs) == 1 && calls[0].specs[0].shards < 2:
 		got, err = l.decideOne(ctx, db, calls[0])
-	} else {
+	case len(calls) == 1 && calls[0].single && !calls[0].dry && calls[0].specs[0].shards >= 2:
+		got, err = l.decideSteered(ctx, db, calls[0])
+	default:
 		got, err = l.decideList(ctx, db, calls)
 	}
 	if err != nil {
@@ -56,6 +59,36 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc
 	d, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
 		Now: l.clock(), Count: c.counts[0], Allow: allow, Dry: c.dry, Kind: s.kind, Rate: s.rate,
 		PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs, Name: s.name, Key: s.key,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return []dbsqlc.DecideRow{dbsqlc.DecideRow(d)}, nil
+}
+
+// decideSteered decides a list of one steered request (a single Limit or LimitN on a sharded
+// limit): the same call of txlimit_decide as decideList's, its rows (the candidate shards of one
+// name and key) sent as shard numbers.
+func (l *Limiter) decideSteered(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
+	s := &c.specs[0]
+	allow := 0.0
+	if c.reqs[0].Reserve {
+		allow = s.maxRes
+	}
+	a, b := l.pick(s.shards)
+	cands := shardCandidates(s.shards, a, b)
+	// The rows in lock order: one name and key, so by shard; each candidate's row number from 1.
+	rowShard := slices.Clone(cands)
+	slices.Sort(rowShard)
+	candRow := make([]int32, len(cands))
+	for i, sh := range cands {
+		j, _ := slices.BinarySearch(rowShard, sh)
+		candRow[i] = int32(j + 1)
+	}
+	d, err := dbsqlc.New().DecideSteered(ctx, db, dbsqlc.DecideSteeredParams{
+		Now: l.clock(), Count: c.counts[0], Allow: allow, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs,
+		Cap: s.capacity, AnchorUs: s.anchorUs, LockBase: shardLockBase(s.name, s.key),
+		CandShard: cands, CandRow: candRow, RowShard: rowShard, Name: s.name, Key: s.key,
 	})
 	if err != nil {
 		return nil, err

@@ -201,3 +201,94 @@ func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (
 	)
 	return i, err
 }
+
+const decideSteered = `-- name: DecideSteered :one
+SELECT d.ok::boolean AS ok,
+       d.reserved::boolean AS reserved,
+       d.busy::boolean AS busy,
+       d.level_sum::double precision AS level_sum,
+       d.shard_a::integer AS shard_a,
+       d.shard_b::integer AS shard_b,
+       d.charged::integer AS charged,
+       d.retry_at_us::bigint AS retry_at_us,
+       d.now_us::bigint AS now_us
+FROM txlimit_decide(
+    $1::timestamptz,
+    '{0}'::integer[], ARRAY[$2::double precision], ARRAY[$3::double precision],
+    '{f}'::boolean[], '{t}'::boolean[], ARRAY[$4::smallint],
+    ARRAY[$5::double precision], ARRAY[$6::bigint], ARRAY[$7::double precision],
+    ARRAY[$8::bigint], ARRAY[$9::bigint],
+    '{1}'::integer[], ARRAY[cardinality($10::integer[])], $10::integer[],
+    $11::integer[],
+    array_fill($12::text, ARRAY[cardinality($13::integer[])]),
+    array_fill($14::text, ARRAY[cardinality($13::integer[])]),
+    $13::integer[],
+    array_fill(false, ARRAY[cardinality($13::integer[])])
+) d
+`
+
+type DecideSteeredParams struct {
+	Now       pgtype.Timestamptz
+	Count     float64
+	Allow     float64
+	Kind      int16
+	Rate      float64
+	PeriodUs  int64
+	Cap       float64
+	AnchorUs  int64
+	LockBase  int64
+	CandShard []int32
+	CandRow   []int32
+	Name      string
+	RowShard  []int32
+	Key       string
+}
+
+type DecideSteeredRow struct {
+	Ok        bool
+	Reserved  bool
+	Busy      bool
+	LevelSum  float64
+	ShardA    int32
+	ShardB    int32
+	Charged   int32
+	RetryAtUs int64
+	NowUs     int64
+}
+
+// DecideSteered is Decide for a list of one steered request (a single Limit or LimitN, with or
+// without Reserve, on a sharded limit): the same call of txlimit_decide, its arrays built here from
+// scalars, the candidate shards (cand_shard, in the order they are tried), each candidate's row
+// number (cand_row) and the rows' shards in lock order (row_shard); every row has the call's name
+// and key, and none is read before steering.
+func (q *Queries) DecideSteered(ctx context.Context, db DBTX, arg DecideSteeredParams) (DecideSteeredRow, error) {
+	row := db.QueryRow(ctx, decideSteered,
+		arg.Now,
+		arg.Count,
+		arg.Allow,
+		arg.Kind,
+		arg.Rate,
+		arg.PeriodUs,
+		arg.Cap,
+		arg.AnchorUs,
+		arg.LockBase,
+		arg.CandShard,
+		arg.CandRow,
+		arg.Name,
+		arg.RowShard,
+		arg.Key,
+	)
+	var i DecideSteeredRow
+	err := row.Scan(
+		&i.Ok,
+		&i.Reserved,
+		&i.Busy,
+		&i.LevelSum,
+		&i.ShardA,
+		&i.ShardB,
+		&i.Charged,
+		&i.RetryAtUs,
+		&i.NowUs,
+	)
+	return i, err
+}
