@@ -200,8 +200,12 @@ BEGIN
                            -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
                            txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us), from_us);
     -- One row: usually the estimate is the answer (granted there, refused a microsecond earlier).
-    IF NOT two AND txlimit_grant_starts_at(kind, rate, period_us, cap, count, allow, va, ta, hi) THEN
-        RETURN hi;
+    -- (A nested IF: PL/pgSQL prepares an expression when it first runs, once per transaction, so
+    -- two rows never pay for preparing this one.)
+    IF NOT two THEN
+        IF txlimit_grant_starts_at(kind, rate, period_us, cap, count, allow, va, ta, hi) THEN
+            RETURN hi;
+        END IF;
     END IF;
     -- Gallop until granted at hi (not granted at lo).
     step := greatest(hi - lo, 1);
