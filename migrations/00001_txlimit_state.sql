@@ -127,25 +127,6 @@ AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_grants_at: whether a request for count (allowance allow) on rows (va, ta) and, when two,
--- (vb, tb) is granted at t_us by the rules above.
--- +goose StatementBegin
-CREATE FUNCTION txlimit_grants_at(kind smallint, rate double precision, period_us bigint, cap double precision,
-                                  count double precision, allow double precision, two boolean,
-                                  va double precision, ta bigint, vb double precision, tb bigint, t_us bigint)
-RETURNS boolean
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-AS $$
-DECLARE
-    lv_a double precision := txlimit_level(kind, va, ta, t_us, rate, period_us, cap);
-    lv_b double precision := CASE WHEN two THEN txlimit_level(kind, vb, tb, t_us, rate, period_us, cap) ELSE 0 END;
-    ch integer := txlimit_charge(lv_a, lv_b, two, count, 0);
-BEGIN
-    RETURN txlimit_granted(ch, txlimit_left(0, ch, lv_a, lv_b, count), txlimit_left(1, ch, lv_a, lv_b, count), allow);
-END
-$$;
--- +goose StatementEnd
-
 -- txlimit_grant_starts_at: whether a request for count (allowance allow) on the one row (va, ta)
 -- is granted at t_us and refused at t_us - 1: then t_us is the first instant it is granted (a
 -- row's level never falls as time passes), so a real-arithmetic estimate that passes this test is
@@ -165,14 +146,14 @@ AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_first_grant: the first microsecond t >= from_us at which txlimit_grants_at holds (with
--- count 0 and allow 0 on a single row: when that row is out of debt). It searches on the very rules
--- a decision applies, so the answer is exact: one microsecond earlier the same request is refused.
--- It tries the real-arithmetic estimate (for one row, txlimit_grant_starts_at), and only when
--- float8 rounding or a cap puts the answer elsewhere gallops and bisects, so it ends within about
--- 130 evaluations for any input. The wait is bounded: t is at
--- most from_us + 2^61 µs (about 73,000 years, ratelimit.MaxRetryWaitMicros); a request not granted
--- by then returns that bound.
+-- txlimit_first_grant: the first microsecond t >= from_us at which a request for count (allowance
+-- allow) on rows (va, ta) and, when two, (vb, tb) is granted by the rules above (with count 0 and
+-- allow 0 on a single row: when that row is out of debt). It searches on the very rules a decision
+-- applies, so the answer is exact: one microsecond earlier the same request is refused. It tries
+-- the real-arithmetic estimate (for one row, txlimit_grant_starts_at), and only when float8
+-- rounding or a cap puts the answer elsewhere gallops and bisects, so it ends within about 130
+-- evaluations for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
+-- years, ratelimit.MaxRetryWaitMicros); a request not granted by then returns that bound.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_first_grant(kind smallint, rate double precision, period_us bigint, cap double precision,
                                     count double precision, allow double precision, two boolean,
@@ -184,55 +165,73 @@ AS $$
 DECLARE
     max_wait constant bigint := 2305843009213693952; -- 2^61
     horizon bigint := from_us + max_wait;
-    lo bigint := from_us; hi bigint; mid bigint; step bigint;
+    lo bigint := from_us; hi bigint; step bigint;
+    t bigint := from_us; -- the instant tested next
+    phase integer := 0; -- what t is: 0 from_us, 1 a gallop step (hi), 2 hi - 1, 3 a bisection point
     lv_a double precision; lv_b double precision := 0; ch integer; end_a double precision; end_b double precision;
+    granted boolean;
 BEGIN
-    lv_a := txlimit_level(kind, va, ta, from_us, rate, period_us, cap);
-    IF two THEN lv_b := txlimit_level(kind, vb, tb, from_us, rate, period_us, cap); END IF;
-    ch := txlimit_charge(lv_a, lv_b, two, count, 0);
-    end_a := txlimit_left(0, ch, lv_a, lv_b, count);
-    end_b := txlimit_left(1, ch, lv_a, lv_b, count);
-    IF txlimit_granted(ch, end_a, end_b, allow) THEN
-        RETURN from_us;
-    END IF;
-    -- The estimate: the deficit of the emptiest charged row at from_us, refilled at rate.
-    hi := txlimit_estimate(kind, rate, period_us,
-                           -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
-                           txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us), from_us);
-    -- One row: usually the estimate is the answer (granted there, refused a microsecond earlier).
-    -- (A nested IF: PL/pgSQL prepares an expression when it first runs, once per transaction, so
-    -- two rows never pay for preparing this one.)
-    IF NOT two THEN
-        IF txlimit_grant_starts_at(kind, rate, period_us, cap, count, allow, va, ta, hi) THEN
-            RETURN hi;
+    -- One loop with one test, so that PL/pgSQL prepares the rules' expressions once (it prepares
+    -- each expression when it first runs in a transaction, which on a pool is every call).
+    LOOP
+        -- Whether the request is granted at t.
+        lv_a := txlimit_level(kind, va, ta, t, rate, period_us, cap);
+        IF two THEN
+            lv_b := txlimit_level(kind, vb, tb, t, rate, period_us, cap);
         END IF;
-    END IF;
-    -- Gallop until granted at hi (not granted at lo).
-    step := greatest(hi - lo, 1);
-    WHILE NOT txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, hi) LOOP
-        IF hi >= horizon THEN
-            RETURN horizon;
-        END IF;
-        lo := hi;
-        hi := least(hi + step, horizon);
-        step := least(step * 2, max_wait);
-    END LOOP;
-    -- Usually the estimate is the answer: refused one microsecond earlier.
-    IF hi - lo > 1 THEN
-        IF NOT txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, hi - 1) THEN
-            RETURN hi;
-        END IF;
-        hi := hi - 1;
-    END IF;
-    WHILE hi - lo > 1 LOOP
-        mid := lo + (hi - lo) / 2;
-        IF txlimit_grants_at(kind, rate, period_us, cap, count, allow, two, va, ta, vb, tb, mid) THEN
-            hi := mid;
+        ch := txlimit_charge(lv_a, lv_b, two, count, 0);
+        end_a := txlimit_left(0, ch, lv_a, lv_b, count);
+        end_b := txlimit_left(1, ch, lv_a, lv_b, count);
+        granted := txlimit_granted(ch, end_a, end_b, allow);
+        IF phase = 0 THEN
+            IF granted THEN
+                RETURN from_us;
+            END IF;
+            -- The estimate: the deficit of the emptiest charged row at from_us, refilled at rate.
+            hi := txlimit_estimate(kind, rate, period_us,
+                                   -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
+                                   txlimit_next_ts(kind, CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, period_us), from_us);
+            -- One row: usually the estimate is the answer (granted there, refused a microsecond
+            -- earlier). (A nested IF, so that two rows never prepare this expression.)
+            IF NOT two THEN
+                IF txlimit_grant_starts_at(kind, rate, period_us, cap, count, allow, va, ta, hi) THEN
+                    RETURN hi;
+                END IF;
+            END IF;
+            step := greatest(hi - lo, 1);
+            phase := 1; t := hi;
+        ELSIF phase = 1 THEN
+            -- Gallop until granted at hi (not granted at lo), then test hi - 1: usually the
+            -- estimate is the answer, refused one microsecond earlier.
+            IF NOT granted THEN
+                IF hi >= horizon THEN
+                    RETURN horizon;
+                END IF;
+                lo := hi;
+                hi := least(hi + step, horizon);
+                step := least(step * 2, max_wait);
+                t := hi;
+            ELSIF hi - lo > 1 THEN
+                phase := 2; t := hi - 1;
+            ELSE
+                RETURN hi;
+            END IF;
         ELSE
-            lo := mid;
+            -- hi - 1, then bisection: granted at hi, not at lo.
+            IF phase = 2 AND NOT granted THEN
+                RETURN hi;
+            END IF;
+            IF granted THEN
+                hi := t;
+            ELSE
+                lo := t;
+            END IF;
+            IF hi - lo <= 1 THEN
+                RETURN hi;
+            END IF;
+            phase := 3; t := lo + (hi - lo) / 2;
         END IF;
     END LOOP;
-    RETURN hi;
 END
 $$;
 -- +goose StatementEnd
@@ -1088,8 +1087,6 @@ DROP FUNCTION txlimit_xid8(bigint, bigint);
 DROP FUNCTION txlimit_grant_starts_at(smallint, double precision, bigint, double precision, double precision,
                                       double precision, double precision, bigint, bigint);
 DROP FUNCTION txlimit_estimate(smallint, double precision, bigint, double precision, bigint, bigint);
-DROP FUNCTION txlimit_grants_at(smallint, double precision, bigint, double precision, double precision,
-                                double precision, boolean, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_granted(integer, double precision, double precision, double precision);
 DROP FUNCTION txlimit_left(integer, integer, double precision, double precision, double precision);
 DROP FUNCTION txlimit_charge(double precision, double precision, boolean, double precision, integer);

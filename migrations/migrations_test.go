@@ -61,8 +61,8 @@ func TestDownAndUpAgain(t *testing.T) {
 	for _, want := range []string{
 		"table txlimit_state", "table " + migrations.VersionTable, "table " + migrations.LockTable,
 		"function txlimit_level", "function txlimit_next_ts", "function txlimit_missing_ts",
-		"function txlimit_charge", "function txlimit_left", "function txlimit_granted",
-		"function txlimit_grants_at", "function txlimit_grant_starts_at", "function txlimit_first_grant",
+		"function txlimit_charge", "function txlimit_left", "function txlimit_granted", "function txlimit_estimate",
+		"function txlimit_grant_starts_at", "function txlimit_first_grant",
 		"function txlimit_xid8", "function txlimit_stale", "function txlimit_steer", "function txlimit_decide",
 	} {
 		if !slices.Contains(full, want) {

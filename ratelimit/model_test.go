@@ -281,8 +281,8 @@ func grantedBy(ch int, ea, eb, allow float64) bool {
 	return low >= -allow
 }
 
-// grantsAt is txlimit_grants_at: whether count (allowance allow) on rows a and, when two, b is
-// granted at t.
+// grantsAt is the test txlimit_first_grant makes at each instant it tries: whether count
+// (allowance allow) on rows a and, when two, b is granted at t.
 func (m modelLimit) grantsAt(count, allow float64, two bool, a, b modelRow, t int64) bool {
 	la, _ := m.level(a, t)
 	lb := 0.0
