@@ -167,7 +167,8 @@ DECLARE
     horizon bigint := from_us + max_wait;
     lo bigint := from_us; hi bigint; step bigint;
     t bigint := from_us; -- the instant tested next
-    phase integer := 0; -- what t is: 0 from_us, 1 a gallop step (hi), 2 hi - 1, 3 a bisection point
+    phase integer := 0; -- what t is: 0 from_us, 1 the estimate then each gallop step (hi), 2 hi - 1,
+                        -- 3 a bisection point
     lv_a double precision; lv_b double precision := 0; ch integer; end_a double precision; end_b double precision;
     granted boolean;
 BEGIN
@@ -201,8 +202,8 @@ BEGIN
             step := greatest(hi - lo, 1);
             phase := 1; t := hi;
         ELSIF phase = 1 THEN
-            -- Gallop until granted at hi (not granted at lo), then test hi - 1: usually the
-            -- estimate is the answer, refused one microsecond earlier.
+            -- Gallop until granted at hi (not granted at lo), then test hi - 1: for two rows the
+            -- estimate is usually the answer, refused one microsecond earlier.
             IF NOT granted THEN
                 IF hi >= horizon THEN
                     RETURN horizon;
@@ -217,7 +218,8 @@ BEGIN
                 RETURN hi;
             END IF;
         ELSE
-            -- hi - 1, then bisection: granted at hi, not at lo.
+            -- Bisection between lo (refused) and hi (granted); its first point is hi - 1, where a
+            -- refusal ends the search at once (the usual case).
             IF phase = 2 AND NOT granted THEN
                 RETURN hi;
             END IF;
