@@ -27,19 +27,16 @@ func compareRows(a, b rowID) int {
 }
 
 // decideCalls decides calls in list order, in one statement (one call of the database function
-// txlimit_decide; a lone unsharded request and a lone steered one are sent as scalars, see
-// decideOne and decideSteered), and returns one outcome per call. Each call is an all-or-nothing group; a call sees the effect of the calls
+// txlimit_decide; a list of one request is sent as scalars, see decideSingle), and returns one
+// outcome per call. Each call is an all-or-nothing group; a call sees the effect of the calls
 // granted before it in the list. An error returned alone (a database error) fails every call:
 // nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
 	var got []dbsqlc.DecideRow
 	var err error
-	switch {
-	case len(calls) == 1 && len(calls[0].specs) == 1 && calls[0].specs[0].shards < 2:
-		got, err = l.decideOne(ctx, db, calls[0])
-	case len(calls) == 1 && calls[0].single && !calls[0].dry && calls[0].specs[0].shards >= 2:
-		got, err = l.decideSteered(ctx, db, calls[0])
-	default:
+	if len(calls) == 1 && len(calls[0].specs) == 1 {
+		got, err = l.decideSingle(ctx, db, calls[0])
+	} else {
 		got, err = l.decideList(ctx, db, calls)
 	}
 	if err != nil {
@@ -48,46 +45,56 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 	return l.outcomes(ctx, calls, got), nil
 }
 
-// decideOne decides a list of one request on one row (an unsharded single call, the most common
-// call): the same call of txlimit_decide as decideList's, sent as scalars.
-func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
-	s := &c.specs[0]
-	allow := 0.0
-	if c.reqs[0].Reserve {
-		allow = s.maxRes
-	}
-	d, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
-		Now: l.clock(), Count: c.counts[0], Allow: allow, Dry: c.dry, Kind: s.kind, Rate: s.rate,
-		PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs, Name: s.name, Key: s.key,
-	})
-	if err != nil {
-		return nil, err
-	}
-	return []dbsqlc.DecideRow{dbsqlc.DecideRow(d)}, nil
-}
+// unshardedRow is the one candidate shard of an unsharded request, and its row number among the
+// rows of a list of one request. Shared, so never modified.
+var unshardedRow = []int32{0}
+var firstRow = []int32{1}
 
-// decideSteered decides a list of one steered request (a single Limit or LimitN on a sharded
-// limit): the same call of txlimit_decide as decideList's, its rows (the candidate shards of one
-// name and key) sent as shard numbers.
-func (l *Limiter) decideSteered(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
-	s := &c.specs[0]
-	allow := 0.0
-	if c.reqs[0].Reserve {
-		allow = s.maxRes
+// candidates returns whether request s of call c steers (a single Limit on a sharded limit) and
+// its candidate shards, the two random picks first: every shard in a random order when it steers,
+// the two picks when sharded otherwise, shard 0 when unsharded.
+func (l *Limiter) candidates(c *call, s *spec) (bool, []int32) {
+	steer := c.single && !c.dry && s.shards >= 2
+	if s.shards < 2 {
+		return false, unshardedRow
 	}
 	a, b := l.pick(s.shards)
-	cands := shardCandidates(s.shards, a, b)
-	// The rows in lock order: one name and key, so by shard; each candidate's row number from 1.
-	rowShard := slices.Clone(cands)
-	slices.Sort(rowShard)
-	candRow := make([]int32, len(cands))
-	for i, sh := range cands {
-		j, _ := slices.BinarySearch(rowShard, sh)
-		candRow[i] = int32(j + 1)
+	if steer {
+		return true, shardCandidates(s.shards, a, b)
 	}
-	d, err := dbsqlc.New().DecideSteered(ctx, db, dbsqlc.DecideSteeredParams{
-		Now: l.clock(), Count: c.counts[0], Allow: allow, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs,
-		Cap: s.capacity, AnchorUs: s.anchorUs, LockBase: shardLockBase(s.name, s.key),
+	return false, []int32{int32(a), int32(b)}
+}
+
+// allow returns how far below zero request i of call c may take one shard: 0 without Reserve.
+func (c *call) allow(i int) float64 {
+	if c.reqs[i].Reserve {
+		return c.specs[i].maxRes
+	}
+	return 0
+}
+
+// decideSingle decides a list of one request: the same call of txlimit_decide as decideList's,
+// its rows (the candidate shards of one name and key) sent as shard numbers.
+func (l *Limiter) decideSingle(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
+	s := &c.specs[0]
+	steer, cands := l.candidates(c, s)
+	// The rows in lock order: one name and key, so by shard; each candidate's row number from 1.
+	rowShard, candRow := unshardedRow, firstRow
+	if len(cands) > 1 {
+		rowShard = slices.Sorted(slices.Values(cands))
+		candRow = make([]int32, len(cands))
+		for i, sh := range cands {
+			j, _ := slices.BinarySearch(rowShard, sh)
+			candRow[i] = int32(j + 1)
+		}
+	}
+	var base int64
+	if steer {
+		base = shardLockBase(s.name, s.key) // only a steered request takes advisory locks
+	}
+	d, err := dbsqlc.New().DecideSingle(ctx, db, dbsqlc.DecideSingleParams{
+		Now: l.clock(), Count: c.counts[0], Allow: c.allow(0), Dry: c.dry, Steer: steer, Kind: s.kind,
+		Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs, LockBase: base,
 		CandShard: cands, CandRow: candRow, RowShard: rowShard, Name: s.name, Key: s.key,
 	})
 	if err != nil {
@@ -129,25 +136,10 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 	}
 	for g, c := range calls {
 		for i, s := range c.specs {
-			steer := c.single && !c.dry && s.shards >= 2
-			var cands []int32
-			switch {
-			case s.shards < 2:
-				cands = []int32{0}
-			case steer:
-				a, b := l.pick(s.shards)
-				cands = shardCandidates(s.shards, a, b)
-			default:
-				a, b := l.pick(s.shards)
-				cands = []int32{int32(a), int32(b)}
-			}
-			allow := 0.0
-			if c.reqs[i].Reserve {
-				allow = s.maxRes
-			}
+			steer, cands := l.candidates(c, &c.specs[i])
 			p.Grp = append(p.Grp, int32(g))
 			p.Count = append(p.Count, c.counts[i])
-			p.Allow = append(p.Allow, allow)
+			p.Allow = append(p.Allow, c.allow(i))
 			p.Dry = append(p.Dry, c.dry)
 			p.Steer = append(p.Steer, steer)
 			p.Kind = append(p.Kind, s.kind)

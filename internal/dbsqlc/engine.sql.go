@@ -122,7 +122,7 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 	return items, nil
 }
 
-const decideOne = `-- name: DecideOne :one
+const decideSingle = `-- name: DecideSingle :one
 SELECT d.ok::boolean AS ok,
        d.reserved::boolean AS reserved,
        d.busy::boolean AS busy,
@@ -135,102 +135,24 @@ SELECT d.ok::boolean AS ok,
 FROM txlimit_decide(
     $1::timestamptz,
     '{0}'::integer[], ARRAY[$2::double precision], ARRAY[$3::double precision],
-    ARRAY[$4::boolean], '{f}'::boolean[], ARRAY[$5::smallint],
-    ARRAY[$6::double precision], ARRAY[$7::bigint], ARRAY[$8::double precision],
-    ARRAY[$9::bigint], '{0}'::bigint[],
-    '{1}'::integer[], '{1}'::integer[], '{0}'::integer[], '{1}'::integer[],
-    ARRAY[$10::text], ARRAY[$11::text], '{0}'::integer[], '{t}'::boolean[]
-) d
-`
-
-type DecideOneParams struct {
-	Now      pgtype.Timestamptz
-	Count    float64
-	Allow    float64
-	Dry      bool
-	Kind     int16
-	Rate     float64
-	PeriodUs int64
-	Cap      float64
-	AnchorUs int64
-	Name     string
-	Key      string
-}
-
-type DecideOneRow struct {
-	Ok        bool
-	Reserved  bool
-	Busy      bool
-	LevelSum  float64
-	ShardA    int32
-	ShardB    int32
-	Charged   int32
-	RetryAtUs int64
-	NowUs     int64
-}
-
-// DecideOne is Decide for a list of one request on an unsharded limit (a Limit, LimitN, Check or
-// CheckN, a one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call):
-// the same call of txlimit_decide, its one-element arrays built here from scalars, which cost the
-// client less to send than nineteen arrays.
-func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (DecideOneRow, error) {
-	row := db.QueryRow(ctx, decideOne,
-		arg.Now,
-		arg.Count,
-		arg.Allow,
-		arg.Dry,
-		arg.Kind,
-		arg.Rate,
-		arg.PeriodUs,
-		arg.Cap,
-		arg.AnchorUs,
-		arg.Name,
-		arg.Key,
-	)
-	var i DecideOneRow
-	err := row.Scan(
-		&i.Ok,
-		&i.Reserved,
-		&i.Busy,
-		&i.LevelSum,
-		&i.ShardA,
-		&i.ShardB,
-		&i.Charged,
-		&i.RetryAtUs,
-		&i.NowUs,
-	)
-	return i, err
-}
-
-const decideSteered = `-- name: DecideSteered :one
-SELECT d.ok::boolean AS ok,
-       d.reserved::boolean AS reserved,
-       d.busy::boolean AS busy,
-       d.level_sum::double precision AS level_sum,
-       d.shard_a::integer AS shard_a,
-       d.shard_b::integer AS shard_b,
-       d.charged::integer AS charged,
-       d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us
-FROM txlimit_decide(
-    $1::timestamptz,
-    '{0}'::integer[], ARRAY[$2::double precision], ARRAY[$3::double precision],
-    '{f}'::boolean[], '{t}'::boolean[], ARRAY[$4::smallint],
-    ARRAY[$5::double precision], ARRAY[$6::bigint], ARRAY[$7::double precision],
-    ARRAY[$8::bigint], ARRAY[$9::bigint],
-    '{1}'::integer[], ARRAY[cardinality($10::integer[])], $10::integer[],
-    $11::integer[],
-    array_fill($12::text, ARRAY[cardinality($13::integer[])]),
-    array_fill($14::text, ARRAY[cardinality($13::integer[])]),
+    ARRAY[$4::boolean], ARRAY[$5::boolean], ARRAY[$6::smallint],
+    ARRAY[$7::double precision], ARRAY[$8::bigint], ARRAY[$9::double precision],
+    ARRAY[$10::bigint], ARRAY[$11::bigint],
+    '{1}'::integer[], ARRAY[cardinality($12::integer[])], $12::integer[],
     $13::integer[],
-    array_fill(false, ARRAY[cardinality($13::integer[])])
+    array_fill($14::text, ARRAY[cardinality($15::integer[])]),
+    array_fill($16::text, ARRAY[cardinality($15::integer[])]),
+    $15::integer[],
+    array_fill(NOT $5::boolean, ARRAY[cardinality($15::integer[])])
 ) d
 `
 
-type DecideSteeredParams struct {
+type DecideSingleParams struct {
 	Now       pgtype.Timestamptz
 	Count     float64
 	Allow     float64
+	Dry       bool
+	Steer     bool
 	Kind      int16
 	Rate      float64
 	PeriodUs  int64
@@ -244,7 +166,7 @@ type DecideSteeredParams struct {
 	Key       string
 }
 
-type DecideSteeredRow struct {
+type DecideSingleRow struct {
 	Ok        bool
 	Reserved  bool
 	Busy      bool
@@ -256,16 +178,19 @@ type DecideSteeredRow struct {
 	NowUs     int64
 }
 
-// DecideSteered is Decide for a list of one steered request (a single Limit or LimitN, with or
-// without Reserve, on a sharded limit): the same call of txlimit_decide, its arrays built here from
-// scalars, the candidate shards (cand_shard, in the order they are tried), each candidate's row
-// number (cand_row) and the rows' shards in lock order (row_shard); every row has the call's name
-// and key, and none is read before steering.
-func (q *Queries) DecideSteered(ctx context.Context, db DBTX, arg DecideSteeredParams) (DecideSteeredRow, error) {
-	row := db.QueryRow(ctx, decideSteered,
+// DecideSingle is Decide for a list of one request (a Limit, LimitN, Check or CheckN, a
+// one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call): the same
+// call of txlimit_decide, its arrays built here from scalars, the candidate shards (cand_shard, in
+// the order they are tried), each candidate's row number (cand_row) and the rows' shards in lock
+// order (row_shard). Every row has the request's name and key, and is read before the decision
+// unless the request steers. This costs the client less to send than nineteen arrays.
+func (q *Queries) DecideSingle(ctx context.Context, db DBTX, arg DecideSingleParams) (DecideSingleRow, error) {
+	row := db.QueryRow(ctx, decideSingle,
 		arg.Now,
 		arg.Count,
 		arg.Allow,
+		arg.Dry,
+		arg.Steer,
 		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
@@ -278,7 +203,7 @@ func (q *Queries) DecideSteered(ctx context.Context, db DBTX, arg DecideSteeredP
 		arg.RowShard,
 		arg.Key,
 	)
-	var i DecideSteeredRow
+	var i DecideSingleRow
 	err := row.Scan(
 		&i.Ok,
 		&i.Reserved,

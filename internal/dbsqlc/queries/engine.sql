@@ -22,11 +22,13 @@ FROM txlimit_decide(
     sqlc.arg('row_bulk')::boolean[]
 ) d;
 
--- name: DecideOne :one
--- DecideOne is Decide for a list of one request on an unsharded limit (a Limit, LimitN, Check or
--- CheckN, a one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call):
--- the same call of txlimit_decide, its one-element arrays built here from scalars, which cost the
--- client less to send than nineteen arrays.
+-- name: DecideSingle :one
+-- DecideSingle is Decide for a list of one request (a Limit, LimitN, Check or CheckN, a
+-- one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call): the same
+-- call of txlimit_decide, its arrays built here from scalars, the candidate shards (cand_shard, in
+-- the order they are tried), each candidate's row number (cand_row) and the rows' shards in lock
+-- order (row_shard). Every row has the request's name and key, and is read before the decision
+-- unless the request steers. This costs the client less to send than nineteen arrays.
 SELECT d.ok::boolean AS ok,
        d.reserved::boolean AS reserved,
        d.busy::boolean AS busy,
@@ -39,32 +41,7 @@ SELECT d.ok::boolean AS ok,
 FROM txlimit_decide(
     sqlc.narg('now')::timestamptz,
     '{0}'::integer[], ARRAY[sqlc.arg('count')::double precision], ARRAY[sqlc.arg('allow')::double precision],
-    ARRAY[sqlc.arg('dry')::boolean], '{f}'::boolean[], ARRAY[sqlc.arg('kind')::smallint],
-    ARRAY[sqlc.arg('rate')::double precision], ARRAY[sqlc.arg('period_us')::bigint], ARRAY[sqlc.arg('cap')::double precision],
-    ARRAY[sqlc.arg('anchor_us')::bigint], '{0}'::bigint[],
-    '{1}'::integer[], '{1}'::integer[], '{0}'::integer[], '{1}'::integer[],
-    ARRAY[sqlc.arg('name')::text], ARRAY[sqlc.arg('key')::text], '{0}'::integer[], '{t}'::boolean[]
-) d;
-
--- name: DecideSteered :one
--- DecideSteered is Decide for a list of one steered request (a single Limit or LimitN, with or
--- without Reserve, on a sharded limit): the same call of txlimit_decide, its arrays built here from
--- scalars, the candidate shards (cand_shard, in the order they are tried), each candidate's row
--- number (cand_row) and the rows' shards in lock order (row_shard); every row has the call's name
--- and key, and none is read before steering.
-SELECT d.ok::boolean AS ok,
-       d.reserved::boolean AS reserved,
-       d.busy::boolean AS busy,
-       d.level_sum::double precision AS level_sum,
-       d.shard_a::integer AS shard_a,
-       d.shard_b::integer AS shard_b,
-       d.charged::integer AS charged,
-       d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us
-FROM txlimit_decide(
-    sqlc.narg('now')::timestamptz,
-    '{0}'::integer[], ARRAY[sqlc.arg('count')::double precision], ARRAY[sqlc.arg('allow')::double precision],
-    '{f}'::boolean[], '{t}'::boolean[], ARRAY[sqlc.arg('kind')::smallint],
+    ARRAY[sqlc.arg('dry')::boolean], ARRAY[sqlc.arg('steer')::boolean], ARRAY[sqlc.arg('kind')::smallint],
     ARRAY[sqlc.arg('rate')::double precision], ARRAY[sqlc.arg('period_us')::bigint], ARRAY[sqlc.arg('cap')::double precision],
     ARRAY[sqlc.arg('anchor_us')::bigint], ARRAY[sqlc.arg('lock_base')::bigint],
     '{1}'::integer[], ARRAY[cardinality(sqlc.arg('cand_shard')::integer[])], sqlc.arg('cand_shard')::integer[],
@@ -72,5 +49,5 @@ FROM txlimit_decide(
     array_fill(sqlc.arg('name')::text, ARRAY[cardinality(sqlc.arg('row_shard')::integer[])]),
     array_fill(sqlc.arg('key')::text, ARRAY[cardinality(sqlc.arg('row_shard')::integer[])]),
     sqlc.arg('row_shard')::integer[],
-    array_fill(false, ARRAY[cardinality(sqlc.arg('row_shard')::integer[])])
+    array_fill(NOT sqlc.arg('steer')::boolean, ARRAY[cardinality(sqlc.arg('row_shard')::integer[])])
 ) d;
