@@ -39,19 +39,12 @@ func (l *Limiter) prepareSingle(op, name, key string, count float64, opts *Limit
 	if err := s.checkRequest(op, count, opts.Reserve); err != nil {
 		return nil, err
 	}
-	// One allocation for the call and its one request (the most common call).
-	one := &struct {
-		c     call
-		req   [1]Request
-		spec  [1]spec
-		count [1]float64
-	}{
-		req:   [1]Request{{Name: name, Key: key, Count: count, Config: opts.Config, Reserve: opts.Reserve}},
-		spec:  [1]spec{s},
-		count: [1]float64{count},
-	}
-	one.c = call{op: op, dry: dry, single: true, reqs: one.req[:], specs: one.spec[:], counts: one.count[:]}
-	return &one.c, nil
+	return &call{
+		op: op, dry: dry, single: true,
+		reqs:   []Request{{Name: name, Key: key, Count: count, Config: opts.Config, Reserve: opts.Reserve}},
+		specs:  []spec{s},
+		counts: []float64{count},
+	}, nil
 }
 
 // prepareMany validates a LimitMany or CheckMany call. Nothing is sent to the database.

@@ -45,10 +45,12 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 	return l.outcomes(ctx, calls, got), nil
 }
 
-// unshardedRow is the one candidate shard of an unsharded request, and its row number among the
-// rows of a list of one request. Shared, so never modified.
-var unshardedRow = []int32{0}
-var firstRow = []int32{1}
+// The one candidate shard of an unsharded request, and its row number in a list of one request:
+// shared by every call, so never modified.
+var (
+	unshardedRow = []int32{0}
+	firstRow     = []int32{1}
+)
 
 // candidates returns whether request s of call c steers (a single Limit on a sharded limit) and
 // its candidate shards, the two random picks first: every shard in a random order when it steers,

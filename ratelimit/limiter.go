@@ -201,14 +201,12 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 		err = out[0].err
 	}
 	var res ManyResult
-	if err == nil {
-		res = out[0].res
-	}
-	l.obs.decided(ctx, op, start, c.reqs, res, err)
 	var r Result
 	if err == nil {
+		res = out[0].res
 		r = res.Results[0]
 	}
+	l.obs.decided(ctx, op, start, c.reqs, res, err)
 	if err != nil {
 		return Result{}, err
 	}
