@@ -55,6 +55,19 @@ func LockRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
 	}
 }
 
+// HoldShard takes, in tx, the advisory lock by which steering marks a shard as being decided on
+// (base is the (name, key) hash the package computes, see ratelimit's package doc, "Shards"),
+// without touching its row.
+func HoldShard(tb testing.TB, tx pgx.Tx, base int64, shard int) {
+	tb.Helper()
+	_, err := tx.Exec(context.Background(),
+		"SELECT pg_advisory_xact_lock($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint)",
+		base, shard)
+	if err != nil {
+		tb.Fatalf("testdb: hold shard: %v", err)
+	}
+}
+
 // UpdateCounts returns how many row updates of txlimit_state (in the connection's schema) this
 // database has counted, and how many of them were HOT (heap-only: no index entry written). It
 // first flushes the statistics of the connection it runs on (Postgres 15+), so call it on the
