@@ -264,10 +264,9 @@ $$;
 -- (lock_key XOR the shard) this transaction gets without waiting and, under a snapshot (snap not
 -- NULL, xr its xmax), whose row (s_name, s_key, shard) is not stale. When every candidate is
 -- taken: under a snapshot NULL; under READ COMMITTED 1, after waiting for the first candidate's
--- advisory lock (waiting on that lock, not on the row: the transactions past the first N queue
--- one behind another there instead of all waking on a row lock whenever it is released). Under a
--- snapshot it also returns the chosen row as read (found, value, ts_us); under READ COMMITTED it
--- reads nothing. Called by txlimit_decide only, whose settings keep its read on the
+-- advisory lock (on that lock, not on the row: the transactions past the first N queue there, one
+-- behind another). Under a snapshot it also returns the chosen row as read (found, value, ts_us);
+-- under READ COMMITTED it reads nothing. Called by txlimit_decide only, whose settings keep its read on the
 -- primary key.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_steer(lock_key bigint, shards integer[], s_name text, s_key text, snap pg_snapshot, xr bigint,
@@ -332,7 +331,8 @@ $$;
 -- each one saved is time saved):
 -- - A lone request on one row (an unsharded Limit, Check): steps 2 and 4 are one statement, an
 --   UPDATE of the row where it is still as read (or an INSERT of a row that was missing); only
---   when the row changed meanwhile is it locked and decided again.
+--   when the row changed meanwhile, or is held by another transaction, is it locked and decided
+--   again.
 -- - A lone steered request (a sharded Limit) charging one shard: after steering, one statement
 --   locks that row without waiting and writes it where it is still as read (or inserts it when it
 --   was missing). Any other outcome (both shards charged, the row changed or held meanwhile) goes
@@ -437,7 +437,7 @@ BEGIN
     IF n = 1 AND m = 1 AND p_cand_n[1] = 1 THEN
         kind := p_kind[1];
         mts := txlimit_missing_ts(kind, p_anchor_us[1]);
-        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
+        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO va, ta, xm
         FROM txlimit_state s
         WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
         r_found := FOUND;
@@ -451,19 +451,36 @@ BEGIN
             -- Write the row if it is still as read (locking it, or creating it when it was missing)
             -- in one statement.
             tb := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
-            IF r_found THEN
+            -- Under READ COMMITTED a row whose xmax is set is probably held by another transaction:
+            -- it is not waited for here (see below).
+            k := 0;
+            IF r_found AND (xm = 0 OR snap_iso) THEN
                 UPDATE txlimit_state s
                 SET value = end_a, ts = 'epoch'::timestamptz + tb * interval '1 microsecond'
                 WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
                   AND s.value = va AND s.ts = 'epoch'::timestamptz + ta * interval '1 microsecond';
-            ELSE
+                GET DIAGNOSTICS k = ROW_COUNT;
+            ELSIF NOT r_found THEN
                 INSERT INTO txlimit_state (name, key, shard, value, ts)
                 VALUES (p_row_name[1], p_row_key[1], p_row_shard[1], end_a, 'epoch'::timestamptz + tb * interval '1 microsecond')
                 ON CONFLICT DO NOTHING;
+                GET DIAGNOSTICS k = ROW_COUNT;
             END IF;
-            GET DIAGNOSTICS k = ROW_COUNT;
             IF k = 0 THEN
-                -- It changed meanwhile: lock it (creating it when missing) and decide again on it.
+                -- It changed meanwhile, or is held: lock it (creating it when missing) and decide
+                -- again on it. Under READ COMMITTED, a row another transaction holds is first
+                -- queued for on its advisory lock (the key steering uses for the row's shard), so
+                -- that of the calls waiting for one row only the first waits on the row itself.
+                IF NOT snap_iso THEN
+                    SELECT s.value INTO va
+                    FROM txlimit_state s
+                    WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
+                    FOR UPDATE SKIP LOCKED;
+                    IF NOT FOUND THEN
+                        PERFORM pg_advisory_xact_lock(p_lock_base[1] # ('txlimit_state'::regclass::oid::bigint << 20)
+                                                      # p_row_shard[1]::bigint);
+                    END IF;
+                END IF;
                 tries := 0;
                 LOOP
                     SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta

@@ -310,6 +310,52 @@ func TestDenialWritesNothing(t *testing.T) {
 	require.False(t, found, "a denied LimitMany created a row")
 }
 
+// docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls that find their row held by
+// another transaction queue on the row's advisory lock, so that only the first of them waits for
+// the row itself; when the holder commits, each is decided in turn on the latest row.
+func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, nil)
+	clock := &testClock{t: t0}
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"l": {Rate: 10, Period: time.Hour},
+	}})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = lim.Limit(ctx, pool, "l", "k", nil) // the row exists: 9 left
+	require.NoError(t, err)
+
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	testdb.LockRow(t, holder, "l", "k", 0)
+	pid := holder.Conn().PgConn().PID()
+
+	results := make(chan ratelimit.Result, 3)
+	for range 3 {
+		go func() {
+			r, err := lim.Limit(ctx, pool, "l", "k", nil)
+			if err != nil {
+				t.Error(err)
+			}
+			results <- r
+		}()
+	}
+	base := ratelimit.ShardLockBase("l", "k")
+	require.Eventually(t, func() bool {
+		return testdb.BlockedBy(t, pool, pid) == 1 && testdb.AdvisoryWaiters(t, pool, base, 0) == 2
+	}, 5*time.Second, 10*time.Millisecond, "one call waits for the row, two for its advisory lock")
+
+	require.NoError(t, holder.Commit(ctx))
+	levels := []float64{}
+	for range 3 {
+		r := <-results
+		require.True(t, r.OK)
+		levels = append(levels, r.Value)
+	}
+	require.ElementsMatch(t, []float64{8, 7, 6}, levels, "decided one after another")
+}
+
 // docs/spec.md §7: inside a transaction the limit commits or rolls back with the caller's work.
 func TestRollbackRestoresState(t *testing.T) {
 	t.Parallel()

@@ -90,10 +90,9 @@ func (l *Limiter) decideSingle(ctx context.Context, db Executor, c *call) ([]dbs
 			candRow[i] = int32(j + 1)
 		}
 	}
-	var base int64
-	if steer {
-		base = shardLockBase(s.name, s.key) // only a steered request takes advisory locks
-	}
+	// Steering tries the advisory locks of shards; a lone call on one row that finds the row held
+	// by another transaction queues on that row's advisory lock (shard 0's for an unsharded limit).
+	base := shardLockBase(s.name, s.key)
 	d, err := dbsqlc.New().DecideSingle(ctx, db, dbsqlc.DecideSingleParams{
 		Now: l.clock(), Count: c.counts[0], Allow: c.allow(0), Dry: c.dry, Steer: steer, Kind: s.kind,
 		Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs, LockBase: base,
@@ -151,7 +150,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
 			var base int64
 			if steer {
-				base = shardLockBase(s.name, s.key) // only a steered request takes advisory locks
+				base = shardLockBase(s.name, s.key) // a list takes advisory locks only to steer
 			}
 			p.LockBase = append(p.LockBase, base)
 			p.CandOff = append(p.CandOff, int32(len(p.CandShard)+1))

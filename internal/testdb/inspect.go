@@ -68,6 +68,34 @@ func HoldShard(tb testing.TB, tx pgx.Tx, base int64, shard int) {
 	}
 }
 
+// AdvisoryWaiters returns how many backends are waiting for the advisory lock of shard of the
+// (name, key) whose hash is base (see HoldShard).
+func AdvisoryWaiters(tb testing.TB, db Querier, base int64, shard int) int {
+	tb.Helper()
+	var n int
+	err := db.QueryRow(context.Background(),
+		`SELECT count(*) FROM pg_locks
+		 WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+		   AND ((classid::bigint << 32) | objid::bigint) = ($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint)`,
+		base, shard).Scan(&n)
+	if err != nil {
+		tb.Fatalf("testdb: advisory waiters: %v", err)
+	}
+	return n
+}
+
+// BlockedBy returns how many backends are waiting for a lock that the backend pid holds.
+func BlockedBy(tb testing.TB, db Querier, pid uint32) int {
+	tb.Helper()
+	var n int
+	err := db.QueryRow(context.Background(),
+		"SELECT count(*) FROM pg_stat_activity WHERE $1::integer = ANY (pg_blocking_pids(pid))", int64(pid)).Scan(&n)
+	if err != nil {
+		tb.Fatalf("testdb: blocked by: %v", err)
+	}
+	return n
+}
+
 // UpdateCounts returns how many row updates of txlimit_state (in the connection's schema) this
 // database has counted, and how many of them were HOT (heap-only: no index entry written). It
 // first flushes the statistics of the connection it runs on (Postgres 15+), so call it on the
