@@ -262,11 +262,9 @@ $$;
 -- txlimit_steer: the steering of a sharded request (see txlimit_decide, "Sharded requests"): the
 -- position (from 1) in shards of the first candidate whose transaction-scoped advisory lock
 -- (lock_key XOR the shard) this transaction gets without waiting and, under a snapshot (snap not
--- NULL, xr its xmax), whose row (s_name, s_key, shard) is not stale. When every candidate is
--- taken: under a snapshot NULL; under READ COMMITTED 1, after waiting for the first candidate's
--- advisory lock (on that lock, not on the row: the transactions past the first N queue there, one
--- behind another). Under a snapshot it also returns the chosen row as read (found, value, ts_us);
--- under READ COMMITTED it reads nothing. Called by txlimit_decide only, whose settings keep its read on the
+-- NULL, xr its xmax), whose row (s_name, s_key, shard) is not stale; NULL when every candidate is
+-- taken. Under a snapshot it also returns the chosen row as read (found, value, ts_us); under READ
+-- COMMITTED it reads nothing. Called by txlimit_decide only, whose settings keep its read on the
 -- primary key.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_steer(lock_key bigint, shards integer[], s_name text, s_key text, snap pg_snapshot, xr bigint,
@@ -289,10 +287,6 @@ BEGIN
         RETURN;
     END LOOP;
     found := NULL; value := NULL; ts_us := NULL;
-    IF snap IS NULL THEN
-        PERFORM pg_advisory_xact_lock(lock_key # shards[1]::bigint);
-        pos := 1;
-    END IF;
 END
 $$;
 -- +goose StatementEnd
@@ -347,9 +341,8 @@ $$;
 -- shifted left 20 bits XOR the shard) it gets without waiting, and under REPEATABLE READ or
 -- SERIALIZABLE that is not stale (its latest version was written or locked by a transaction this
 -- snapshot cannot see: xmax widened to an xid8 next to the snapshot's xmax); b is the candidate
--- after a. When every candidate is taken, READ COMMITTED waits for the first candidate's advisory
--- lock and goes on with it, and a snapshot isolation level returns busy for the request, having
--- read and written nothing. Under a snapshot,
+-- after a. When every candidate is taken, READ COMMITTED goes on with the first and a snapshot
+-- isolation level returns busy for the request, having read and written nothing. Under a snapshot,
 -- b is read only when a alone cannot serve (a row read but not charged makes this transaction a
 -- reader of whoever charges it). A lone request charging one shard that another transaction holds
 -- takes its other pick instead when that one can serve alone (SKIP LOCKED), and waits only when

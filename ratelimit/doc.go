@@ -77,15 +77,14 @@
 // candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
 // transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
 // FNV-1a hash of name and key, the OID of the state table (so schemas do not share them) and the
-// shard. It is released when the transaction ends, and is a hint, not a guard: exactness rests on
-// the row locks alone. Under REPEATABLE READ and
+// shard; it is only ever tried, never waited for, and is released when the transaction ends. It
+// is a hint, not a guard: exactness rests on the row locks alone. Under REPEATABLE READ and
 // SERIALIZABLE a candidate is also passed over when it is stale: when a transaction that the
 // caller's snapshot cannot see has changed or locked its row, since locking it from that snapshot
-// could only fail. When every candidate is taken (or stale), under READ COMMITTED the call waits
-// for its first candidate's advisory lock (the only one it ever waits for) and goes on with it, so
-// callers beyond N queue one behind another per shard instead of piling onto the row locks; under
-// REPEATABLE READ or SERIALIZABLE it writes nothing and returns a *BusyError, a serialization
-// failure (SQLSTATE 40001) to retry like any other. Check and CheckN take no advisory lock; LimitMany does not use them either. A
+// could only fail. When every candidate is taken (or stale), under READ COMMITTED the call goes on
+// with its first candidate (and may wait for its row lock); under REPEATABLE READ or SERIALIZABLE
+// it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE 40001) to retry
+// like any other. Check and CheckN take no advisory lock; LimitMany does not use them either. A
 // transaction holds one or more such locks per sharded key it decided on, so one that decides on
 // thousands of different sharded keys needs room in Postgres's lock table
 // (max_locks_per_transaction).

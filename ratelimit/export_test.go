@@ -45,7 +45,6 @@ func DecideList(ctx context.Context, l *Limiter, db Executor, calls []ListCall) 
 	return res, errs, nil
 }
 
-// ShardLockBase is the advisory-lock hash of (name, key) that steering combines with the state
-// table's OID and the shard (see the package doc, "Shards"), so tests can take a shard's advisory
-// lock themselves.
+// ShardLockBase is the hash of (name, key) from which the decision function derives the advisory
+// lock of each of the limit's rows (see the package doc, "Shards"), so tests can find it in pg_locks.
 func ShardLockBase(name, key string) int64 { return shardLockBase(name, key) }

@@ -878,7 +878,7 @@ func TestShardSkipsALockedPick(t *testing.T) {
 
 // Concurrent callers of one key are steered to different shards: a shard that another open
 // transaction is deciding on (its advisory lock is held) is passed over before any row is read.
-// When every candidate is taken, a call under READ COMMITTED waits for its first pick to be free;
+// When every candidate is taken, a call under READ COMMITTED goes on and waits for its first pick;
 // under SERIALIZABLE it fails at once with a *BusyError, a serialization failure (40001), having
 // read and written nothing.
 func TestShardSteersClearOfBusyShards(t *testing.T) {
@@ -934,8 +934,7 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, r.OK)
 
-	// READ COMMITTED: the call waits for its first pick (TestShardWaitsForATakenShard: for the
-	// shard's advisory lock, not its row)...
+	// READ COMMITTED: the call goes on with its first pick and waits for its row...
 	short, cancel := context.WithTimeout(e.ctx, 300*time.Millisecond)
 	defer cancel()
 	_, err = e.lim.Limit(short, e.pool, "s", "k", nil)
@@ -957,45 +956,6 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	v, err := e.lim.State(e.ctx, e.pool, "s", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 4-3.0, v.Value, "three tokens of four were taken")
-}
-
-// Under READ COMMITTED a call that finds every candidate taken waits for its first candidate to be
-// free (its advisory lock), not for a row lock: here no row is locked at all, and still the call
-// waits until the transaction deciding on both shards ends, then is granted.
-func TestShardWaitsForATakenShard(t *testing.T) {
-	t.Parallel()
-	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)})
-	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
-	e.set(shardT0, [2]int{0, 1})
-
-	holder, err := e.pool.Begin(e.ctx)
-	require.NoError(t, err)
-	defer holder.Rollback(e.ctx)
-	for s := range 2 {
-		testdb.HoldShard(t, holder, ratelimit.ShardLockBase("s", "k"), s)
-	}
-
-	short, cancel := context.WithTimeout(e.ctx, 300*time.Millisecond)
-	defer cancel()
-	_, err = e.lim.Limit(short, e.pool, "s", "k", nil)
-	require.ErrorIs(t, err, context.DeadlineExceeded, "with both shards taken the call must wait, although no row is locked")
-
-	done := make(chan ratelimit.Result, 1)
-	go func() {
-		r, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
-		assert.NoError(t, err)
-		done <- r
-	}()
-	time.Sleep(100 * time.Millisecond)
-	select {
-	case <-done:
-		t.Fatal("the call went on while both shards were taken")
-	default:
-	}
-	require.NoError(t, holder.Commit(e.ctx))
-	r := <-done
-	require.True(t, r.OK)
-	require.Equal(t, []int{0}, r.Shards, "its first pick, both full: a tie goes to a")
 }
 
 // A decision that planned, on its lock-free read, to combine two shards re-decides on their latest

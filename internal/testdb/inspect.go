@@ -55,21 +55,9 @@ func LockRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
 	}
 }
 
-// HoldShard takes, in tx, the advisory lock by which steering marks a shard as being decided on
-// (base is the (name, key) hash the package computes, see ratelimit's package doc, "Shards"),
-// without touching its row.
-func HoldShard(tb testing.TB, tx pgx.Tx, base int64, shard int) {
-	tb.Helper()
-	_, err := tx.Exec(context.Background(),
-		"SELECT pg_advisory_xact_lock($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint)",
-		base, shard)
-	if err != nil {
-		tb.Fatalf("testdb: hold shard: %v", err)
-	}
-}
-
-// AdvisoryWaiters returns how many backends are waiting for the advisory lock of shard of the
-// (name, key) whose hash is base (see HoldShard).
+// AdvisoryWaiters returns how many backends are waiting for the transaction-scoped advisory lock
+// that the decision function derives from base (the hash of a limit's name and key the package
+// computes), this schema's state table and shard.
 func AdvisoryWaiters(tb testing.TB, db Querier, base int64, shard int) int {
 	tb.Helper()
 	var n int
