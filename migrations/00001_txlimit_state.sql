@@ -430,7 +430,10 @@ BEGIN
     IF n = 1 AND m = 1 AND p_cand_n[1] = 1 THEN
         kind := p_kind[1];
         mts := txlimit_missing_ts(kind, p_anchor_us[1]);
-        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, s.xmax::text::bigint INTO va, ta, xm
+        -- (xmax equal to xmin: a lock its committed writer kept on the version it wrote, gone now.)
+        SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
+               CASE WHEN s.xmax = s.xmin THEN 0 ELSE s.xmax::text::bigint END
+        INTO va, ta, xm
         FROM txlimit_state s
         WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
         r_found := FOUND;
@@ -444,10 +447,10 @@ BEGIN
             -- Write the row if it is still as read (locking it, or creating it when it was missing)
             -- in one statement.
             tb := txlimit_next_ts(kind, ta, t_now, p_period_us[1]);
-            -- Under READ COMMITTED a row whose xmax is set is probably held by another transaction:
-            -- it is not waited for here (see below).
+            -- A row whose xmax is set is probably held by another transaction: a call that may
+            -- queue for it (see below) does not wait for it here.
             k := 0;
-            IF r_found AND (xm = 0 OR snap_iso) THEN
+            IF r_found AND (xm = 0 OR snap_iso OR pg_current_xact_id_if_assigned() IS NOT NULL) THEN
                 UPDATE txlimit_state s
                 SET value = end_a, ts = 'epoch'::timestamptz + tb * interval '1 microsecond'
                 WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
@@ -461,10 +464,12 @@ BEGIN
             END IF;
             IF k = 0 THEN
                 -- It changed meanwhile, or is held: lock it (creating it when missing) and decide
-                -- again on it. Under READ COMMITTED, a row another transaction holds is first
-                -- queued for on its advisory lock (the key steering uses for the row's shard), so
-                -- that of the calls waiting for one row only the first waits on the row itself.
-                IF NOT snap_iso THEN
+                -- again on it. Under READ COMMITTED, in a transaction that holds no row yet (no
+                -- transaction ID), a row another transaction holds is first queued for on an
+                -- advisory lock of the row (the key steering would use for its shard), so that of
+                -- the calls waiting for one row only the first waits on the row itself
+                -- (docs/spec.md §7). Holding nothing else, the call cannot close a deadlock there.
+                IF NOT snap_iso AND pg_current_xact_id_if_assigned() IS NULL THEN
                     SELECT s.value INTO va
                     FROM txlimit_state s
                     WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]

@@ -354,6 +354,50 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 		levels = append(levels, r.Value)
 	}
 	require.ElementsMatch(t, []float64{8, 7, 6}, levels, "decided one after another")
+
+	// Those calls locked the row before writing it, which leaves their lock's trace on the row;
+	// the next lone call, with nobody else around, writes it in one statement again (which leaves
+	// none).
+	r, err := lim.Limit(ctx, pool, "l", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 5.0, r.Value)
+	require.Zero(t, testdb.RowLocker(t, pool, "l", "k", 0), "the call took the locking road")
+
+	// A transaction that already holds a row waits on the row itself, as any SQL does: it does not
+	// queue on the advisory lock (where it could close a deadlock with what it holds), even when a
+	// call on the pool is queued there first.
+	holder, err = pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	testdb.LockRow(t, holder, "l", "k", 0)
+	pid = holder.Conn().PgConn().PID()
+	decide := func(db ratelimit.Executor) {
+		r, err := lim.Limit(ctx, db, "l", "k", nil)
+		if err != nil {
+			t.Error(err)
+		}
+		results <- r
+	}
+	go decide(pool) // holds the advisory lock, waits for the row
+	require.Eventually(t, func() bool { return testdb.BlockedBy(t, pool, pid) == 1 }, 5*time.Second, 10*time.Millisecond)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = lim.Limit(ctx, tx, "l", "other", nil) // tx now holds a row
+	require.NoError(t, err)
+	txPID := tx.Conn().PgConn().PID()
+	go decide(tx)
+	require.Eventually(t, func() bool { return testdb.WaitEvent(t, pool, txPID) != "" }, 5*time.Second, 10*time.Millisecond)
+	require.NotEqual(t, "advisory", testdb.WaitEvent(t, pool, txPID), "a transaction holding a row queued on the advisory lock")
+	require.NoError(t, holder.Commit(ctx))
+	levels = levels[:0]
+	for range 2 {
+		r := <-results
+		require.True(t, r.OK)
+		levels = append(levels, r.Value)
+	}
+	require.ElementsMatch(t, []float64{4, 3}, levels)
+	require.NoError(t, tx.Commit(ctx))
 }
 
 // docs/spec.md §7: inside a transaction the limit commits or rolls back with the caller's work.

@@ -90,8 +90,8 @@ func (l *Limiter) decideSingle(ctx context.Context, db Executor, c *call) ([]dbs
 			candRow[i] = int32(j + 1)
 		}
 	}
-	// Steering tries the advisory locks of shards; a lone call on one row that finds the row held
-	// by another transaction queues on that row's advisory lock (shard 0's for an unsharded limit).
+	// The advisory locks of the rows derive from it: steering tries those of shards, and a call on
+	// an unsharded row held by another transaction may queue on the row's (docs/spec.md §7).
 	base := shardLockBase(s.name, s.key)
 	d, err := dbsqlc.New().DecideSingle(ctx, db, dbsqlc.DecideSingleParams{
 		Now: l.clock(), Count: c.counts[0], Allow: c.allow(0), Dry: c.dry, Steer: steer, Kind: s.kind,
@@ -148,11 +148,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 			p.PeriodUs = append(p.PeriodUs, s.periodUs)
 			p.Cap = append(p.Cap, s.capacity)
 			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
-			var base int64
-			if steer {
-				base = shardLockBase(s.name, s.key) // a list takes advisory locks only to steer
-			}
-			p.LockBase = append(p.LockBase, base)
+			p.LockBase = append(p.LockBase, shardLockBase(s.name, s.key))
 			p.CandOff = append(p.CandOff, int32(len(p.CandShard)+1))
 			p.CandN = append(p.CandN, int32(len(cands)))
 			for _, sh := range cands {

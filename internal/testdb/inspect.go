@@ -32,6 +32,33 @@ func RowVersion(tb testing.TB, db Querier, name, key string, shard int) (xmin ui
 	return xmin, true
 }
 
+// WaitEvent returns what the backend pid is waiting for (pg_stat_activity.wait_event, such as
+// "advisory", "tuple" or "transactionid" for locks), or "" when it is not waiting.
+func WaitEvent(tb testing.TB, db Querier, pid uint32) string {
+	tb.Helper()
+	var ev string
+	err := db.QueryRow(context.Background(),
+		"SELECT coalesce(wait_event, '') FROM pg_stat_activity WHERE pid = $1::integer", int64(pid)).Scan(&ev)
+	if err != nil {
+		tb.Fatalf("testdb: wait event: %v", err)
+	}
+	return ev
+}
+
+// RowLocker returns the xmax of one state row: 0 when no transaction has locked or replaced this
+// version of the row, else the id of the last one that did (it stays after that transaction ends).
+func RowLocker(tb testing.TB, db Querier, name, key string, shard int) uint32 {
+	tb.Helper()
+	var xmax uint32
+	err := db.QueryRow(context.Background(),
+		"SELECT xmax::text::bigint FROM txlimit_state WHERE name = $1 AND key = $2 AND shard = $3",
+		name, key, shard).Scan(&xmax)
+	if err != nil {
+		tb.Fatalf("testdb: read xmax: %v", err)
+	}
+	return xmax
+}
+
 // CountRows returns the number of rows in txlimit_state.
 func CountRows(tb testing.TB, db Querier) int {
 	tb.Helper()
