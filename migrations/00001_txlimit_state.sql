@@ -464,19 +464,21 @@ BEGIN
             END IF;
             IF k = 0 THEN
                 -- It changed meanwhile, or is held: lock it (creating it when missing) and decide
-                -- again on it. Under READ COMMITTED, in a transaction that holds no row yet (no
-                -- transaction ID), a row another transaction holds is first queued for on an
-                -- advisory lock of the row (the key steering would use for its shard), so that of
-                -- the calls waiting for one row only the first waits on the row itself
-                -- (docs/spec.md §7). Holding nothing else, the call cannot close a deadlock there.
+                -- again on it. Under READ COMMITTED, in a transaction without a transaction ID (it
+                -- holds no row lock), a row another transaction holds is first queued for on the
+                -- row's queue lock (docs/spec.md §7), so that of the calls waiting for one row only
+                -- the first waits on the row itself. Whoever holds a queue lock holds the row or
+                -- is waiting for it, so waiting there closes no cycle that waiting on the row would
+                -- not. The queue lock is the advisory lock of the row's steering key with bit 19
+                -- set (shards stay below 2^11), so it is never one that steering takes.
                 IF NOT snap_iso AND pg_current_xact_id_if_assigned() IS NULL THEN
                     SELECT s.value INTO va
                     FROM txlimit_state s
                     WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
-                    FOR UPDATE SKIP LOCKED;
+                    FOR NO KEY UPDATE SKIP LOCKED;
                     IF NOT FOUND THEN
                         PERFORM pg_advisory_xact_lock(p_lock_base[1] # ('txlimit_state'::regclass::oid::bigint << 20)
-                                                      # p_row_shard[1]::bigint);
+                                                      # p_row_shard[1]::bigint # 524288);
                     END IF;
                 END IF;
                 tries := 0;
@@ -484,7 +486,7 @@ BEGIN
                     SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
                     FROM txlimit_state s
                     WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1]
-                    FOR UPDATE;
+                    FOR NO KEY UPDATE;
                     EXIT WHEN FOUND;
                     INSERT INTO txlimit_state (name, key, shard, value, ts)
                     VALUES (p_row_name[1], p_row_key[1], p_row_shard[1], p_cap[1],

@@ -343,7 +343,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	}
 	base := ratelimit.ShardLockBase("l", "k")
 	require.Eventually(t, func() bool {
-		return testdb.BlockedBy(t, pool, pid) == 1 && testdb.AdvisoryWaiters(t, pool, base, 0) == 2
+		return testdb.BlockedBy(t, pool, pid) == 1 && testdb.QueueWaiters(t, pool, base, 0) == 2
 	}, 5*time.Second, 10*time.Millisecond, "one call waits for the row, two for its advisory lock")
 
 	require.NoError(t, holder.Commit(ctx))
@@ -387,8 +387,8 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	require.NoError(t, err)
 	txPID := tx.Conn().PgConn().PID()
 	go decide(tx)
-	require.Eventually(t, func() bool { return testdb.WaitEvent(t, pool, txPID) != "" }, 5*time.Second, 10*time.Millisecond)
-	require.NotEqual(t, "advisory", testdb.WaitEvent(t, pool, txPID), "a transaction holding a row queued on the advisory lock")
+	require.Eventually(t, func() bool { return testdb.LockWait(t, pool, txPID) != "" }, 5*time.Second, 10*time.Millisecond)
+	require.NotEqual(t, "advisory", testdb.LockWait(t, pool, txPID), "a transaction holding a row queued on the advisory lock")
 	require.NoError(t, holder.Commit(ctx))
 	levels = levels[:0]
 	for range 2 {
@@ -398,6 +398,37 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	}
 	require.ElementsMatch(t, []float64{4, 3}, levels)
 	require.NoError(t, tx.Commit(ctx))
+
+	// A row whose xmax is a lock that has ended (here a transaction that locked it and wrote
+	// nothing) is not queued for: the call finds it free and takes it, even while the queue lock is
+	// held.
+	locker, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	testdb.LockRow(t, locker, "l", "k", 0)
+	require.NoError(t, locker.Commit(ctx))
+	require.NotZero(t, testdb.RowLocker(t, pool, "l", "k", 0))
+	queue, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer queue.Rollback(ctx)
+	testdb.HoldQueue(t, queue, base, 0)
+	quick, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	r, err = lim.Limit(quick, pool, "l", "k", nil)
+	require.NoError(t, err, "the call waited in the queue for a free row")
+	require.Equal(t, 2.0, r.Value)
+	require.NoError(t, queue.Rollback(ctx))
+
+	// A FOR KEY SHARE lock (a foreign key referencing the row) does not stop a write of value and
+	// ts, whichever road the call takes.
+	sharer, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer sharer.Rollback(ctx)
+	testdb.KeyShareRow(t, sharer, "l", "k", 0)
+	quick2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel2()
+	r, err = lim.Limit(quick2, pool, "l", "k", nil)
+	require.NoError(t, err, "the call waited for a key-share lock")
+	require.Equal(t, 1.0, r.Value)
 }
 
 // docs/spec.md §7: inside a transaction the limit commits or rolls back with the caller's work.

@@ -32,13 +32,14 @@ func RowVersion(tb testing.TB, db Querier, name, key string, shard int) (xmin ui
 	return xmin, true
 }
 
-// WaitEvent returns what the backend pid is waiting for (pg_stat_activity.wait_event, such as
-// "advisory", "tuple" or "transactionid" for locks), or "" when it is not waiting.
-func WaitEvent(tb testing.TB, db Querier, pid uint32) string {
+// LockWait returns the kind of lock the backend pid is waiting for (pg_stat_activity.wait_event
+// of a Lock wait: "advisory", "tuple", "transactionid"…), or "" when it is not waiting for a lock.
+func LockWait(tb testing.TB, db Querier, pid uint32) string {
 	tb.Helper()
 	var ev string
 	err := db.QueryRow(context.Background(),
-		"SELECT coalesce(wait_event, '') FROM pg_stat_activity WHERE pid = $1::integer", int64(pid)).Scan(&ev)
+		"SELECT CASE WHEN wait_event_type = 'Lock' THEN wait_event ELSE '' END FROM pg_stat_activity WHERE pid = $1::integer",
+		int64(pid)).Scan(&ev)
 	if err != nil {
 		tb.Fatalf("testdb: wait event: %v", err)
 	}
@@ -82,21 +83,44 @@ func LockRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
 	}
 }
 
-// AdvisoryWaiters returns how many backends are waiting for the transaction-scoped advisory lock
-// that the decision function derives from base (the hash of a limit's name and key the package
-// computes), this schema's state table and shard.
-func AdvisoryWaiters(tb testing.TB, db Querier, base int64, shard int) int {
+// queueLock is the advisory lock key on which the decision function queues calls for a held row
+// (base: the hash of the limit's name and key the package computes), in this schema.
+const queueLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint # 524288)"
+
+// QueueWaiters returns how many backends are waiting for the queue lock of one state row.
+func QueueWaiters(tb testing.TB, db Querier, base int64, shard int) int {
 	tb.Helper()
 	var n int
 	err := db.QueryRow(context.Background(),
 		`SELECT count(*) FROM pg_locks
 		 WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
-		   AND ((classid::bigint << 32) | objid::bigint) = ($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint)`,
+		   AND ((classid::bigint << 32) | objid::bigint) = `+queueLock,
 		base, shard).Scan(&n)
 	if err != nil {
-		tb.Fatalf("testdb: advisory waiters: %v", err)
+		tb.Fatalf("testdb: queue waiters: %v", err)
 	}
 	return n
+}
+
+// KeyShareRow takes a FOR KEY SHARE lock on one state row in tx, as a foreign key referencing the
+// row would.
+func KeyShareRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
+	tb.Helper()
+	var one int
+	err := tx.QueryRow(context.Background(),
+		"SELECT 1 FROM txlimit_state WHERE name = $1 AND key = $2 AND shard = $3 FOR KEY SHARE",
+		name, key, shard).Scan(&one)
+	if err != nil {
+		tb.Fatalf("testdb: key-share row: %v", err)
+	}
+}
+
+// HoldQueue takes, in tx, the queue lock of one state row, as a call queued for that row holds it.
+func HoldQueue(tb testing.TB, tx pgx.Tx, base int64, shard int) {
+	tb.Helper()
+	if _, err := tx.Exec(context.Background(), "SELECT pg_advisory_xact_lock"+queueLock, base, shard); err != nil {
+		tb.Fatalf("testdb: hold queue: %v", err)
+	}
 }
 
 // BlockedBy returns how many backends are waiting for a lock that the backend pid holds.
