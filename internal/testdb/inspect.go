@@ -74,12 +74,25 @@ func CountRows(tb testing.TB, db Querier) int {
 // writer would hold it.
 func LockRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
 	tb.Helper()
+	lockRow(tb, tx, "UPDATE", name, key, shard)
+}
+
+// KeyShareRow takes a FOR KEY SHARE lock on one state row in tx, as a foreign key referencing the
+// row would.
+func KeyShareRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
+	tb.Helper()
+	lockRow(tb, tx, "KEY SHARE", name, key, shard)
+}
+
+// lockRow locks one state row in tx with SELECT … FOR strength.
+func lockRow(tb testing.TB, tx pgx.Tx, strength, name, key string, shard int) {
+	tb.Helper()
 	var one int
 	err := tx.QueryRow(context.Background(),
-		"SELECT 1 FROM txlimit_state WHERE name = $1 AND key = $2 AND shard = $3 FOR UPDATE",
+		"SELECT 1 FROM txlimit_state WHERE name = $1 AND key = $2 AND shard = $3 FOR "+strength,
 		name, key, shard).Scan(&one)
 	if err != nil {
-		tb.Fatalf("testdb: lock row: %v", err)
+		tb.Fatalf("testdb: lock row (FOR %s): %v", strength, err)
 	}
 }
 
@@ -100,19 +113,6 @@ func QueueWaiters(tb testing.TB, db Querier, base int64, shard int) int {
 		tb.Fatalf("testdb: queue waiters: %v", err)
 	}
 	return n
-}
-
-// KeyShareRow takes a FOR KEY SHARE lock on one state row in tx, as a foreign key referencing the
-// row would.
-func KeyShareRow(tb testing.TB, tx pgx.Tx, name, key string, shard int) {
-	tb.Helper()
-	var one int
-	err := tx.QueryRow(context.Background(),
-		"SELECT 1 FROM txlimit_state WHERE name = $1 AND key = $2 AND shard = $3 FOR KEY SHARE",
-		name, key, shard).Scan(&one)
-	if err != nil {
-		tb.Fatalf("testdb: key-share row: %v", err)
-	}
 }
 
 // HoldQueue takes, in tx, the queue lock of one state row, as a call queued for that row holds it.
