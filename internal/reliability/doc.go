@@ -4,8 +4,8 @@
 // The package has no code of its own. Its tests carry the build tag "reliability", so that
 // `go test ./...` skips them; run them with
 //
-//	make reliability                          # soak 60 s, fuzz 60 s: what CI runs
-//	make reliability SOAK=10m FUZZTIME=10m    # the long form, by hand
+//	make reliability                               # soak 60 s, fuzz 30,000 inputs: what CI runs
+//	make reliability SOAK=10m FUZZTIME=300000x     # the long form, by hand
 //
 // The parts, each printing one summary line that starts with "reliability: <part>:":
 //
@@ -23,7 +23,7 @@
 //     started under load; calls fail closed, nothing panics or leaks goroutines, and decisions
 //     succeed again within 5 s of the server's return.
 //  3. fuzz: ratelimit's FuzzModel, the reference-model fuzz target (plain and sharded limits,
-//     single and multi-limit sequences), for FUZZTIME; fuzz-summary.sh prints its line.
+//     single and multi-limit sequences), for FUZZTIME inputs; fuzz-summary.sh prints its line.
 //  4. bad input (TestBadInput): a table of hostile inputs through the public API of ratelimit
 //     and scheduler, each answered by the documented typed error with nothing written (the
 //     state table and river_job compared before and after each case), and keys and names made of

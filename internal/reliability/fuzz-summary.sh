@@ -2,7 +2,7 @@
 # fuzz-summary.sh FUZZTIME STATUS < output-of-go-test-fuzz
 #
 # Prints the one-line summary of a `go test -fuzz` run, from its output on stdin and its exit
-# status: reliability: fuzz: time=60s execs=N new_interesting=M failures=F
+# status: reliability: fuzz: fuzztime=30000x execs=N new_interesting=M failures=F
 #
 # execs and new_interesting are the last values go's fuzzing engine reported ("fuzz: elapsed: 60s,
 # execs: 12345 (205/sec), new interesting: 3 (total: 17)"). failures is 0 for a run that exited 0
@@ -18,7 +18,7 @@ awk -v fuzztime="$fuzztime" -v status="$status" '
 	END {
 		failures = 0
 		if (status != 0 || !seen) { failures = fails > 0 ? fails : 1 }
-		printf "reliability: fuzz: time=%s execs=%d new_interesting=%d failures=%d\n", fuzztime, execs, interesting, failures
+		printf "reliability: fuzz: fuzztime=%s execs=%d new_interesting=%d failures=%d\n", fuzztime, execs, interesting, failures
 		if (failing != "") { printf "  failing input(s) kept for replay:%s\n", failing }
 		if (status == 0 && !seen) { print "  the fuzz run exited 0 but reported no executions" }
 	}'
