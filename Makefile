@@ -46,7 +46,7 @@ lint: ## gofmt and go vet over every module.
 	$(GO) vet -tags reliability ./internal/reliability/
 
 .PHONY: reliability
-reliability: ## Soak, restart, bad input, least privilege, then the model fuzz; prints one summary line each (SOAK, WORKERS, FUZZTIME).
+reliability: ## Soak, restart, bad input, least privilege, then the model fuzz; prints one summary line each (SOAK, WORKERS, FUZZTIME, FUZZMINIMIZETIME).
 	@dir=$$(mktemp -d "$${TMPDIR:-/tmp}/txlimit-reliability.XXXXXX"); log=$$dir/reliability.log; status=0; \
 	echo "== reliability: package tests, soak $(SOAK) with $(WORKERS) workers (log: $$log)"; \
 	TXLIMIT_SOAK_DURATION=$(SOAK) TXLIMIT_SOAK_WORKERS=$(WORKERS) \
