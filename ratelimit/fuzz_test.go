@@ -4,7 +4,7 @@ package ratelimit_test
 // the reference model (model_test.go), requiring identical answers, bit for bit.
 //
 //	go test ./ratelimit -run FuzzModel                          # the committed seed corpus
-//	go test ./ratelimit -run '^$' -fuzz FuzzModel -fuzztime 60s # explore
+//	go test ./ratelimit -run '^$' -fuzz FuzzModel -fuzztime 30000x # explore (a count: docs/reliability.md)
 //
 // An input is a header of three limit configs and a base time, then operations of five bytes each
 // (see fzDecode). One database schema serves a whole FuzzModel run (one per fuzz worker process);
