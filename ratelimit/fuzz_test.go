@@ -3,7 +3,7 @@ package ratelimit_test
 // FuzzModel replays random request sequences against Postgres (through the library) and against
 // the reference model (model_test.go), requiring identical answers, bit for bit.
 //
-//	go test ./ratelimit -run FuzzModel                          # the committed seed corpus
+//	go test ./ratelimit -run FuzzModel                             # the committed seed corpus
 //	go test ./ratelimit -run '^$' -fuzz FuzzModel -fuzztime 30000x # explore (a count: docs/reliability.md)
 //
 // An input is a header of three limit configs and a base time, then operations of five bytes each
