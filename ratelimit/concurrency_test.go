@@ -315,14 +315,9 @@ func TestDenialWritesNothing(t *testing.T) {
 // the row itself; when the holder commits, each is decided in turn on the latest row.
 func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	clock := &testClock{t: t0}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
-		"l": {Rate: 10, Period: time.Hour},
-	}})
-	require.NoError(t, err)
-	ctx := context.Background()
-	_, err = lim.Limit(ctx, pool, "l", "k", nil) // the row exists: 9 left
+	b := setup(t, map[string]ratelimit.Config{"l": {Rate: 10, Period: time.Hour}})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
+	_, err := lim.Limit(ctx, pool, "l", "k", nil) // the row exists: 9 left
 	require.NoError(t, err)
 
 	holder, err := pool.Begin(ctx)
