@@ -41,7 +41,9 @@ type HTTPResult struct {
 	FirstErr string
 	Elapsed  time.Duration
 	P50, P99 time.Duration
+	CPU      CPUUse // the processor time of the timed part (cpu.go)
 	Skipped  string // why the server did not run; empty when it did
+	server   string // the database's process name ("" for none)
 }
 
 // PerSecond is the throughput in requests per second.
@@ -76,8 +78,8 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 		return nil, err
 	}
 	out := []*HTTPResult{
-		runHTTPServer(ctx, "no limiter", "the handler alone", ok, d),
-		runHTTPServer(ctx, "httplimit (batched)", "httplimit.Middleware deciding through a ratelimit.Batcher on the pool, RateLimit fields on every response", mw.Handler(ok), d),
+		runHTTPServer(ctx, "no limiter", "the handler alone", "", ok, d),
+		runHTTPServer(ctx, "httplimit (batched)", "httplimit.Middleware deciding through a ratelimit.Batcher on the pool, RateLimit fields on every response", commPostgres, mw.Handler(ok), d),
 	}
 	redisRes := &HTTPResult{Name: "redis_rate", What: "go-redis/redis_rate v10 (GCRA in a Lua script), RateLimit-style headers on every response"}
 	if env.Redis == nil {
@@ -99,7 +101,7 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 			}
 			ok.ServeHTTP(w, r)
 		})
-		redisRes = runHTTPServer(ctx, redisRes.Name, redisRes.What, h, d)
+		redisRes = runHTTPServer(ctx, redisRes.Name, redisRes.What, commRedis, h, d)
 	}
 	out = append(out, redisRes)
 	for _, r := range out {
@@ -107,15 +109,18 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 			fmt.Fprintf(os.Stderr, "[http] %-18s skipped: %s\n", r.Name, r.Skipped)
 			continue
 		}
-		fmt.Fprintf(os.Stderr, "[http] %-18s %2d clients %9.0f req/s  p50 %8s  p99 %8s  (%d in %s, other %d%s)\n",
-			r.Name, httpClients, r.PerSecond(), r.P50, r.P99, r.Requests, r.Elapsed.Round(time.Millisecond), r.Other, r.FirstErr)
+		fmt.Fprintf(os.Stderr, "[http] %-18s %2d clients %9.0f req/s  p50 %8s  p99 %8s  CPU µs/request %s + %s, idle CPUs %s  (%d in %s, other %d%s)\n",
+			r.Name, httpClients, r.PerSecond(), r.P50, r.P99, fmtCPUPer(r.CPU.Self, r.CPU.OK, r.Requests),
+			fmtCPUPer(r.CPU.Server, r.CPU.OK && r.server != "", r.Requests), fmtIdle(r.CPU, r.Elapsed.Seconds()),
+			r.Requests, r.Elapsed.Round(time.Millisecond), r.Other, r.FirstErr)
 	}
 	return out, nil
 }
 
 // runHTTPServer serves h on a loopback port and has httpClients keep-alive clients call it for d.
-func runHTTPServer(ctx context.Context, name, what string, h http.Handler, d time.Duration) *HTTPResult {
-	res := &HTTPResult{Name: name, What: what}
+// server names the processes of the database h decides on ("" for none), for the CPU figures.
+func runHTTPServer(ctx context.Context, name, what, server string, h http.Handler, d time.Duration) *HTTPResult {
+	res := &HTTPResult{Name: name, What: what, server: server}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		res.Skipped = err.Error()
@@ -158,6 +163,7 @@ func runHTTPServer(ctx context.Context, name, what string, h http.Handler, d tim
 	wg.Wait()
 
 	lat := make([][]time.Duration, httpClients)
+	cpu0 := readCPU()
 	start := time.Now()
 	deadline := start.Add(d)
 	for i := range httpClients {
@@ -174,6 +180,7 @@ func runHTTPServer(ctx context.Context, name, what string, h http.Handler, d tim
 	}
 	wg.Wait()
 	res.Elapsed = time.Since(start)
+	res.CPU = cpuSince(cpu0, server)
 	all := slices.Concat(lat...)
 	slices.Sort(all)
 	res.Requests = int64(len(all))
@@ -196,16 +203,19 @@ func httpMarkdown(results []*HTTPResult) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n## HTTP: a trivial handler behind each limiter\n\n")
 	fmt.Fprintf(&b, "%d keep-alive clients on loopback, each with a key of its own and a limit it never reaches (every request decided and granted), one server after another in this run.\n\n", httpClients)
-	fmt.Fprintf(&b, "| server | how it limits | requests/s | p50 | p99 | non-200 |\n|---|---|--:|--:|--:|--:|\n")
+	fmt.Fprintf(&b, "| server | how it limits | requests/s | p50 | p99 | non-200 | CPU µs/request: this process | CPU µs/request: database | idle CPUs |\n|---|---|--:|--:|--:|--:|--:|--:|--:|\n")
 	byName := map[string]*HTTPResult{}
 	for _, r := range results {
 		byName[r.Name] = r
 		if r.Skipped != "" {
-			fmt.Fprintf(&b, "| %s | %s | skipped: %s | | | |\n", r.Name, r.What, r.Skipped)
+			fmt.Fprintf(&b, "| %s | %s | skipped: %s | | | | | | |\n", r.Name, r.What, r.Skipped)
 			continue
 		}
-		fmt.Fprintf(&b, "| %s | %s | %.0f | %s | %s | %d |\n", r.Name, r.What, r.PerSecond(), r.P50, r.P99, r.Other)
+		fmt.Fprintf(&b, "| %s | %s | %.0f | %s | %s | %d | %s | %s | %s |\n", r.Name, r.What, r.PerSecond(), r.P50, r.P99, r.Other,
+			fmtCPUPer(r.CPU.Self, r.CPU.OK, r.Requests), fmtCPUPer(r.CPU.Server, r.CPU.OK && r.server != "", r.Requests),
+			fmtIdle(r.CPU, r.Elapsed.Seconds()))
 	}
+	fmt.Fprintf(&b, "\nCPU columns: processor time per request answered with 200, from /proc before and after the timed part: this process (HTTP clients, HTTP server, middleware and database client together) and the database's server processes (Postgres or Redis, all of their processes); idle CPUs is the machine's idle time over the wall time. Where two servers cost about the same CPU per request, the one with more idle CPUs is slower because it waits (for round trips and commits), not because it works more.\n")
 	ratio := func(a, c string) string {
 		x, y := byName[a], byName[c]
 		if x == nil || y == nil || x.Skipped != "" || y.Skipped != "" || y.PerSecond() == 0 {

@@ -250,6 +250,10 @@ func progress(prefix string, r *Result) {
 		prefix, r.Cell.Scenario, r.Cell.Mix(), r.Cell.Callers, r.Def.Name,
 		fmtRate(r.PerSecond()), fmtDur(r.P50), fmtDur(r.P99))
 	line += fmt.Sprintf("  (%d in %s)", r.Decisions, r.Elapsed.Round(time.Millisecond))
+	if r.CPU.OK && r.Decisions > 0 {
+		line += fmt.Sprintf("  CPU µs/dec %s + %s, idle %s", fmtCPUPer(r.CPU.Self, true, r.Decisions),
+			fmtCPUPer(r.CPU.Server, serverComm(r.Def.Family) != "", r.Decisions), fmtIdle(r.CPU, r.Elapsed.Seconds()))
+	}
 	if r.Abandoned > 0 {
 		line += fmt.Sprintf("  abandoned %d", r.Abandoned)
 	}

@@ -101,6 +101,26 @@ func (rep *Report) Markdown() string {
 	}
 	w("\nIn brackets: the txlimit row's throughput divided by Redis Lua's in the same cell of this run.\n")
 
+	w("\n## CPU per decision at 64 callers\n\n")
+	w("Microseconds of processor time per decision: this process (the callers and the client library) + the server's processes (Postgres or Redis); in brackets, the CPUs left idle on average (cpu.go; — where not measured). Throughput is what the CPUs can do over what they spend per decision, less the time they sit idle waiting for round trips and commits.\n\n")
+	w("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
+	for _, d := range rep.cellDefs() {
+		w("| %s", d.Name)
+		for _, c := range []Cell{{HotKey, limitAllow, 64}, {HotKey, limitDeny, 64}, {PerUser, limitAllow, 64}, {PerUser, limitDeny, 64}} {
+			r := rep.find(d.ID, c)
+			if r == nil || !r.CPU.OK || r.Decisions == 0 {
+				w(" | —")
+				continue
+			}
+			text := fmtCPUPer(r.CPU.Self, true, r.Decisions)
+			if serverComm(d.Family) != "" {
+				text += " + " + fmtCPUPer(r.CPU.Server, true, r.Decisions)
+			}
+			w(" | %s (%s)", text, fmtIdle(r.CPU, r.Elapsed.Seconds()))
+		}
+		w(" |\n")
+	}
+
 	w("\n## Latency at 1 caller (p50)\n\n")
 	w("One caller deciding in a loop: the latency of a decision when nothing else is queued.\n\n")
 	w("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
@@ -161,7 +181,7 @@ func (rep *Report) Markdown() string {
 	}
 
 	w("\n## All cells\n\n")
-	w("Columns: decisions/s counts decisions that returned (granted or denied) over the cell's wall time; **vs Redis** is that divided by Redis Lua's in the same cell; granted is the share of decisions granted; p50/p99 are per-decision latencies including retries; round trips are Postgres statements (BEGIN, COMMIT and ROLLBACK count, failed attempts too) or Redis commands sent in the cell, per decision that returned; retries are failed SERIALIZABLE attempts per decision; WAL is bytes of Postgres WAL per decision (pg_current_wal_lsn before and after the cell: it includes whatever else the server did meanwhile); errors are decisions that failed (e.g. retries exhausted).\n")
+	w("Columns: decisions/s counts decisions that returned (granted or denied) over the cell's wall time; **vs Redis** is that divided by Redis Lua's in the same cell; granted is the share of decisions granted; p50/p99 are per-decision latencies including retries; round trips are Postgres statements (BEGIN, COMMIT and ROLLBACK count, failed attempts too) or Redis commands sent in the cell, per decision that returned; retries are failed SERIALIZABLE attempts per decision; WAL is bytes of Postgres WAL per decision (pg_current_wal_lsn before and after the cell: it includes whatever else the server did meanwhile); CPU is microseconds of processor time per decision, of this process and of the server's processes (Postgres or Redis), and idle CPUs the machine's idle time over the cell's wall time, all from /proc before and after the cell (cpu.go); errors are decisions that failed (e.g. retries exhausted).\n")
 	for _, lim := range []Limit{limitAllow, limitDeny} {
 		for _, sc := range []Scenario{HotKey, PerUser} {
 			desc := "limit 10⁹/s, burst 10⁹: practically every decision is granted"
@@ -169,17 +189,19 @@ func (rep *Report) Markdown() string {
 				desc = "limit 10/s, burst 10 per key: nearly every decision is denied"
 			}
 			w("\n### %s, %s (%s)\n\n", capitalize(string(sc)), Cell{Limit: lim}.Mix(), desc)
-			w("| callers | contender | decisions/s | vs Redis | granted | p50 | p99 | round trips/decision | retries/decision | WAL bytes/decision | errors |\n")
-			w("|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+			w("| callers | contender | decisions/s | vs Redis | granted | p50 | p99 | round trips/decision | retries/decision | WAL bytes/decision | CPU µs/decision: this process | CPU µs/decision: server | idle CPUs | errors |\n")
+			w("|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 			for _, n := range callerCounts {
 				for _, d := range rep.cellDefs() {
 					r := rep.find(d.ID, Cell{sc, lim, n})
 					if r == nil {
 						continue
 					}
-					w("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", n, d.Name, fmtRate(r.PerSecond()), dash(rep.vsRedis(r)),
+					w("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", n, d.Name, fmtRate(r.PerSecond()), dash(rep.vsRedis(r)),
 						fmtPct(r.Allowed, r.Decisions), fmtDur(r.P50), fmtDur(r.P99), fmtPerOpt(r.Trips, r.Decisions),
-						fmtPer(r.Retries, r.Decisions), fmtPerOpt(r.WAL, r.Decisions), errText(r.Errors, r.Abandoned, r.FirstErr))
+						fmtPer(r.Retries, r.Decisions), fmtPerOpt(r.WAL, r.Decisions),
+						fmtCPUPer(r.CPU.Self, r.CPU.OK, r.Decisions), fmtCPUPer(r.CPU.Server, r.CPU.OK && serverComm(d.Family) != "", r.Decisions),
+						fmtIdle(r.CPU, r.Elapsed.Seconds()), errText(r.Errors, r.Abandoned, r.FirstErr))
 				}
 			}
 		}

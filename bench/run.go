@@ -48,6 +48,8 @@ type Result struct {
 	Trips int64
 	// WAL is the bytes of WAL Postgres wrote while the cell ran; -1 when not measured.
 	WAL int64
+	// CPU is the processor time the timed part of the cell used (cpu.go).
+	CPU CPUUse
 }
 
 // PerSecond is the throughput in decisions per second.
@@ -90,7 +92,7 @@ func keysFor(cell Cell, tag string) []string {
 
 // RunCell measures one contender in one cell. Every caller first makes one decision (warm-up: rows
 // created, statements prepared, connections opened), then all decide in a loop until the duration
-// or their count is up. Counters and WAL cover the timed loop only.
+// or their count is up. Counters, WAL and CPU cover the timed loop only.
 func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, opts RunOpts) *Result {
 	res := &Result{Def: def, Cell: cell, Trips: -1, WAL: -1}
 	keys := keysFor(cell, opts.Tag)
@@ -125,6 +127,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 		h histogram
 	}
 	tallies := make([]tally, len(keys))
+	cpu0 := readCPU()
 	start := time.Now()
 	deadline := start.Add(opts.Duration)
 	stopCtx := WithStop(ctx, deadline)
@@ -145,6 +148,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	}
 	wg.Wait()
 	res.Elapsed = time.Since(start)
+	res.CPU = cpuSince(cpu0, serverComm(def.Family))
 
 	if def.Family.OnPostgres() || def.Family == FamilyRedis {
 		res.Trips = trips() - trips0
