@@ -8,6 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // Limit is a rate limit that every contender enforces the same way: a token bucket holding at most
@@ -122,6 +124,9 @@ type Env struct {
 	RedisPrefix string
 	// Limits are the limits contenders must know by name.
 	Limits []Limit
+	// Batcher configures every ratelimit.Batcher of the run (the batched contender, the HTTP
+	// cell); nil for the defaults. The -lanes flag sets its Lanes.
+	Batcher *ratelimit.BatcherConfig
 }
 
 // limitByName finds one of env's limits.

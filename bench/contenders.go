@@ -29,14 +29,14 @@ var contenders = []*Def{
 	{
 		ID:     "txlimit-batched",
 		Name:   "txlimit batched (pool)",
-		What:   "Batcher.Limit with the default BatcherConfig: calls queued while their lane decides are decided together, one commit per batch.",
+		What:   "Batcher.Limit with the default BatcherConfig (unless -lanes says otherwise): calls queued while their lane decides are decided together, one commit per batch.",
 		Family: FamilyTxlimit,
 		New: func(_ context.Context, env *Env) (Contender, error) {
 			lim, err := newTxlimit(env, 1)
 			if err != nil {
 				return nil, err
 			}
-			b, err := ratelimit.NewBatcher(env.Pool, lim, nil)
+			b, err := ratelimit.NewBatcher(env.Pool, lim, env.Batcher)
 			if err != nil {
 				return nil, err
 			}

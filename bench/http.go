@@ -64,7 +64,7 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 	if err != nil {
 		return nil, err
 	}
-	batcher, err := ratelimit.NewBatcher(env.Pool, limiter, nil)
+	batcher, err := ratelimit.NewBatcher(env.Pool, limiter, env.Batcher)
 	if err != nil {
 		return nil, err
 	}

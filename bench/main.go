@@ -23,6 +23,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // Mode is a set of durations.
@@ -58,6 +60,7 @@ func main() {
 	svgPath := flag.String("svg", filepath.Join("..", "docs", "bench.svg"), "picture to write")
 	only := flag.String("contenders", "", "comma-separated contender IDs to run (default: all)")
 	cell := flag.Duration("cell", 0, "override the duration of each throughput cell")
+	lanes := flag.Int("lanes", 0, "BatcherConfig.Lanes of every Batcher of the run (0: the default)")
 	flag.Parse()
 
 	mode := fullMode
@@ -70,7 +73,7 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, mode, *only, *mdPath, *svgPath); err != nil {
+	if err := run(ctx, mode, *only, *lanes, *mdPath, *svgPath); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -93,7 +96,7 @@ type Report struct {
 	HTTP      []*HTTPResult // the HTTP cell (http.go)
 }
 
-func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
+func run(ctx context.Context, mode Mode, only string, lanes int, mdPath, svgPath string) error {
 	rep := &Report{Mode: mode, Started: time.Now(), Skipped: map[string]string{}}
 	rep.Command = "cd bench && go run ."
 	if mode.Name == quickMode.Name {
@@ -104,6 +107,10 @@ func run(ctx context.Context, mode Mode, only, mdPath, svgPath string) error {
 		return err
 	}
 	defer closeEnv()
+	if lanes != 0 {
+		env.Batcher = &ratelimit.BatcherConfig{Lanes: lanes}
+		rep.Command += fmt.Sprintf(" -lanes %d", lanes)
+	}
 	rep.Machine = machine(ctx, env)
 
 	var wanted []string

@@ -50,7 +50,7 @@ func BenchmarkBatcher(b *testing.B) {
 
 // BenchmarkBatcherLanes compares lane counts (BatcherConfig.Lanes) where they matter: 64 callers
 // (32 per GOMAXPROCS on the 2-core machine the default was measured on), one key each, a generous
-// or a tight limit. The default lane count is the fastest of these there:
+// or a tight limit. The README says how these and make bench's per-user cells chose the default:
 //
 //	go test ./ratelimit -run '^$' -bench BatcherLanes -benchtime 3s -count 3
 func BenchmarkBatcherLanes(b *testing.B) {
