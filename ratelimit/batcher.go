@@ -25,7 +25,7 @@ type BatcherConfig struct {
 	// never wait on each other's row locks. More lanes decide more distinct keys in parallel, on
 	// more database cores, and one lane's round trip and commit overlap another's; fewer lanes give
 	// every key bigger batches, which cost the database less per decision. A key's calls are all on
-	// one lane whatever the count, so a hot key is not affected. Defaults to 2 (see the README
+	// one lane whatever the count, so a hot key is not affected. Defaults to 1 (see the README
 	// section "Batched decisions on the pool" for how it was chosen).
 	Lanes int
 
@@ -125,7 +125,7 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 		return nil, &ArgumentError{Op: op, Arg: "config", Reason: fmt.Sprintf("MaxBatch must be >= 0, 0 meaning the default (got %d)", cfg.MaxBatch)}
 	}
 	if cfg.Lanes == 0 {
-		cfg.Lanes = 2
+		cfg.Lanes = 1
 	}
 	if cfg.MaxBatch == 0 {
 		cfg.MaxBatch = 256
