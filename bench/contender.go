@@ -124,6 +124,9 @@ type Env struct {
 	RedisPrefix string
 	// Limits are the limits contenders must know by name.
 	Limits []Limit
+	// ServerPIDs are the process IDs of the servers on this machine, by server name (cpu.go); a
+	// server elsewhere is absent.
+	ServerPIDs map[string]int
 	// Batcher configures every ratelimit.Batcher of the run (the batched contender, the HTTP
 	// cell); nil for the defaults. The -lanes flag sets its Lanes.
 	Batcher *ratelimit.BatcherConfig

@@ -78,8 +78,8 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 		return nil, err
 	}
 	out := []*HTTPResult{
-		runHTTPServer(ctx, "no limiter", "the handler alone", "", ok, d),
-		runHTTPServer(ctx, "httplimit (batched)", "httplimit.Middleware deciding through a ratelimit.Batcher on the pool, RateLimit fields on every response", commPostgres, mw.Handler(ok), d),
+		runHTTPServer(ctx, env, "no limiter", "the handler alone", "", ok, d),
+		runHTTPServer(ctx, env, "httplimit (batched)", "httplimit.Middleware deciding through a ratelimit.Batcher on the pool, RateLimit fields on every response", serverPostgres, mw.Handler(ok), d),
 	}
 	redisRes := &HTTPResult{Name: "redis_rate", What: "go-redis/redis_rate v10 (GCRA in a Lua script), RateLimit-style headers on every response"}
 	if env.Redis == nil {
@@ -101,7 +101,7 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 			}
 			ok.ServeHTTP(w, r)
 		})
-		redisRes = runHTTPServer(ctx, redisRes.Name, redisRes.What, commRedis, h, d)
+		redisRes = runHTTPServer(ctx, env, redisRes.Name, redisRes.What, serverRedis, h, d)
 	}
 	out = append(out, redisRes)
 	for _, r := range out {
@@ -109,9 +109,9 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 			fmt.Fprintf(os.Stderr, "[http] %-18s skipped: %s\n", r.Name, r.Skipped)
 			continue
 		}
+		self, srv, idle := r.CPU.columns(r.Requests, r.Elapsed.Seconds(), r.server != "")
 		fmt.Fprintf(os.Stderr, "[http] %-18s %2d clients %9.0f req/s  p50 %8s  p99 %8s  CPU µs/request %s + %s, idle CPUs %s  (%d in %s, other %d%s)\n",
-			r.Name, httpClients, r.PerSecond(), r.P50, r.P99, fmtCPUPer(r.CPU.Self, r.CPU.OK, r.Requests),
-			fmtCPUPer(r.CPU.Server, r.CPU.OK && r.server != "", r.Requests), fmtIdle(r.CPU, r.Elapsed.Seconds()),
+			r.Name, httpClients, r.PerSecond(), r.P50, r.P99, self, srv, idle,
 			r.Requests, r.Elapsed.Round(time.Millisecond), r.Other, r.FirstErr)
 	}
 	return out, nil
@@ -119,7 +119,7 @@ func RunHTTP(ctx context.Context, env *Env, d time.Duration) ([]*HTTPResult, err
 
 // runHTTPServer serves h on a loopback port and has httpClients keep-alive clients call it for d.
 // server names the processes of the database h decides on ("" for none), for the CPU figures.
-func runHTTPServer(ctx context.Context, name, what, server string, h http.Handler, d time.Duration) *HTTPResult {
+func runHTTPServer(ctx context.Context, env *Env, name, what, server string, h http.Handler, d time.Duration) *HTTPResult {
 	res := &HTTPResult{Name: name, What: what, server: server}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -163,7 +163,7 @@ func runHTTPServer(ctx context.Context, name, what, server string, h http.Handle
 	wg.Wait()
 
 	lat := make([][]time.Duration, httpClients)
-	cpu0 := readCPU()
+	cpu0 := readCPU(env.ServerPIDs)
 	start := time.Now()
 	deadline := start.Add(d)
 	for i := range httpClients {
@@ -180,7 +180,7 @@ func runHTTPServer(ctx context.Context, name, what, server string, h http.Handle
 	}
 	wg.Wait()
 	res.Elapsed = time.Since(start)
-	res.CPU = cpuSince(cpu0, server)
+	res.CPU = cpuSince(cpu0, env.ServerPIDs, server)
 	all := slices.Concat(lat...)
 	slices.Sort(all)
 	res.Requests = int64(len(all))
@@ -211,11 +211,11 @@ func httpMarkdown(results []*HTTPResult) string {
 			fmt.Fprintf(&b, "| %s | %s | skipped: %s | | | | | | |\n", r.Name, r.What, r.Skipped)
 			continue
 		}
+		self, srv, idle := r.CPU.columns(r.Requests, r.Elapsed.Seconds(), r.server != "")
 		fmt.Fprintf(&b, "| %s | %s | %.0f | %s | %s | %d | %s | %s | %s |\n", r.Name, r.What, r.PerSecond(), r.P50, r.P99, r.Other,
-			fmtCPUPer(r.CPU.Self, r.CPU.OK, r.Requests), fmtCPUPer(r.CPU.Server, r.CPU.OK && r.server != "", r.Requests),
-			fmtIdle(r.CPU, r.Elapsed.Seconds()))
+			self, srv, idle)
 	}
-	fmt.Fprintf(&b, "\nCPU columns: processor time per request answered with 200, from /proc before and after the timed part: this process (HTTP clients, HTTP server, middleware and database client together) and the database's server processes (Postgres or Redis, all of their processes); idle CPUs is the machine's idle time over the wall time. Where two servers cost about the same CPU per request, the one with more idle CPUs is slower because it waits (for round trips and commits), not because it works more.\n")
+	fmt.Fprintf(&b, "\nCPU columns as in the section on CPU per decision: this process (here the HTTP clients, the HTTP server, the middleware and the database client together) and the database's processes, per request answered with 200, and the CPUs left idle.\n")
 	ratio := func(a, c string) string {
 		x, y := byName[a], byName[c]
 		if x == nil || y == nil || x.Skipped != "" || y.Skipped != "" || y.PerSecond() == 0 {

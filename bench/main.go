@@ -107,6 +107,7 @@ func run(ctx context.Context, mode Mode, only string, lanes int, mdPath, svgPath
 		return err
 	}
 	defer closeEnv()
+	env.ServerPIDs = findServerPIDs(ctx, env)
 	if lanes != 0 {
 		env.Batcher = &ratelimit.BatcherConfig{Lanes: lanes}
 		rep.Command += fmt.Sprintf(" -lanes %d", lanes)
@@ -258,8 +259,8 @@ func progress(prefix string, r *Result) {
 		fmtRate(r.PerSecond()), fmtDur(r.P50), fmtDur(r.P99))
 	line += fmt.Sprintf("  (%d in %s)", r.Decisions, r.Elapsed.Round(time.Millisecond))
 	if r.CPU.OK && r.Decisions > 0 {
-		line += fmt.Sprintf("  CPU µs/dec %s + %s, idle %s", fmtCPUPer(r.CPU.Self, true, r.Decisions),
-			fmtCPUPer(r.CPU.Server, serverComm(r.Def.Family) != "", r.Decisions), fmtIdle(r.CPU, r.Elapsed.Seconds()))
+		self, srv, idle := r.CPU.columns(r.Decisions, r.Elapsed.Seconds(), serverOf(r.Def.Family) != "")
+		line += fmt.Sprintf("  CPU µs/dec %s + %s, idle %s", self, srv, idle)
 	}
 	if r.Abandoned > 0 {
 		line += fmt.Sprintf("  abandoned %d", r.Abandoned)

@@ -112,11 +112,11 @@ func (rep *Report) Markdown() string {
 				w(" | —")
 				continue
 			}
-			text := fmtCPUPer(r.CPU.Self, true, r.Decisions)
-			if serverComm(d.Family) != "" {
-				text += " + " + fmtCPUPer(r.CPU.Server, true, r.Decisions)
+			self, srv, idle := r.CPU.columns(r.Decisions, r.Elapsed.Seconds(), serverOf(d.Family) != "")
+			if serverOf(d.Family) != "" {
+				self += " + " + srv
 			}
-			w(" | %s (%s)", text, fmtIdle(r.CPU, r.Elapsed.Seconds()))
+			w(" | %s (%s)", self, idle)
 		}
 		w(" |\n")
 	}
@@ -197,11 +197,11 @@ func (rep *Report) Markdown() string {
 					if r == nil {
 						continue
 					}
+					self, srv, idle := r.CPU.columns(r.Decisions, r.Elapsed.Seconds(), serverOf(d.Family) != "")
 					w("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", n, d.Name, fmtRate(r.PerSecond()), dash(rep.vsRedis(r)),
 						fmtPct(r.Allowed, r.Decisions), fmtDur(r.P50), fmtDur(r.P99), fmtPerOpt(r.Trips, r.Decisions),
 						fmtPer(r.Retries, r.Decisions), fmtPerOpt(r.WAL, r.Decisions),
-						fmtCPUPer(r.CPU.Self, r.CPU.OK, r.Decisions), fmtCPUPer(r.CPU.Server, r.CPU.OK && serverComm(d.Family) != "", r.Decisions),
-						fmtIdle(r.CPU, r.Elapsed.Seconds()), errText(r.Errors, r.Abandoned, r.FirstErr))
+						self, srv, idle, errText(r.Errors, r.Abandoned, r.FirstErr))
 				}
 			}
 		}

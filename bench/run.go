@@ -127,7 +127,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 		h histogram
 	}
 	tallies := make([]tally, len(keys))
-	cpu0 := readCPU()
+	cpu0 := readCPU(env.ServerPIDs)
 	start := time.Now()
 	deadline := start.Add(opts.Duration)
 	stopCtx := WithStop(ctx, deadline)
@@ -148,7 +148,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	}
 	wg.Wait()
 	res.Elapsed = time.Since(start)
-	res.CPU = cpuSince(cpu0, serverComm(def.Family))
+	res.CPU = cpuSince(cpu0, env.ServerPIDs, serverOf(def.Family))
 
 	if def.Family.OnPostgres() || def.Family == FamilyRedis {
 		res.Trips = trips() - trips0
