@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -82,64 +83,40 @@ func (rep *Report) Markdown() string {
 	}
 
 	w("\n## Decisions per second at 64 callers\n\n")
-	w("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
-	for _, d := range rep.cellDefs() {
-		w("| %s", d.Name)
-		for _, c := range []Cell{{HotKey, limitAllow, 64}, {HotKey, limitDeny, 64}, {PerUser, limitAllow, 64}, {PerUser, limitDeny, 64}} {
-			r := rep.find(d.ID, c)
-			if r == nil {
-				w(" | —")
-				continue
-			}
-			cellText := fmtRate(r.PerSecond())
-			if ratio := rep.vsRedis(r); ratio != "" && d.Family == FamilyTxlimit {
-				cellText += " (" + ratio + ")"
-			}
-			w(" | %s", cellText)
+	w("%s", rep.cellTable(64, func(d *Def, r *Result) string {
+		text := fmtRate(r.PerSecond())
+		if ratio := rep.vsRedis(r); ratio != "" && d.Family == FamilyTxlimit {
+			text += " (" + ratio + ")"
 		}
-		w(" |\n")
-	}
+		return text
+	}))
 	w("\nIn brackets: the txlimit row's throughput divided by Redis Lua's in the same cell of this run.\n")
 
 	w("\n## CPU per decision at 64 callers\n\n")
 	w("Microseconds of processor time per decision: this process (the callers and the client library) + the server's processes (Postgres or Redis); in brackets, the CPUs left idle on average (cpu.go; — where not measured). Throughput is what the CPUs can do over what they spend per decision, less the time they sit idle waiting for round trips and commits.\n\n")
-	w("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
-	for _, d := range rep.cellDefs() {
-		w("| %s", d.Name)
-		for _, c := range []Cell{{HotKey, limitAllow, 64}, {HotKey, limitDeny, 64}, {PerUser, limitAllow, 64}, {PerUser, limitDeny, 64}} {
-			r := rep.find(d.ID, c)
-			if r == nil || !r.CPU.OK || r.Decisions == 0 {
-				w(" | —")
-				continue
-			}
-			self, srv, idle := r.CPU.columns(r.Decisions, r.Elapsed.Seconds(), serverOf(d.Family) != "")
-			if serverOf(d.Family) != "" {
-				self += " + " + srv
-			}
-			w(" | %s (%s)", self, idle)
+	w("%s", rep.cellTable(64, func(d *Def, r *Result) string {
+		if !r.CPU.OK || r.Decisions == 0 {
+			return ""
 		}
-		w(" |\n")
-	}
+		self, srv, idle := r.CPU.columns(r.Decisions, r.Elapsed.Seconds(), serverOf(d.Family) != "")
+		if serverOf(d.Family) != "" {
+			self += " + " + srv
+		}
+		return self + " (" + idle + ")"
+	}))
 
 	w("\n## Latency at 1 caller (p50)\n\n")
 	w("One caller deciding in a loop: the latency of a decision when nothing else is queued.\n\n")
-	w("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
-	for _, d := range rep.cellDefs() {
-		w("| %s", d.Name)
-		for _, c := range []Cell{{HotKey, limitAllow, 1}, {HotKey, limitDeny, 1}, {PerUser, limitAllow, 1}, {PerUser, limitDeny, 1}} {
-			r := rep.find(d.ID, c)
-			if r == nil || r.Decisions == 0 {
-				w(" | —")
-				continue
-			}
-			cellText := fmtDur(r.P50)
-			if base := rep.find("txlimit", c); d.ID == "txlimit-batched" && base != nil && base.P50 > 0 {
-				cellText += fmt.Sprintf(" (%.2f× txlimit (pool))", float64(r.P50)/float64(base.P50))
-			}
-			w(" | %s", cellText)
+	w("%s", rep.cellTable(1, func(d *Def, r *Result) string {
+		if r.Decisions == 0 {
+			return ""
 		}
-		w(" |\n")
-	}
+		text := fmtDur(r.P50)
+		if base := rep.find("txlimit", r.Cell); d.ID == "txlimit-batched" && base != nil && base.P50 > 0 {
+			text += fmt.Sprintf(" (%.2f× txlimit (pool))", float64(r.P50)/float64(base.P50))
+		}
+		return text
+	}))
 
 	w("%s", rep.pairedMarkdown())
 
@@ -212,6 +189,25 @@ func (rep *Report) Markdown() string {
 	w("- Hot key: every caller uses one key. Per user: caller i uses key i. Each cell uses fresh keys. Each caller makes one untimed decision first (rows created, statements prepared, connections opened).\n")
 	w("- Figures from a shared or busy machine move by tens of percent between runs; compare rows of one run, not runs.\n")
 	w("- `cd bench && go test ./...` runs the over-grant test briefly for every txlimit contender and fails if any grants more than the bound.\n")
+	return b.String()
+}
+
+// cellTable is a table of every contender (rows) in the four cells of callers callers (columns):
+// text gives a measured cell's text, "" (like a cell not run) for "—".
+func (rep *Report) cellTable(callers int, text func(d *Def, r *Result) string) string {
+	var b strings.Builder
+	b.WriteString("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
+	for _, d := range rep.cellDefs() {
+		b.WriteString("| " + d.Name)
+		for _, c := range []Cell{{HotKey, limitAllow, callers}, {HotKey, limitDeny, callers}, {PerUser, limitAllow, callers}, {PerUser, limitDeny, callers}} {
+			t := ""
+			if r := rep.find(d.ID, c); r != nil {
+				t = text(d, r)
+			}
+			b.WriteString(" | " + cmp.Or(t, "—"))
+		}
+		b.WriteString(" |\n")
+	}
 	return b.String()
 }
 
