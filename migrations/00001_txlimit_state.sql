@@ -297,7 +297,8 @@ $$;
 -- touch in the global lock order (name, key, shard, compared as bytes) and tells each request
 -- which rows its candidate shards are.
 --
--- Requests: p_grp (consecutive requests with the same value are one all-or-nothing group), p_count,
+-- Requests: p_grp (the request's all-or-nothing group, numbered 0, 1, 2, ... in list order; a
+-- group's requests are consecutive), p_count,
 -- p_allow (how far below zero a reservation may go per shard: 0 without Reserve, +Infinity for no
 -- bound), p_dry (Check: decide, lock and write nothing), p_steer (a lone sharded request: choose
 -- its shards away from concurrent callers), the config per shard (p_kind, p_rate, p_period_us,
@@ -636,13 +637,8 @@ BEGIN
     END IF;
 
     -- The general path: the arrays of rows and requests.
-    IF n = 1 THEN
-        lean := p_cand_n[1] = 1 AND NOT p_steer[1];
-    ELSE
-        SELECT bool_and(u.c = 1 AND NOT u.st AND u.g IS DISTINCT FROM p_grp[u.i - 1])
-        INTO lean
-        FROM unnest(p_grp, p_cand_n, p_steer) WITH ORDINALITY AS u(g, c, st, i);
-    END IF;
+    -- (As many groups as requests, by p_grp's numbering: each group is one request.)
+    lean := p_cand_n <@ '{1}'::integer[] AND NOT (p_steer && '{true}'::boolean[]) AND p_grp[n] = n - 1;
     -- The lock-free read of every row a request without steering may use, in one statement (a
     -- single row by its key: cheaper than the join over arrays).
     IF m = 1 THEN
@@ -933,16 +929,26 @@ BEGIN
         -- are decided again on it in the second pass; a row another transaction holds meanwhile is
         -- refused to them, to be retried at once (an under-grant, never an over-grant).
         IF lean AND n_new = 0 AND n_want > 0 THEN
-            WITH w AS (
+            IF n_want = 1 THEN -- one row (a batch on one key): by its key, cheaper than the join over arrays
+                r := array_position(w_mod, true);
                 UPDATE txlimit_state s
-                SET value = u.v, ts = 'epoch'::timestamptz + u.t * interval '1 microsecond'
-                FROM unnest(p_row_name, p_row_key, p_row_shard, w_mod, w_val, w_ts, r_val, r_ts) WITH ORDINALITY
-                     AS u(nm, ky, sh, md, v, t, rv, rt, i)
-                WHERE u.md AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
-                  AND s.value = u.rv AND s.ts = 'epoch'::timestamptz + u.rt * interval '1 microsecond'
-                RETURNING u.i
-            )
-            SELECT count(*), array_agg(w.i::integer) INTO k, done_rows FROM w;
+                SET value = w_val[r], ts = 'epoch'::timestamptz + w_ts[r] * interval '1 microsecond'
+                WHERE s.name = p_row_name[r] AND s.key = p_row_key[r] AND s.shard = p_row_shard[r]
+                  AND s.value = r_val[r] AND s.ts = 'epoch'::timestamptz + r_ts[r] * interval '1 microsecond';
+                GET DIAGNOSTICS k = ROW_COUNT;
+                done_rows := CASE WHEN k = 1 THEN ARRAY[r] END;
+            ELSE
+                WITH w AS (
+                    UPDATE txlimit_state s
+                    SET value = u.v, ts = 'epoch'::timestamptz + u.t * interval '1 microsecond'
+                    FROM unnest(p_row_name, p_row_key, p_row_shard, w_mod, w_val, w_ts, r_val, r_ts) WITH ORDINALITY
+                         AS u(nm, ky, sh, md, v, t, rv, rt, i)
+                    WHERE u.md AND s.name = u.nm AND s.key = u.ky AND s.shard = u.sh
+                      AND s.value = u.rv AND s.ts = 'epoch'::timestamptz + u.rt * interval '1 microsecond'
+                    RETURNING u.i
+                )
+                SELECT count(*), array_agg(w.i::integer) INTO k, done_rows FROM w;
+            END IF;
             IF k = n_want THEN
                 w_mod := array_fill(false, ARRAY[m]); -- written
                 EXIT;

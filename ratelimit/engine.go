@@ -135,6 +135,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		}
 		return i
 	}
+	// A call is a group, numbered by its index (no call is empty), as txlimit_decide requires.
 	for g, c := range calls {
 		for i, s := range c.specs {
 			steer, cands := l.candidates(c, &c.specs[i])
