@@ -297,13 +297,14 @@ $$;
 -- touch in the global lock order (name, key, shard, compared as bytes) and tells each request
 -- which rows its candidate shards are.
 --
--- Requests: p_grp (the request's all-or-nothing group, numbered 0, 1, 2, ... in list order; a
--- group's requests are consecutive), p_count,
--- p_allow (how far below zero a reservation may go per shard: 0 without Reserve, +Infinity for no
--- bound), p_dry (Check: decide, lock and write nothing), p_steer (a lone sharded request: choose
--- its shards away from concurrent callers), the config per shard (p_kind, p_rate, p_period_us,
--- p_cap, p_anchor_us), p_lock_base (the advisory-lock hash of (name, key)), and its candidates
--- p_cand_shard/p_cand_row from p_cand_off, p_cand_n of them (the two random picks first).
+-- Requests: p_grp (the request's all-or-nothing group: groups are numbered 0, 1, 2, ... in list
+-- order, without gaps, and a group's requests are consecutive; the lean road below relies on this
+-- and does not check it), p_count, p_allow (how far below zero a reservation may go per shard: 0
+-- without Reserve, +Infinity for no bound), p_dry (Check: decide, lock and write nothing), p_steer
+-- (a lone sharded request: choose its shards away from concurrent callers), the config per shard
+-- (p_kind, p_rate, p_period_us, p_cap, p_anchor_us), p_lock_base (the advisory-lock hash of (name,
+-- key)), and its candidates p_cand_shard/p_cand_row from p_cand_off, p_cand_n of them (the two
+-- random picks first).
 -- Rows: p_row_name, p_row_key, p_row_shard, and p_row_bulk (read in the first pass).
 --
 -- Steps:
@@ -638,7 +639,8 @@ BEGIN
 
     -- The general path: the arrays of rows and requests.
     -- (As many groups as requests, by p_grp's numbering: each group is one request.)
-    lean := p_cand_n <@ '{1}'::integer[] AND NOT (p_steer && '{true}'::boolean[]) AND p_grp[n] = n - 1;
+    lean := p_cand_n <@ '{1}'::integer[] AND NOT (p_steer && '{true}'::boolean[])
+            AND p_grp[n] = n - 1;
     -- The lock-free read of every row a request without steering may use, in one statement (a
     -- single row by its key: cheaper than the join over arrays).
     IF m = 1 THEN
@@ -929,7 +931,9 @@ BEGIN
         -- are decided again on it in the second pass; a row another transaction holds meanwhile is
         -- refused to them, to be retried at once (an under-grant, never an over-grant).
         IF lean AND n_new = 0 AND n_want > 0 THEN
-            IF n_want = 1 THEN -- one row (a batch on one key): by its key, cheaper than the join over arrays
+            -- One row to write (a batch on one key, say): by its key, cheaper than the join over
+            -- arrays.
+            IF n_want = 1 THEN
                 r := array_position(w_mod, true);
                 UPDATE txlimit_state s
                 SET value = w_val[r], ts = 'epoch'::timestamptz + w_ts[r] * interval '1 microsecond'

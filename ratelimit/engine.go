@@ -135,11 +135,16 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		}
 		return i
 	}
-	// A call is a group, numbered by its index (no call is empty), as txlimit_decide requires.
-	for g, c := range calls {
+	// A call is a group. Groups are numbered 0, 1, 2, ... without gaps, as txlimit_decide requires
+	// (it tells a list of lone requests by its last group's number), even were a call empty.
+	g := int32(-1)
+	for _, c := range calls {
+		if len(c.specs) > 0 {
+			g++
+		}
 		for i, s := range c.specs {
 			steer, cands := l.candidates(c, &c.specs[i])
-			p.Grp = append(p.Grp, int32(g))
+			p.Grp = append(p.Grp, g)
 			p.Count = append(p.Count, c.counts[i])
 			p.Allow = append(p.Allow, c.allow(i))
 			p.Dry = append(p.Dry, c.dry)
