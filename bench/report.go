@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -55,7 +57,57 @@ func machine(ctx context.Context, env *Env) []string {
 		}
 		lines = append(lines, fmt.Sprintf("Redis %s (aof_enabled=%s), go-redis pool of %d", field("redis_version"), field("aof_enabled"), MaxConns))
 	}
-	return lines
+	return append(lines, roundTrips(ctx, env)+haltPoll("/"))
+}
+
+// roundTrips measures, before any cell runs, the p50 of one request after another to each server
+// on one connection: what every step of a serial chain (a Batcher's lane: statement, commit,
+// answer) pays at least once.
+func roundTrips(ctx context.Context, env *Env) string {
+	const n = 200
+	p50 := func(do func() error) string {
+		took := make([]time.Duration, 0, n)
+		for range n {
+			start := time.Now()
+			if err := do(); err != nil {
+				return err.Error()
+			}
+			took = append(took, time.Since(start))
+		}
+		slices.Sort(took)
+		return fmtDur(took[n/2])
+	}
+	s := "round trip on one idle connection, p50 of 200: PostgreSQL `SELECT 1` "
+	conn, err := env.Pool.Acquire(ctx)
+	if err != nil {
+		s += err.Error()
+	} else {
+		s += p50(func() error { _, err := conn.Exec(ctx, "SELECT 1"); return err })
+		conn.Release()
+	}
+	if env.Redis != nil {
+		s += ", Redis PING " + p50(func() error { return env.Redis.Ping(ctx).Err() })
+	}
+	return s
+}
+
+// haltPoll names the guest halt polling of a virtual machine's CPUs when sysfs (under root) shows
+// it, and "" elsewhere. With it off, a virtual CPU with nothing to run halts at once, and waking it
+// adds to every round trip that finds it halted (docs/batcher-throughput.md measures how much).
+func haltPoll(root string) string {
+	drv, err := os.ReadFile(filepath.Join(root, "sys/devices/system/cpu/cpuidle/current_driver"))
+	if err != nil || strings.TrimSpace(string(drv)) != "haltpoll" {
+		return ""
+	}
+	ns, err := os.ReadFile(filepath.Join(root, "sys/module/haltpoll/parameters/guest_halt_poll_ns"))
+	if err != nil {
+		return ""
+	}
+	v := strings.TrimSpace(string(ns))
+	if v == "0" {
+		return "; guest halt polling off (haltpoll guest_halt_poll_ns=0): an idle CPU halts at once"
+	}
+	return "; guest halt polling up to " + v + " ns (haltpoll guest_halt_poll_ns)"
 }
 
 // Markdown renders the report.
