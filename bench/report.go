@@ -61,8 +61,8 @@ func machine(ctx context.Context, env *Env) []string {
 }
 
 // roundTrips measures, before any cell runs, the p50 of one request after another to each server
-// on one connection: what every step of a serial chain (a Batcher's lane: statement, commit,
-// answer) pays at least once.
+// on one connection: the least a lane of the Batcher waits per batch, since it sends one statement
+// and waits for its answer before it sends the next.
 func roundTrips(ctx context.Context, env *Env) string {
 	const n = 200
 	p50 := func(do func() error) string {
