@@ -61,8 +61,8 @@ func machine(ctx context.Context, env *Env) []string {
 }
 
 // roundTrips measures, before any cell runs, the p50 of one request after another to each server
-// on one connection: the least a lane of the Batcher waits per batch, since it sends one statement
-// and waits for its answer before it sends the next.
+// on one connection, both sides otherwise idle. A lane of the Batcher pays a round trip per batch;
+// under load it may be shorter (the CPUs are awake) or longer (they are busy) than this figure.
 func roundTrips(ctx context.Context, env *Env) string {
 	const n = 200
 	p50 := func(do func() error) string {
