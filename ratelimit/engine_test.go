@@ -61,6 +61,55 @@ func TestListDecidesOneKeyInOrder(t *testing.T) {
 	}
 }
 
+// A list of calls on keys of their own whose first row (in row order, here key "a") grants now is
+// first decided in one UPDATE, with no read (txlimit_decide's header); the requests it does not
+// grant there (a refusal, a missing row, a Check, a reservation) are decided on the usual road. The
+// answers must be exactly those of the rules, whichever road took them.
+func TestListOfKeysGrantedInOneUpdate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second, MaxReserved: 2}})
+	for key, count := range map[string]float64{"a": 1, "b": 5, "d": 2, "e": 5} {
+		_, err := b.lim.LimitN(b.ctx, b.pool, "five", key, count, nil)
+		require.NoError(t, err)
+	}
+	one := func(key string, count float64, dry, reserve bool) ratelimit.ListCall {
+		return ratelimit.ListCall{Single: true, Dry: dry,
+			Reqs: []ratelimit.Request{{Name: "five", Key: key, Count: count, Reserve: reserve}}}
+	}
+	got, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, []ratelimit.ListCall{
+		one("c", 2, false, false), // missing: created full and charged, 3 left
+		one("b", 1, false, false), // empty: refused, 1 token in 200 ms
+		one("d", 1, true, false),  // Check on 3: granted, writes nothing
+		one("a", 3, false, false), // 4 - 3 = 1, in the UPDATE
+		one("e", 1, false, true),  // empty, Reserve: reserved down to -1, paid back in 200 ms
+	})
+	require.NoError(t, err)
+	want := []struct {
+		ok, reserved bool
+		value        float64
+		retryAt      time.Time
+	}{
+		{true, false, 3, time.Time{}},
+		{false, false, 0, t0.Add(200 * ms)},
+		{true, false, 2, time.Time{}},
+		{true, false, 1, time.Time{}},
+		{true, true, -1, t0.Add(200 * ms)}, // OK: granted, as a reservation
+	}
+	for i, w := range want {
+		require.NoError(t, errs[i], "call %d", i)
+		r := got[i].Results[0]
+		if r.OK != w.ok || r.Reserved != w.reserved || r.Value != w.value || !r.RetryAt.Equal(w.retryAt) || !r.Time.Equal(t0) {
+			t.Errorf("call %d: got ok=%v reserved=%v value=%v retryAt=%v; want ok=%v reserved=%v value=%v retryAt=%v",
+				i, r.OK, r.Reserved, r.Value, sinceT0(r.RetryAt), w.ok, w.reserved, w.value, sinceT0(w.retryAt))
+		}
+	}
+	for key, want := range map[string]float64{"a": 1, "b": 0, "c": 3, "d": 3, "e": -1} {
+		st, err := b.lim.State(b.ctx, b.pool, "five", key, nil)
+		require.NoError(t, err)
+		require.Equal(t, want, st.Value, key)
+	}
+}
+
 // docs/spec.md §5: time arithmetic is bounded for every accepted input. Waits of thousands of
 // years are exact; a wait beyond MaxRetryWaitMicros is reported as that bound. The old loop that
 // adjusted a float64 wait never returned for waits above 2^53 µs.
