@@ -337,12 +337,13 @@ $$;
 --   calls): step 1 is a loop over the requests that keeps no per-request plan (each row depends on
 --   its own requests only), a run of identical refusals searches its RetryAt once, and step 2 is
 --   one statement when every row to lock exists.
--- - Such a list whose rows each have one request (calls on keys of their own), when the first row
---   (in row order) would grant its request now: steps 1, 2 and 4 are first one UPDATE, in row
---   order, of every row whose request its latest version grants now (not a reservation, not a
---   Check); Postgres evaluates the rules on that version, re-read when another transaction changed
---   it meanwhile. The requests it does not grant go on through the road above. (The probe of the
---   first row keeps a list of refusals from paying for an UPDATE that writes nothing.)
+-- - Such a list whose rows each have one request (calls on keys of their own), no Check among
+--   them, when the first row (in row order) would grant its request now: steps 1, 2 and 4 are
+--   first one UPDATE, in row order, of every row whose latest version grants its request now (not
+--   as a reservation); Postgres evaluates the rules on that version, re-read when another
+--   transaction changed it meanwhile. When that is every request, the list is decided; otherwise
+--   the UPDATE is undone with its locks (a subtransaction) and the road above decides the list.
+--   (The probe of the first row keeps a list of refusals from paying for an UPDATE.)
 --
 -- Sharded requests: see the package doc of ratelimit ("Shards"). A steered request takes as shard
 -- a the first candidate whose transaction-scoped advisory lock (p_lock_base XOR this table's OID
@@ -423,7 +424,7 @@ DECLARE
     lean boolean;
     n_want integer := 0; n_new integer := 0; -- the lean loop's rows to lock, and those to create
     done_rows integer[]; done boolean[]; -- rows the lean list wrote in its first pass
-    f_i integer[]; f_lvl double precision[]; f_done boolean[]; -- requests the one-UPDATE road granted
+    f_i integer[]; f_lvl double precision[]; -- the one-UPDATE road's requests and their levels
     r_found boolean; b_found boolean; w_found boolean; vb_w double precision; tb_w bigint;
     s_pos integer; -- a lone steered request's chosen candidate (the lone steered road's steering)
     rec record;
@@ -648,15 +649,16 @@ BEGIN
     -- (As many groups as requests, by p_grp's numbering: each group is one request.)
     lean := p_cand_n <@ '{1}'::integer[] AND NOT (p_steer && '{true}'::boolean[])
             AND p_grp[n] = n - 1;
-    -- A lean list whose rows each have one request (a batch of calls on keys of their own): each
-    -- request that its row, as it is now, grants now (not as a reservation) is decided and written
-    -- in one UPDATE, in row order, with no read first; Postgres evaluates the rules on the row's
-    -- latest version (re-read when another transaction changed it meanwhile), so the decision is
-    -- the one the steps below would reach. The rest (a Check, a missing row, a refusal, a
-    -- reservation) go on through the lean road, which skips the requests decided here.
-    -- It is taken only when the request on the first row (in row order) would be granted now on
-    -- that row as read (one probe by its key), so that a list of refusals pays one probe, not the
-    -- UPDATE.
+    -- A lean list whose rows each have one request (a batch of calls on keys of their own): when
+    -- every request is granted now (not as a reservation, not a Check) by its row's latest version,
+    -- one UPDATE in row order, with no read first, decides and writes them all; Postgres evaluates
+    -- the rules on that version (re-read when another transaction changed it meanwhile), so each
+    -- decision is the one the steps below would reach. When any request is not (a Check, a missing
+    -- row, a refusal, a reservation), the UPDATE is undone, its row locks with it (a
+    -- subtransaction), and the whole list goes on through the lean road: keeping some rows locked
+    -- while the lean road locks others could take locks out of row order. The UPDATE is tried only
+    -- when the request on the first row would be granted now on that row as read (one probe by its
+    -- key), so that a list of refusals pays one probe, not the UPDATE.
     IF lean AND m = n AND n > 1 THEN
         i := array_position(p_cand_row, 1);
         SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
@@ -664,36 +666,37 @@ BEGIN
         WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
         r_found := FOUND;
     END IF;
-    IF lean AND m = n AND n > 1 AND r_found AND NOT p_dry[i]
+    IF lean AND m = n AND n > 1 AND r_found AND NOT (p_dry && '{true}'::boolean[])
        AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(p_kind[i], va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]),
                                            0, p_count[i]), 0, 0) THEN
-        WITH w AS (
-            UPDATE txlimit_state s
-            SET value = txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
-                                                           t_now, u.rate, u.per, u.cap), 0, u.cnt),
-                ts = 'epoch'::timestamptz
-                     + txlimit_next_ts(u.kind, (extract(epoch FROM s.ts) * 1000000)::bigint, t_now, u.per) * interval '1 microsecond'
-            FROM (SELECT * FROM unnest(p_cand_row, p_kind, p_rate, p_period_us, p_cap, p_count, p_dry)
-                                WITH ORDINALITY AS v(r, kind, rate, per, cap, cnt, dry, i)
-                  WHERE NOT v.dry
-                  ORDER BY v.r
-                  OFFSET 0) u
-            WHERE s.name = p_row_name[u.r] AND s.key = p_row_key[u.r] AND s.shard = p_row_shard[u.r]
-              AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
-                                                                      t_now, u.rate, u.per, u.cap), 0, u.cnt), 0, 0)
-            RETURNING u.i::integer AS i, s.value AS lvl
-        )
-        SELECT array_agg(w.i ORDER BY w.i), array_agg(w.lvl + 0 ORDER BY w.i) INTO f_i, f_lvl FROM w;
-        IF cardinality(f_i) = n THEN
+        BEGIN
+            WITH w AS (
+                UPDATE txlimit_state s
+                SET value = txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
+                                                               t_now, u.rate, u.per, u.cap), 0, u.cnt),
+                    ts = 'epoch'::timestamptz
+                         + txlimit_next_ts(u.kind, (extract(epoch FROM s.ts) * 1000000)::bigint, t_now, u.per) * interval '1 microsecond'
+                FROM (SELECT * FROM unnest(p_cand_row, p_kind, p_rate, p_period_us, p_cap, p_count, p_dry)
+                                    WITH ORDINALITY AS v(r, kind, rate, per, cap, cnt, dry, i)
+                      WHERE NOT v.dry
+                      ORDER BY v.r
+                      OFFSET 0) u
+                WHERE s.name = p_row_name[u.r] AND s.key = p_row_key[u.r] AND s.shard = p_row_shard[u.r]
+                  AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
+                                                                          t_now, u.rate, u.per, u.cap), 0, u.cnt), 0, 0)
+                RETURNING u.i::integer AS i, s.value AS lvl
+            )
+            SELECT array_agg(w.i ORDER BY w.i), array_agg(w.lvl + 0 ORDER BY w.i) INTO f_i, f_lvl FROM w;
+            IF cardinality(f_i) IS DISTINCT FROM n THEN
+                RAISE SQLSTATE 'TXLU0'; -- undo the UPDATE (caught just below)
+            END IF;
             RETURN QUERY
             SELECT true, false, false, u.lvl, p_cand_shard[u.i], -1, 1, 0::bigint, t_now
             FROM unnest(f_i, f_lvl) AS u(i, lvl);
             RETURN;
-        END IF;
-        f_done := array_fill(false, ARRAY[n]);
-        FOREACH j IN ARRAY coalesce(f_i, '{}') LOOP
-            f_done[j] := true;
-        END LOOP;
+        EXCEPTION WHEN SQLSTATE 'TXLU0' THEN
+            NULL; -- not every request granted now: the lean road decides the list
+        END;
     END IF;
     -- The lock-free read of every row a request without steering may use, in one statement (a
     -- single row by its key: cheaper than the join over arrays).
@@ -734,9 +737,6 @@ BEGIN
     o_sb := array_fill(-1, ARRAY[n]);
     o_ch := array_fill(0, ARRAY[n]);
     o_retry := array_fill(0::bigint, ARRAY[n]);
-    FOR j IN 1 .. coalesce(cardinality(f_i), 0) LOOP
-        o_ok[f_i[j]] := true; o_lvl[f_i[j]] := f_lvl[j];
-    END LOOP;
     IF NOT lean THEN
         q_a := array_fill(0, ARRAY[n]);
         q_b := array_fill(0, ARRAY[n]);
@@ -767,8 +767,7 @@ BEGIN
         END IF;
         FOR i IN 1 .. CASE WHEN lean THEN n ELSE 0 END LOOP
             r := p_cand_row[i];
-            -- Decided by the one-UPDATE road, or written in the first pass: its answers stand.
-            CONTINUE WHEN f_done[i] OR (pass = 2 AND done[r]);
+            CONTINUE WHEN pass = 2 AND done[r]; -- written in the first pass: its answers stand
             kind := p_kind[i];
             IF w_mod[r] THEN va := w_val[r]; ta := w_ts[r];
             ELSIF pass = 2 AND l_got[r] THEN va := l_val[r]; ta := l_ts[r];

@@ -62,9 +62,9 @@ func TestListDecidesOneKeyInOrder(t *testing.T) {
 }
 
 // A list of calls on keys of their own whose first row (in row order, here key "a") grants now is
-// first decided in one UPDATE, with no read (txlimit_decide's header); the requests it does not
-// grant there (a refusal, a missing row, a Check, a reservation) are decided on the usual road. The
-// answers must be exactly those of the rules, whichever road took them.
+// first tried in one UPDATE, with no read (txlimit_decide's header); when a request is not granted
+// now there (a refusal, a missing row, a Check, a reservation), that UPDATE is undone and the usual
+// road decides the list. The answers must be exactly those of the rules, whichever road took them.
 func TestListOfKeysGrantedInOneUpdate(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second, MaxReserved: 2}})
@@ -107,6 +107,95 @@ func TestListOfKeysGrantedInOneUpdate(t *testing.T) {
 		st, err := b.lim.State(b.ctx, b.pool, "five", key, nil)
 		require.NoError(t, err)
 		require.Equal(t, want, st.Value, key)
+	}
+}
+
+// A list whose every call is granted now on a key of its own is decided by the one UPDATE alone.
+func TestListOfKeysAllGrantedInOneUpdate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second}})
+	for _, key := range []string{"a", "b", "c"} {
+		_, err := b.lim.LimitN(b.ctx, b.pool, "five", key, 1, nil)
+		require.NoError(t, err)
+	}
+	b.clock.Set(t0.Add(100 * ms)) // half a token back: 4.5 each
+	var calls []ratelimit.ListCall
+	for _, key := range []string{"c", "a", "b"} {
+		calls = append(calls, ratelimit.ListCall{Single: true, Reqs: []ratelimit.Request{{Name: "five", Key: key, Count: 2}}})
+	}
+	got, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, calls)
+	require.NoError(t, err)
+	for i := range calls {
+		require.NoError(t, errs[i])
+		r := got[i].Results[0]
+		require.True(t, r.OK && !r.Reserved, "call %d", i)
+		require.Equal(t, 2.5, r.Value, "call %d", i)
+		require.True(t, r.RetryAt.IsZero() && r.Time.Equal(t0.Add(100*ms)), "call %d", i)
+	}
+	for _, key := range []string{"a", "b", "c"} {
+		st, err := b.lim.State(b.ctx, b.pool, "five", key, nil)
+		require.NoError(t, err)
+		require.Equal(t, 2.5, st.Value, key)
+	}
+}
+
+// docs/spec.md §7: two calls never deadlock. A list whose one UPDATE grants some of its rows but not
+// all must not keep those rows locked while it waits for another: here it would hold c while
+// waiting for b, which a transaction holds that then asks for c.
+func TestListOfKeysPartialUpdateHoldsNoLocks(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second, MaxReserved: 2}})
+	for key, count := range map[string]float64{"a": 1, "b": 4, "c": 1} {
+		_, err := b.lim.LimitN(b.ctx, b.pool, "five", key, count, nil)
+		require.NoError(t, err)
+	}
+	one := func(key string, count float64, reserve bool) ratelimit.ListCall {
+		return ratelimit.ListCall{Single: true, Reqs: []ratelimit.Request{{Name: "five", Key: key, Count: count, Reserve: reserve}}}
+	}
+	tx, err := b.pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, errs, err := ratelimit.DecideList(b.ctx, b.lim, tx, []ratelimit.ListCall{one("b", 1, false)}) // holds b: 0 left
+	require.NoError(t, err)
+	require.NoError(t, errs[0])
+	pid := tx.Conn().PgConn().PID()
+
+	type answer struct {
+		res  []ratelimit.ManyResult
+		errs []error
+		err  error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		// a and c are granted now, b only as a reservation: the UPDATE is undone, and the usual
+		// road waits for b.
+		res, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, []ratelimit.ListCall{
+			one("a", 1, false), one("b", 2, true), one("c", 1, false)})
+		done <- answer{res, errs, err}
+	}()
+	eventually(t, "the list waits for b", func() bool {
+		var n int
+		require.NoError(t, b.pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
+		return n == 1
+	})
+	_, errs, err = ratelimit.DecideList(b.ctx, b.lim, tx, []ratelimit.ListCall{one("c", 1, false)}) // c: 3 left
+	require.NoError(t, err)
+	require.NoError(t, errs[0])
+	require.NoError(t, tx.Commit(b.ctx))
+
+	got := <-done
+	require.NoError(t, got.err)
+	want := []struct {
+		ok, reserved bool
+		value        float64
+	}{{true, false, 3}, {true, true, -2}, {true, false, 2}}
+	for i, w := range want {
+		require.NoError(t, got.errs[i], "call %d", i)
+		r := got.res[i].Results[0]
+		require.Equal(t, w, struct {
+			ok, reserved bool
+			value        float64
+		}{r.OK, r.Reserved, r.Value}, "call %d", i)
 	}
 }
 
