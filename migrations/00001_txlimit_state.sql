@@ -343,7 +343,8 @@ $$;
 --   as a reservation); Postgres evaluates the rules on that version, re-read when another
 --   transaction changed it meanwhile. When that is every request, the list is decided; otherwise
 --   the UPDATE is undone with its locks (a subtransaction) and the road above decides the list.
---   (The probe of the first row keeps a list of refusals from paying for an UPDATE.)
+--   (The probe of the first row keeps a list of refusals from paying for an UPDATE.) Only the first
+--   write of a transaction takes this road, so a transaction uses one subtransaction ID at most.
 --
 -- Sharded requests: see the package doc of ratelimit ("Shards"). A steered request takes as shard
 -- a the first candidate whose transaction-scoped advisory lock (p_lock_base XOR this table's OID
@@ -658,7 +659,9 @@ BEGIN
     -- subtransaction), and the whole list goes on through the lean road: keeping some rows locked
     -- while the lean road locks others could take locks out of row order. The UPDATE is tried only
     -- when the request on the first row would be granted now on that row as read (one probe by its
-    -- key), so that a list of refusals pays one probe, not the UPDATE.
+    -- key), so that a list of refusals pays one probe, not the UPDATE; and only as the first write
+    -- of its transaction (a Batcher's batch, say), so that a transaction holds at most one such
+    -- subtransaction, whose ID is the one it costs beyond the transaction's own.
     IF lean AND m = n AND n > 1 THEN
         i := array_position(p_cand_row, 1);
         SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
@@ -667,6 +670,7 @@ BEGIN
         r_found := FOUND;
     END IF;
     IF lean AND m = n AND n > 1 AND r_found AND NOT (p_dry && '{true}'::boolean[])
+       AND pg_current_xact_id_if_assigned() IS NULL
        AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(p_kind[i], va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]),
                                            0, p_count[i]), 0, 0) THEN
         BEGIN
@@ -676,9 +680,8 @@ BEGIN
                                                                t_now, u.rate, u.per, u.cap), 0, u.cnt),
                     ts = 'epoch'::timestamptz
                          + txlimit_next_ts(u.kind, (extract(epoch FROM s.ts) * 1000000)::bigint, t_now, u.per) * interval '1 microsecond'
-                FROM (SELECT * FROM unnest(p_cand_row, p_kind, p_rate, p_period_us, p_cap, p_count, p_dry)
-                                    WITH ORDINALITY AS v(r, kind, rate, per, cap, cnt, dry, i)
-                      WHERE NOT v.dry
+                FROM (SELECT * FROM unnest(p_cand_row, p_kind, p_rate, p_period_us, p_cap, p_count)
+                                    WITH ORDINALITY AS v(r, kind, rate, per, cap, cnt, i)
                       ORDER BY v.r
                       OFFSET 0) u
                 WHERE s.name = p_row_name[u.r] AND s.key = p_row_key[u.r] AND s.shard = p_row_shard[u.r]
