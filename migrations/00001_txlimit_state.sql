@@ -662,44 +662,42 @@ BEGIN
     -- key), so that a list of refusals pays one probe, not the UPDATE; and only as the first write
     -- of its transaction (a Batcher's batch, say), so that a transaction holds at most one such
     -- subtransaction, whose ID is the one it costs beyond the transaction's own.
-    IF lean AND m = n AND n > 1 THEN
+    IF lean AND m = n AND n > 1 AND NOT (p_dry && '{true}'::boolean[])
+       AND pg_current_xact_id_if_assigned() IS NULL THEN
         i := array_position(p_cand_row, 1);
         SELECT s.value, (extract(epoch FROM s.ts) * 1000000)::bigint INTO va, ta
         FROM txlimit_state s
         WHERE s.name = p_row_name[1] AND s.key = p_row_key[1] AND s.shard = p_row_shard[1];
-        r_found := FOUND;
-    END IF;
-    IF lean AND m = n AND n > 1 AND r_found AND NOT (p_dry && '{true}'::boolean[])
-       AND pg_current_xact_id_if_assigned() IS NULL
-       AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(p_kind[i], va, ta, t_now, p_rate[i], p_period_us[i], p_cap[i]),
-                                           0, p_count[i]), 0, 0) THEN
-        BEGIN
-            WITH w AS (
-                UPDATE txlimit_state s
-                SET value = txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
-                                                               t_now, u.rate, u.per, u.cap), 0, u.cnt),
-                    ts = 'epoch'::timestamptz
-                         + txlimit_next_ts(u.kind, (extract(epoch FROM s.ts) * 1000000)::bigint, t_now, u.per) * interval '1 microsecond'
-                FROM (SELECT * FROM unnest(p_cand_row, p_kind, p_rate, p_period_us, p_cap, p_count)
-                                    WITH ORDINALITY AS v(r, kind, rate, per, cap, cnt, i)
-                      ORDER BY v.r
-                      OFFSET 0) u
-                WHERE s.name = p_row_name[u.r] AND s.key = p_row_key[u.r] AND s.shard = p_row_shard[u.r]
-                  AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
-                                                                          t_now, u.rate, u.per, u.cap), 0, u.cnt), 0, 0)
-                RETURNING u.i::integer AS i, s.value AS lvl
-            )
-            SELECT array_agg(w.i ORDER BY w.i), array_agg(w.lvl + 0 ORDER BY w.i) INTO f_i, f_lvl FROM w;
-            IF cardinality(f_i) IS DISTINCT FROM n THEN
-                RAISE SQLSTATE 'TXLU0'; -- undo the UPDATE (caught just below)
-            END IF;
-            RETURN QUERY
-            SELECT true, false, false, u.lvl, p_cand_shard[u.i], -1, 1, 0::bigint, t_now
-            FROM unnest(f_i, f_lvl) AS u(i, lvl);
-            RETURN;
-        EXCEPTION WHEN SQLSTATE 'TXLU0' THEN
-            NULL; -- not every request granted now: the lean road decides the list
-        END;
+        IF FOUND AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(p_kind[i], va, ta, t_now, p_rate[i], p_period_us[i],
+                                                                         p_cap[i]), 0, p_count[i]), 0, 0) THEN
+            BEGIN
+                WITH w AS (
+                    UPDATE txlimit_state s
+                    SET value = txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
+                                                                   t_now, u.rate, u.per, u.cap), 0, u.cnt),
+                        ts = 'epoch'::timestamptz
+                             + txlimit_next_ts(u.kind, (extract(epoch FROM s.ts) * 1000000)::bigint, t_now, u.per) * interval '1 microsecond'
+                    FROM (SELECT * FROM unnest(p_cand_row, p_kind, p_rate, p_period_us, p_cap, p_count)
+                                        WITH ORDINALITY AS v(r, kind, rate, per, cap, cnt, i)
+                          ORDER BY v.r
+                          OFFSET 0) u
+                    WHERE s.name = p_row_name[u.r] AND s.key = p_row_key[u.r] AND s.shard = p_row_shard[u.r]
+                      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(u.kind, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
+                                                                              t_now, u.rate, u.per, u.cap), 0, u.cnt), 0, 0)
+                    RETURNING u.i::integer AS i, s.value AS lvl
+                )
+                SELECT array_agg(w.i ORDER BY w.i), array_agg(w.lvl + 0 ORDER BY w.i) INTO f_i, f_lvl FROM w;
+                IF cardinality(f_i) IS DISTINCT FROM n THEN
+                    RAISE SQLSTATE 'TXLU0'; -- undo the UPDATE (caught just below)
+                END IF;
+                RETURN QUERY
+                SELECT true, false, false, u.lvl, p_cand_shard[u.i], -1, 1, 0::bigint, t_now
+                FROM unnest(f_i, f_lvl) AS u(i, lvl);
+                RETURN;
+            EXCEPTION WHEN SQLSTATE 'TXLU0' THEN
+                NULL; -- not every request granted now: the lean road decides the list
+            END;
+        END IF;
     END IF;
     -- The lock-free read of every row a request without steering may use, in one statement (a
     -- single row by its key: cheaper than the join over arrays).
