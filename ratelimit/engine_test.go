@@ -61,6 +61,24 @@ func TestListDecidesOneKeyInOrder(t *testing.T) {
 	}
 }
 
+// listAnswer is what ratelimit.DecideList returned.
+type listAnswer struct {
+	res  []ratelimit.ManyResult
+	errs []error
+	err  error
+}
+
+// decideListAsync decides calls as one list on b's pool in a goroutine of its own, for a test that
+// acts while the list waits for a lock; the answer arrives on the channel.
+func decideListAsync(b *testBundle, calls []ratelimit.ListCall) <-chan listAnswer {
+	done := make(chan listAnswer, 1)
+	go func() {
+		res, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, calls)
+		done <- listAnswer{res, errs, err}
+	}()
+	return done
+}
+
 // A list of calls on keys of their own whose first row (in row order, here key "a") grants now is
 // first tried in one UPDATE, with no read (txlimit_decide's header); when a request is not granted
 // now there (a refusal, a missing row, a Check, a reservation), that UPDATE is undone and the usual
@@ -160,19 +178,9 @@ func TestListOfKeysPartialUpdateHoldsNoLocks(t *testing.T) {
 	require.NoError(t, errs[0])
 	pid := tx.Conn().PgConn().PID()
 
-	type answer struct {
-		res  []ratelimit.ManyResult
-		errs []error
-		err  error
-	}
-	done := make(chan answer, 1)
-	go func() {
-		// a and c are granted now, b only as a reservation: the UPDATE is undone, and the usual
-		// road waits for b.
-		res, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, []ratelimit.ListCall{
-			one("a", 1, false), one("b", 2, true), one("c", 1, false)})
-		done <- answer{res, errs, err}
-	}()
+	// a and c are granted now, b only as a reservation: the UPDATE is undone, and the usual road
+	// waits for b.
+	done := decideListAsync(b, []ratelimit.ListCall{one("a", 1, false), one("b", 2, true), one("c", 1, false)})
 	eventually(t, "the list waits for b", func() bool {
 		var n int
 		require.NoError(t, b.pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
@@ -445,18 +453,9 @@ func TestListRegrantedOnLockedRowsHasNoRetryAt(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, 4.0, c.Value)
 
-			type answer struct {
-				res  []ratelimit.ManyResult
-				errs []error
-				err  error
-			}
-			done := make(chan answer, 1)
-			go func() {
-				// As read: 3 tokens, so the first call is granted (1 left) and the second refused.
-				// As locked, after the Credit commits: 4, so both are granted (2, then 0 left).
-				res, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, tc.calls)
-				done <- answer{res, errs, err}
-			}()
+			// As read: 3 tokens, so the first call is granted (1 left) and the second refused.
+			// As locked, after the Credit commits: 4, so both are granted (2, then 0 left).
+			done := decideListAsync(b, tc.calls)
 			time.Sleep(200 * time.Millisecond)
 			require.NoError(t, holder.Commit(b.ctx))
 			a := <-done
