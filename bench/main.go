@@ -137,7 +137,7 @@ func run(ctx context.Context, mode Mode, only string, lanes int, mdPath, svgPath
 		contenders[def.ID] = c
 		rep.Defs = append(rep.Defs, def)
 	}
-	if len(rep.Defs) == 0 {
+	if len(rep.Defs) == 0 && !slices.Contains(wanted, "http") {
 		return errors.New("no contender to run")
 	}
 
