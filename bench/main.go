@@ -73,7 +73,21 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, mode, *only, *lanes, *mdPath, *svgPath); err != nil {
+	// The command line as given, for the report (the flags that change what is measured).
+	command := "cd bench && go run ."
+	if *quick {
+		command += " -quick"
+	}
+	if *cell > 0 {
+		command += " -cell " + cell.String()
+	}
+	if *only != "" {
+		command += " -contenders " + *only
+	}
+	if *lanes != 0 {
+		command += fmt.Sprintf(" -lanes %d", *lanes)
+	}
+	if err := run(ctx, mode, command, *only, *lanes, *mdPath, *svgPath); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -96,12 +110,8 @@ type Report struct {
 	HTTP      []*HTTPResult // the HTTP cell (http.go)
 }
 
-func run(ctx context.Context, mode Mode, only string, lanes int, mdPath, svgPath string) error {
-	rep := &Report{Mode: mode, Started: time.Now(), Skipped: map[string]string{}}
-	rep.Command = "cd bench && go run ."
-	if mode.Name == quickMode.Name {
-		rep.Command = "cd bench && go run . -quick"
-	}
+func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath, svgPath string) error {
+	rep := &Report{Mode: mode, Command: command, Started: time.Now(), Skipped: map[string]string{}}
 	env, closeEnv, err := OpenEnv(ctx, EnvOpts{Schema: "txlimit_bench"})
 	if err != nil {
 		return err
@@ -110,7 +120,6 @@ func run(ctx context.Context, mode Mode, only string, lanes int, mdPath, svgPath
 	env.ServerPIDs = findServerPIDs(ctx, env)
 	if lanes != 0 {
 		env.Batcher = &ratelimit.BatcherConfig{Lanes: lanes}
-		rep.Command += fmt.Sprintf(" -lanes %d", lanes)
 	}
 	rep.Machine = machine(ctx, env)
 
