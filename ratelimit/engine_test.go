@@ -129,6 +129,9 @@ func TestListOfKeysGrantedInOneUpdate(t *testing.T) {
 }
 
 // A list whose every call is granted now on a key of its own is decided by the one UPDATE alone.
+// That UPDATE runs in a subtransaction of its own, so the rows it wrote carry the subtransaction's
+// ID, not the transaction's (the lean road writes them with the transaction's): which road wrote
+// them shows, not only what they hold.
 func TestListOfKeysAllGrantedInOneUpdate(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second}})
@@ -141,7 +144,10 @@ func TestListOfKeysAllGrantedInOneUpdate(t *testing.T) {
 	for _, key := range []string{"c", "a", "b"} {
 		calls = append(calls, ratelimit.ListCall{Single: true, Reqs: []ratelimit.Request{{Name: "five", Key: key, Count: 2}}})
 	}
-	got, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, calls)
+	tx, err := b.pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	got, errs, err := ratelimit.DecideList(b.ctx, b.lim, tx, calls)
 	require.NoError(t, err)
 	for i := range calls {
 		require.NoError(t, errs[i])
@@ -150,6 +156,11 @@ func TestListOfKeysAllGrantedInOneUpdate(t *testing.T) {
 		require.Equal(t, 2.5, r.Value, "call %d", i)
 		require.True(t, r.RetryAt.IsZero() && r.Time.Equal(t0.Add(100*ms)), "call %d", i)
 	}
+	var bySub int
+	require.NoError(t, tx.QueryRow(b.ctx,
+		`SELECT count(*) FROM txlimit_state WHERE name = 'five' AND xmin <> pg_current_xact_id()::xid`).Scan(&bySub))
+	require.Equal(t, 3, bySub, "rows written by the one UPDATE's subtransaction")
+	require.NoError(t, tx.Commit(b.ctx))
 	for _, key := range []string{"a", "b", "c"} {
 		st, err := b.lim.State(b.ctx, b.pool, "five", key, nil)
 		require.NoError(t, err)
