@@ -55,6 +55,38 @@
 // Config.Shadow decides and counts but never refuses a request (not even on a database error), to
 // watch a new limit before enforcing it.
 //
+// # Client addresses behind proxies
+//
+// ClientIP keys a request by the address it came from (Request.RemoteAddr). Behind reverse
+// proxies that address is the proxy's, and the client's is in a header the proxies write. Anyone
+// can send such a header, and proxies pass on what the client sent (Go's httputil.ReverseProxy
+// appends to a client's X-Forwarded-For and passes its Forwarded on unchanged), so ClientIP
+// believes a header only as IPOpts says: only the one header the proxies write (IPOpts.Header,
+// X-Forwarded-For by default), only from a trusted peer, and only the part the trusted proxies
+// wrote, read from the right. Other forwarding headers are ignored. The usual set-ups:
+//
+//	// No proxy: the peer is the client. Headers are ignored.
+//	httplimit.ClientIP(nil)
+//
+//	// One proxy (nginx, a load balancer, httputil.ReverseProxy) on 10.0.0.0/8, appending to
+//	// X-Forwarded-For: the right-most address not in 10.0.0.0/8.
+//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
+//
+//	// A CDN in front of your proxy: trust both. List the CDN's published ranges...
+//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: append(cdnRanges, netip.MustParsePrefix("10.0.0.0/8"))})
+//	// ...or count the hops: the proxy on 10.0.0.0/8 appended the CDN's address, the CDN the
+//	// client's, which is then the second from the right.
+//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}, TrustedProxyCount: 2})
+//
+//	// A proxy that sets X-Real-IP (nginx: proxy_set_header X-Real-IP $remote_addr).
+//	httplimit.ClientIP(&httplimit.IPOpts{Header: "X-Real-IP", TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
+//
+// Set Header to the one your proxies write and make sure the one facing the clients overwrites or
+// appends to it: a header the proxies only pass on is the client's to choose. Trusting a network
+// means that every host in it is a proxy that writes the header: a client that can reach the
+// server from inside it can choose its key. TrustedProxyCount without TrustedProxies believes any
+// peer, so the server must be reachable only through the proxies.
+//
 // # Deciding in the handler
 //
 // A middleware decides before the handler runs, so it cannot decide inside the handler's

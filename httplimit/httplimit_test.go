@@ -282,7 +282,7 @@ func TestForwardedFor(t *testing.T) {
 		require.NoError(t, err)
 		item(t, 0, lim[0], "perIP", "r", int64(0), "t", int64(3600), "pk", pk("perIP", "127.0.0.1"))
 	})
-	t.Run("trusted peer: right-most untrusted address", func(t *testing.T) {
+	t.Run("trusted peer: right-most untrusted address of the one header", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, fixed)
 		trusted := []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("10.0.0.0/8")}
@@ -298,9 +298,10 @@ func TestForwardedFor(t *testing.T) {
 			{"X-Forwarded-For", "203.0.113.1", 429, "203.0.113.1"},
 			// A client's own spoofed entry sits left of what our proxies appended.
 			{"X-Forwarded-For", "198.51.100.9, 203.0.113.1, 10.1.2.3", 429, "203.0.113.1"},
-			{"Forwarded", `for=198.51.100.7;proto=https, for="10.0.0.1"`, 200, "198.51.100.7"},
-			{"X-Real-IP", "198.51.100.8", 200, "198.51.100.8"},
-			{"X-Real-IP", "198.51.100.8", 429, "198.51.100.8"},
+			// The proxies write X-Forwarded-For (the default IPOpts.Header): other forwarding
+			// headers are ignored, and a trusted peer without it is keyed by its own address.
+			{"Forwarded", `for=198.51.100.7;proto=https, for="10.0.0.1"`, 200, "127.0.0.1"},
+			{"X-Real-IP", "198.51.100.8", 429, "127.0.0.1"},
 		} {
 			res := get(t, url, c.header, c.value)
 			require.Equal(t, c.status, res.status, "step %d", i)
@@ -323,7 +324,7 @@ func TestIPv6Grouping(t *testing.T) {
 	}{
 		{"X-Forwarded-For", "2001:db8:1:2::1", 200},
 		{"X-Forwarded-For", "2001:db8:1:2:ffff:ffff:ffff:9", 429}, // same /64
-		{"Forwarded", `for="[2001:db8:1:2::77]:4711"`, 429},       // same /64
+		{"X-Forwarded-For", "[2001:db8:1:2::77]:4711", 429},       // same /64
 		{"X-Forwarded-For", "2001:db8:1:3::1", 200},               // next /64
 		{"X-Forwarded-For", "::ffff:192.0.2.1", 200},              // IPv4-mapped: IPv4
 		{"X-Forwarded-For", "192.0.2.1", 429},

@@ -3,9 +3,12 @@ package httplimit
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/netip"
 	"strings"
+
+	"github.com/realclientip/realclientip-go"
 )
 
 // KeyFunc names the client a request is counted against, e.g. its IP address or user id. It
@@ -28,8 +31,25 @@ func Header(name string) KeyFunc {
 	}
 }
 
-// IPOpts are the options of ClientIP. A nil *IPOpts is the zero value.
+// IPOpts are the options of ClientIP. A nil *IPOpts is the zero value: no trusted proxies, so
+// the key is the immediate peer (Request.RemoteAddr). The package doc ("Client addresses behind
+// proxies") shows the common set-ups.
 type IPOpts struct {
+	// Header is the one header the trusted proxies write the client's address into, and the only
+	// one ClientIP reads; any other forwarding header is ignored, whatever it says:
+	//   - "X-Forwarded-For": each proxy appends the address it received the request from (Go's
+	//     httputil.ReverseProxy with a Director, or with a Rewrite that calls SetXForwarded;
+	//     nginx's $proxy_add_x_forwarded_for). The client is the right-most address not in
+	//     TrustedProxies, or the TrustedProxyCount-th from the right.
+	//   - "Forwarded" (RFC 7239): each proxy appends an element with a for= parameter; read as
+	//     X-Forwarded-For. httputil.ReverseProxy does not write it: its Director passes a client's
+	//     own Forwarded on unchanged, and a Rewrite removes it.
+	//   - "X-Real-IP": one address, set (not appended) by the proxy that faces the clients and
+	//     passed on unchanged by any behind it. Only TrustedProxies applies.
+	// It is read only when a proxy is trusted (TrustedProxies or TrustedProxyCount). Names are
+	// case-insensitive. Defaults to "X-Forwarded-For".
+	Header string
+
 	// IPv4Prefix groups IPv4 clients by this many leading bits (1 to 32). Defaults to 32: one
 	// key per address.
 	IPv4Prefix int
@@ -39,22 +59,43 @@ type IPOpts struct {
 	// to 64.
 	IPv6Prefix int
 
-	// TrustedProxies are the networks of the reverse proxies in front of the server. Only when
-	// the immediate peer (Request.RemoteAddr) is in one of them are the Forwarded,
-	// X-Forwarded-For and X-Real-IP headers believed (the first of them present, in that order),
-	// and then the client is the right-most address in them that is not itself a trusted proxy.
-	// Anyone can send these headers, so trusting a network that clients can reach directly lets
-	// them choose their key. Defaults to none: the key is always the immediate peer.
+	// TrustedProxies are the networks of the reverse proxies in front of the server. Header is
+	// read only when the immediate peer (Request.RemoteAddr) is in one of them; otherwise the
+	// peer is the client. Unless TrustedProxyCount is set, the client is then the right-most
+	// address in Header that is not in one of them. Anyone can send the header, so trusting a
+	// network that clients can reach the server from lets them choose their key. Defaults to
+	// none.
 	TrustedProxies []netip.Prefix
+
+	// TrustedProxyCount is the number of proxies that each append one address to Header
+	// ("X-Forwarded-For" or "Forwarded"): the client is the TrustedProxyCount-th address from the
+	// right (1: the right-most, which the proxy facing the server wrote). Use it when the proxies'
+	// addresses are not known in advance. Without TrustedProxies the header is believed whoever
+	// sends it, so the server must be reachable only through the proxies; with TrustedProxies,
+	// only from a peer in them. Defaults to 0: the client is found by TrustedProxies alone.
+	TrustedProxyCount int
 }
 
 // ClientIP returns a KeyFunc naming the client by its IP address (see IPOpts): an IPv4 address
 // ("192.0.2.7", or a prefix such as "192.0.2.0/24" when IPv4Prefix < 32) or an IPv6 prefix
-// ("2001:db8:1:2::/64"). IPv4-mapped IPv6 addresses count as IPv4. It panics when a prefix length
-// is out of range, as regexp.MustCompile does on a bad pattern.
+// ("2001:db8:1:2::/64"). IPv4-mapped IPv6 addresses count as IPv4.
+//
+// The client is the immediate peer (Request.RemoteAddr) unless a proxy is trusted and the request
+// came through it; then it is read from IPOpts.Header alone, from the right. A request from a
+// trusted peer without that header is the peer's own (a health check, say). One with the header
+// that names no client (every address in it trusted, fewer addresses than TrustedProxyCount, or
+// the client's entry not an IP address, such as Forwarded's for=unknown) has no key: ErrNoKey, and
+// the policy's MissingKey decides.
+//
+// It panics on invalid options, as regexp.MustCompile does on a bad pattern: the message says
+// what to set.
 func ClientIP(opts *IPOpts) KeyFunc {
-	o := IPOpts{IPv4Prefix: 32, IPv6Prefix: 64}
+	o := IPOpts{Header: headerXFF, IPv4Prefix: 32, IPv6Prefix: 64}
+	headerSet := false
 	if opts != nil {
+		if opts.Header != "" {
+			o.Header, headerSet = http.CanonicalHeaderKey(opts.Header), true
+		}
 		if opts.IPv4Prefix != 0 {
 			o.IPv4Prefix = opts.IPv4Prefix
 		}
@@ -62,12 +103,58 @@ func ClientIP(opts *IPOpts) KeyFunc {
 			o.IPv6Prefix = opts.IPv6Prefix
 		}
 		o.TrustedProxies = append(o.TrustedProxies, opts.TrustedProxies...)
+		o.TrustedProxyCount = opts.TrustedProxyCount
 	}
 	if o.IPv4Prefix < 1 || o.IPv4Prefix > 32 {
-		panic(fmt.Sprintf("httplimit: IPOpts.IPv4Prefix must be 1 to 32 (got %d)", o.IPv4Prefix))
+		panic(fmt.Sprintf("httplimit: ClientIP: set IPOpts.IPv4Prefix to 1..32, or 0 for the default 32 (got %d)", o.IPv4Prefix))
 	}
 	if o.IPv6Prefix < 1 || o.IPv6Prefix > 128 {
-		panic(fmt.Sprintf("httplimit: IPOpts.IPv6Prefix must be 1 to 128 (got %d)", o.IPv6Prefix))
+		panic(fmt.Sprintf("httplimit: ClientIP: set IPOpts.IPv6Prefix to 1..128, or 0 for the default 64 (got %d)", o.IPv6Prefix))
+	}
+	if o.Header != headerXFF && o.Header != headerForwarded && o.Header != headerRealIP {
+		panic(fmt.Sprintf(`httplimit: ClientIP: set IPOpts.Header to the one header your proxies write: "X-Forwarded-For" (the default), "Forwarded" or "X-Real-IP" (got %q)`, opts.Header))
+	}
+	for i, p := range o.TrustedProxies {
+		if !p.IsValid() {
+			panic(fmt.Sprintf(`httplimit: ClientIP: set IPOpts.TrustedProxies[%d] to a valid network, e.g. netip.MustParsePrefix("10.0.0.0/8") (got %s)`, i, p))
+		}
+	}
+	name := o.Header // as the documentation spells it
+	if name == headerRealIP {
+		name = "X-Real-IP"
+	}
+	if o.TrustedProxyCount < 0 {
+		panic(fmt.Sprintf("httplimit: ClientIP: set IPOpts.TrustedProxyCount to the number of proxies that append to %s, or 0 to find the client by TrustedProxies (got %d)", name, o.TrustedProxyCount))
+	}
+	if o.TrustedProxyCount > 0 && o.Header == headerRealIP {
+		panic(fmt.Sprintf("httplimit: ClientIP: set IPOpts.TrustedProxies to the networks of your proxies instead of TrustedProxyCount (%d): X-Real-IP holds one address, not one per proxy", o.TrustedProxyCount))
+	}
+	if headerSet && len(o.TrustedProxies) == 0 && o.TrustedProxyCount == 0 {
+		panic(fmt.Sprintf("httplimit: ClientIP: set IPOpts.TrustedProxies (or TrustedProxyCount) too: without a trusted proxy IPOpts.Header %q is never read and the key is RemoteAddr", opts.Header))
+	}
+
+	// strategy reads the client from the header; noClient says why it found none.
+	var strategy realclientip.Strategy
+	var noClient string
+	var err error
+	switch {
+	case o.Header == headerRealIP:
+		strategy, err = realclientip.NewSingleIPHeaderStrategy(o.Header)
+		noClient = "is not an IP address"
+	case o.TrustedProxyCount > 0:
+		strategy, err = realclientip.NewRightmostTrustedCountStrategy(o.Header, o.TrustedProxyCount)
+		noClient = fmt.Sprintf("has fewer than IPOpts.TrustedProxyCount (%d) addresses, or the one at that place from the right is not an IP address", o.TrustedProxyCount)
+	case len(o.TrustedProxies) > 0:
+		noClient = "names no address outside IPOpts.TrustedProxies, or the right-most such entry is not an IP address"
+		nets := make([]net.IPNet, len(o.TrustedProxies))
+		for i, p := range o.TrustedProxies {
+			p = p.Masked()
+			nets[i] = net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
+		}
+		strategy, err = realclientip.NewRightmostTrustedRangeStrategy(o.Header, nets)
+	}
+	if err != nil { // the options were checked above
+		panic(fmt.Sprintf("httplimit: ClientIP: %v", err))
 	}
 	trusted := func(a netip.Addr) bool {
 		for _, p := range o.TrustedProxies {
@@ -84,19 +171,14 @@ func ClientIP(opts *IPOpts) KeyFunc {
 			return "", fmt.Errorf("%w: ClientIP: RemoteAddr %q is not an IP address", ErrNoKey, r.RemoteAddr)
 		}
 		client := peer
-		if trusted(peer) {
-			// Walk from the right (the hop nearest to us) to the first address that is not a
-			// trusted proxy. An unparsable entry ends the walk at the last address believed.
-			chain := forwardedFor(r.Header)
-			for i := len(chain) - 1; i >= 0; i-- {
-				a, ok := parseAddr(chain[i])
-				if !ok {
-					break
-				}
-				client = a
-				if !trusted(a) {
-					break
-				}
+		switch {
+		case strategy == nil: // no trusted proxy
+		case len(o.TrustedProxies) > 0 && !trusted(peer): // not through a trusted proxy
+		case len(r.Header.Values(o.Header)) == 0: // the trusted peer's own request
+		default:
+			s := strategy.ClientIP(r.Header, r.RemoteAddr)
+			if client, ok = parseAddr(s); !ok {
+				return "", fmt.Errorf("%w: ClientIP: the %s header from %s %s", ErrNoKey, name, peer, noClient)
 			}
 		}
 		bits := o.IPv6Prefix
@@ -114,37 +196,12 @@ func ClientIP(opts *IPOpts) KeyFunc {
 	}
 }
 
-// forwardedFor returns the client addresses the proxies reported, left (origin) to right (nearest
-// proxy), from the first of Forwarded, X-Forwarded-For and X-Real-IP that is present. Several
-// fields of one name are one list, in order.
-func forwardedFor(h http.Header) []string {
-	var out []string
-	if fs := h.Values("Forwarded"); len(fs) > 0 {
-		for _, f := range fs {
-			for elem := range strings.SplitSeq(f, ",") {
-				for pair := range strings.SplitSeq(elem, ";") {
-					k, v, ok := strings.Cut(strings.TrimSpace(pair), "=")
-					if ok && strings.EqualFold(k, "for") {
-						out = append(out, strings.Trim(v, `"`))
-					}
-				}
-			}
-		}
-		return out
-	}
-	if fs := h.Values("X-Forwarded-For"); len(fs) > 0 {
-		for _, f := range fs {
-			for a := range strings.SplitSeq(f, ",") {
-				out = append(out, strings.TrimSpace(a))
-			}
-		}
-		return out
-	}
-	if v := strings.TrimSpace(h.Get("X-Real-IP")); v != "" {
-		return []string{v}
-	}
-	return nil
-}
+// The headers ClientIP can read, canonical (http.CanonicalHeaderKey).
+const (
+	headerXFF       = "X-Forwarded-For"
+	headerForwarded = "Forwarded"
+	headerRealIP    = "X-Real-Ip"
+)
 
 // parseAddr parses "addr", "addr:port", "[v6]" or "[v6]:port", dropping any zone and unmapping
 // IPv4-mapped IPv6 addresses.

@@ -1,0 +1,166 @@
+package httplimit_test
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/httplimit"
+)
+
+func prefixes(s ...string) []netip.Prefix {
+	out := make([]netip.Prefix, len(s))
+	for i, p := range s {
+		out[i] = netip.MustParsePrefix(p)
+	}
+	return out
+}
+
+// Issue 31, item 1: with the proxy trusted, a client's own Forwarded header chose its key
+// (203.0.113.99). Only the header the proxies write is read: X-Forwarded-For by default.
+func TestClientIPIssue31(t *testing.T) {
+	t.Parallel()
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "10.0.0.1:4000"
+	r.Header.Set("X-Forwarded-For", "198.51.100.7")
+	r.Header.Set("Forwarded", "for=203.0.113.99")
+	key, err := httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: prefixes("10.0.0.1/32")})(r)
+	require.NoError(t, err)
+	require.Equal(t, "198.51.100.7", key)
+}
+
+func TestClientIP(t *testing.T) {
+	t.Parallel()
+	trust10 := prefixes("10.0.0.0/8")
+	for i, c := range []struct {
+		name   string
+		opts   *httplimit.IPOpts
+		remote string
+		header []string // name, value, name, value...
+		want   string   // the key; "" when the request has no key (ErrNoKey)
+	}{
+		{"no options: the peer, headers ignored", nil, "198.51.100.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.1", "Forwarded", "for=203.0.113.2", "X-Real-IP", "203.0.113.3"}, "198.51.100.1"},
+		{"untrusted peer: the peer", &httplimit.IPOpts{TrustedProxies: trust10}, "198.51.100.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.1"}, "198.51.100.1"},
+		{"trusted peer: right-most untrusted in X-Forwarded-For", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.9, 198.51.100.7, 10.0.0.2"}, "198.51.100.7"},
+		{"several X-Forwarded-For lines are one list", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.9", "X-Forwarded-For", "198.51.100.7, 10.0.0.2"}, "198.51.100.7"},
+		{"Forwarded and X-Real-IP ignored by default", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"Forwarded", "for=203.0.113.2", "X-Real-IP", "203.0.113.3", "X-Forwarded-For", "198.51.100.7"}, "198.51.100.7"},
+		{"trusted peer without the header: its own request", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"Forwarded", "for=203.0.113.2", "X-Real-IP", "203.0.113.3"}, "10.0.0.1"},
+		{"every address trusted: no key", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "10.0.0.7, 10.0.0.2"}, ""},
+		{"right-most untrusted entry not an address: no key", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "198.51.100.7, unknown, 10.0.0.2"}, ""},
+		{"IPv4-mapped IPv6 is IPv4", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "::ffff:198.51.100.7"}, "198.51.100.7"},
+		{"IPv6 grouped by /64", &httplimit.IPOpts{TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "2001:db8:1:2:ffff::9"}, "2001:db8:1:2::/64"},
+		{"IPv4 grouped by IPv4Prefix", &httplimit.IPOpts{TrustedProxies: trust10, IPv4Prefix: 24}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "198.51.100.7"}, "198.51.100.0/24"},
+		{"IPv6 proxies", &httplimit.IPOpts{TrustedProxies: prefixes("fd00::/8")}, "[fd00::1]:1234",
+			[]string{"X-Forwarded-For", "198.51.100.7, fd00::2"}, "198.51.100.7"},
+
+		{"count: the second from the right", &httplimit.IPOpts{TrustedProxyCount: 2}, "192.0.2.50:1234",
+			[]string{"X-Forwarded-For", "203.0.113.9, 198.51.100.7, 192.0.2.1"}, "198.51.100.7"},
+		{"count: one is the right-most", &httplimit.IPOpts{TrustedProxyCount: 1}, "192.0.2.50:1234",
+			[]string{"X-Forwarded-For", "203.0.113.9, 198.51.100.7"}, "198.51.100.7"},
+		{"count: fewer addresses than proxies: no key", &httplimit.IPOpts{TrustedProxyCount: 2}, "192.0.2.50:1234",
+			[]string{"X-Forwarded-For", "198.51.100.7"}, ""},
+		{"count: without the header, the peer", &httplimit.IPOpts{TrustedProxyCount: 2}, "192.0.2.50:1234",
+			[]string{"Forwarded", "for=203.0.113.2"}, "192.0.2.50"},
+		{"count and networks: untrusted peer", &httplimit.IPOpts{TrustedProxyCount: 2, TrustedProxies: trust10}, "192.0.2.50:1234",
+			[]string{"X-Forwarded-For", "203.0.113.9, 198.51.100.7, 192.0.2.1"}, "192.0.2.50"},
+		{"count and networks: trusted peer", &httplimit.IPOpts{TrustedProxyCount: 2, TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.9, 198.51.100.7, 192.0.2.1"}, "198.51.100.7"},
+
+		{"Forwarded: the header named", &httplimit.IPOpts{Header: "Forwarded", TrustedProxies: prefixes("10.0.0.1/32")}, "10.0.0.1:4000",
+			[]string{"X-Forwarded-For", "198.51.100.7", "Forwarded", "for=203.0.113.99"}, "203.0.113.99"},
+		{"Forwarded: right-most untrusted, quoted, with port and parameters", &httplimit.IPOpts{Header: "forwarded", TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"Forwarded", `for=203.0.113.9, for="[2001:db8:1:2::77]:4711";proto=https, For=10.0.0.2;by=10.0.0.1`}, "2001:db8:1:2::/64"},
+		{"Forwarded: X-Forwarded-For ignored", &httplimit.IPOpts{Header: "Forwarded", TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.1", "Forwarded", "for=198.51.100.7"}, "198.51.100.7"},
+		{"Forwarded: for=unknown is no key", &httplimit.IPOpts{Header: "Forwarded", TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"Forwarded", "for=unknown, for=10.0.0.2"}, ""},
+		{"Forwarded: count", &httplimit.IPOpts{Header: "Forwarded", TrustedProxyCount: 2}, "10.0.0.1:1234",
+			[]string{"Forwarded", "for=203.0.113.9, for=198.51.100.7, for=192.0.2.1"}, "198.51.100.7"},
+
+		{"X-Real-IP: the header named", &httplimit.IPOpts{Header: "X-Real-IP", TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Forwarded-For", "203.0.113.1", "Forwarded", "for=203.0.113.2", "X-Real-IP", "198.51.100.7"}, "198.51.100.7"},
+		{"X-Real-IP: the last line", &httplimit.IPOpts{Header: "x-real-ip", TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Real-IP", "203.0.113.3", "X-Real-IP", "198.51.100.7"}, "198.51.100.7"},
+		{"X-Real-IP: untrusted peer", &httplimit.IPOpts{Header: "X-Real-IP", TrustedProxies: trust10}, "198.51.100.1:1234",
+			[]string{"X-Real-IP", "203.0.113.3"}, "198.51.100.1"},
+		{"X-Real-IP: not an address", &httplimit.IPOpts{Header: "X-Real-IP", TrustedProxies: trust10}, "10.0.0.1:1234",
+			[]string{"X-Real-IP", "unknown"}, ""},
+	} {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.RemoteAddr = c.remote
+		for j := 0; j+1 < len(c.header); j += 2 {
+			r.Header.Add(c.header[j], c.header[j+1])
+		}
+		key, err := httplimit.ClientIP(c.opts)(r)
+		if c.want == "" {
+			require.ErrorIs(t, err, httplimit.ErrNoKey, "step %d (%s): got key %q", i, c.name, key)
+			continue
+		}
+		require.NoError(t, err, "step %d (%s)", i, c.name)
+		require.Equal(t, c.want, key, "step %d (%s)", i, c.name)
+	}
+}
+
+// A header that names no client says why, under ErrNoKey (the policy's MissingKey decides).
+func TestClientIPNoClientErrors(t *testing.T) {
+	t.Parallel()
+	for i, c := range []struct {
+		opts   *httplimit.IPOpts
+		header []string
+		want   string
+	}{
+		{&httplimit.IPOpts{TrustedProxies: prefixes("10.0.0.0/8")}, []string{"X-Forwarded-For", "10.0.0.7"},
+			"httplimit: the request has no key: ClientIP: the X-Forwarded-For header from 10.0.0.1 names no address outside IPOpts.TrustedProxies, or the right-most such entry is not an IP address"},
+		{&httplimit.IPOpts{TrustedProxyCount: 2}, []string{"X-Forwarded-For", "198.51.100.7"},
+			"httplimit: the request has no key: ClientIP: the X-Forwarded-For header from 10.0.0.1 has fewer than IPOpts.TrustedProxyCount (2) addresses, or the one at that place from the right is not an IP address"},
+		{&httplimit.IPOpts{Header: "x-real-ip", TrustedProxies: prefixes("10.0.0.0/8")}, []string{"X-Real-IP", "unknown"},
+			"httplimit: the request has no key: ClientIP: the X-Real-IP header from 10.0.0.1 is not an IP address"},
+	} {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.RemoteAddr = "10.0.0.1:1234"
+		r.Header.Set(c.header[0], c.header[1])
+		_, err := httplimit.ClientIP(c.opts)(r)
+		require.ErrorIs(t, err, httplimit.ErrNoKey, "step %d", i)
+		require.EqualError(t, err, c.want, "step %d", i)
+	}
+}
+
+func TestClientIPPanicsOnBadOptions(t *testing.T) {
+	t.Parallel()
+	trust := prefixes("10.0.0.0/8")
+	for i, c := range []struct {
+		opts *httplimit.IPOpts
+		want string
+	}{
+		{&httplimit.IPOpts{IPv4Prefix: 33},
+			"httplimit: ClientIP: set IPOpts.IPv4Prefix to 1..32, or 0 for the default 32 (got 33)"},
+		{&httplimit.IPOpts{IPv6Prefix: -1},
+			"httplimit: ClientIP: set IPOpts.IPv6Prefix to 1..128, or 0 for the default 64 (got -1)"},
+		{&httplimit.IPOpts{Header: "X-Client-IP", TrustedProxies: trust},
+			`httplimit: ClientIP: set IPOpts.Header to the one header your proxies write: "X-Forwarded-For" (the default), "Forwarded" or "X-Real-IP" (got "X-Client-IP")`},
+		{&httplimit.IPOpts{TrustedProxies: []netip.Prefix{{}}},
+			`httplimit: ClientIP: set IPOpts.TrustedProxies[0] to a valid network, e.g. netip.MustParsePrefix("10.0.0.0/8") (got invalid Prefix)`},
+		{&httplimit.IPOpts{TrustedProxyCount: -1},
+			"httplimit: ClientIP: set IPOpts.TrustedProxyCount to the number of proxies that append to X-Forwarded-For, or 0 to find the client by TrustedProxies (got -1)"},
+		{&httplimit.IPOpts{Header: "X-Real-IP", TrustedProxyCount: 1},
+			"httplimit: ClientIP: set IPOpts.TrustedProxies to the networks of your proxies instead of TrustedProxyCount (1): X-Real-IP holds one address, not one per proxy"},
+		{&httplimit.IPOpts{Header: "Forwarded"},
+			`httplimit: ClientIP: set IPOpts.TrustedProxies (or TrustedProxyCount) too: without a trusted proxy IPOpts.Header "Forwarded" is never read and the key is RemoteAddr`},
+	} {
+		require.PanicsWithValue(t, c.want, func() { httplimit.ClientIP(c.opts) }, "step %d", i)
+	}
+}
