@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"strings"
 	"time"
 
@@ -33,10 +34,13 @@ func Example_middleware() {
 		panic(err)
 	}
 	defer batcher.Close()
+	// Behind a reverse proxy on 10.0.0.0/8 that appends to X-Forwarded-For: its requests are keyed
+	// by the right-most address it wrote there, any other peer's by its own address.
+	clientIP := httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
 	mw, err := httplimit.New(&httplimit.Config{
 		Decider: batcher,
 		Policies: []httplimit.Policy{
-			{Name: "perIP", Config: ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3}, Key: httplimit.ClientIP(nil)},
+			{Name: "perIP", Config: ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3}, Key: clientIP},
 			{Name: "perUser", Config: ratelimit.PerHour(100), Key: httplimit.Header("X-User"), MissingKey: httplimit.MissingKeySkip},
 		},
 		Secret: []byte("the same secret on every replica"), // keys the pk hashes
