@@ -47,13 +47,16 @@
 //
 // # Errors
 //
-// A database error fails closed: 503 Service Unavailable, unless Config.FailOpen, which lets the
-// request through, counts it (outcome "fail_open") and logs it. Invalid input, such as a key
-// longer than ratelimit.MaxKeyLen taken from a header or a negative cost, is 400 Bad Request
-// (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets the policy's
-// MissingKey outcome: 400 by default, or the policy is skipped, or shared by every keyless request.
-// Config.Shadow decides and counts but never refuses a request (not even on a database error), to
-// watch a new limit before enforcing it.
+// A database error fails closed: 503 Service Unavailable with Retry-After
+// (Config.FailClosedRetryAfter, DefaultFailClosedRetryAfter = 5 s unless set, plus the jitter
+// above), counted (outcome "error") and logged at error level. Config.FailOpen lets the request through instead, counted (outcome
+// "fail_open") and logged at warn level. Neither is silent by default: with Config.Logger nil the
+// record goes to slog.Default(), with Config.MeterProvider nil the count to the global provider.
+// Invalid input, such as a key longer than ratelimit.MaxKeyLen taken from a header or a negative
+// cost, is 400 Bad Request (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets
+// the policy's MissingKey outcome: 400 by default, or the policy is skipped, or shared by every
+// keyless request. Config.Shadow decides and counts but never refuses a request (not even on a
+// database error), to watch a new limit before enforcing it.
 //
 // # Client addresses behind proxies
 //
@@ -96,6 +99,7 @@
 //
 // # Metrics
 //
-// Config.MeterProvider counts requests by policy and outcome (MetricRequests); the Limiter's own
-// metrics (ratelimit.LimiterConfig.MeterProvider) count the decisions.
+// Config.MeterProvider (the global provider by default) counts requests by policy and outcome
+// (MetricRequests); the Limiter's own metrics (ratelimit.LimiterConfig.MeterProvider) count the
+// decisions.
 package httplimit

@@ -164,6 +164,18 @@ func (m *Middleware) jitter(results []ratelimit.Result) int64 {
 	return int64(binary.BigEndian.Uint64(mac.Sum(nil)[:8]) % uint64(m.jitterS+1))
 }
 
+// jitterKeys is the jitter of the requests reqs: the same as that of their results.
+func (m *Middleware) jitterKeys(reqs []ratelimit.Request) int64 {
+	if m.jitterS <= 0 {
+		return 0
+	}
+	results := make([]ratelimit.Result, len(reqs))
+	for i, r := range reqs {
+		results[i].Key = r.Key
+	}
+	return m.jitter(results)
+}
+
 // partitionKey is the first pkLen bytes of HMAC-SHA256(secret, name 0x00 key).
 func (m *Middleware) partitionKey(name, key string) []byte {
 	mac := m.macs.Get().(hash.Hash)

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"strconv"
 	"sync"
 	"time"
 
@@ -98,16 +99,24 @@ type Config struct {
 	// Decider decides the policies. Required when a Policy has a Key. Defaults to nil.
 	Decider Decider
 
+	// FailClosedRetryAfter is the Retry-After of the 503 answered when the Decider fails and the
+	// request is refused (fail closed), rounded up to whole seconds, plus the jitter of
+	// RetryJitter. Defaults to 0: DefaultFailClosedRetryAfter (5 s).
+	FailClosedRetryAfter time.Duration
+
 	// FailOpen lets a request through when the Decider fails (database down, timeout), counting
-	// it (outcome "fail_open") and logging it at warn level. Defaults to false: 503.
+	// it (outcome "fail_open") and logging it at warn level. Defaults to false: fail closed, a 503
+	// with Retry-After (FailClosedRetryAfter), counted (outcome "error") and logged at error
+	// level.
 	FailOpen bool
 
 	// Logger receives fail-open and fail-closed errors (warn and error) and shadow denials
-	// (info). Defaults to nil: silent.
+	// (info). Defaults to nil: slog.Default(), as it is when a record is logged.
 	Logger *slog.Logger
 
 	// MeterProvider provides the meter (MeterName) counting requests by policy and outcome
-	// (MetricRequests). Defaults to nil: no metrics (a no-op provider, not the global one).
+	// (MetricRequests). Defaults to nil: the global provider (otel.GetMeterProvider()), which
+	// records nothing until the application sets one with otel.SetMeterProvider.
 	MeterProvider metric.MeterProvider
 
 	// OmitSuccessHeaders leaves the RateLimit-Policy and RateLimit fields off granted requests;
@@ -133,17 +142,23 @@ type Config struct {
 	Shadow bool
 }
 
+// DefaultFailClosedRetryAfter is the Retry-After of a fail-closed 503 when
+// Config.FailClosedRetryAfter is 0: a database restart or failover usually takes a few seconds to
+// tens of seconds, so clients come back soon without hammering one that is still down.
+const DefaultFailClosedRetryAfter = 5 * time.Second
+
 // Middleware rate-limits requests. It is safe for concurrent use.
 type Middleware struct {
-	cfg      Config
-	byName   map[string]*Policy
-	decided  []*Policy
-	secret   []byte
-	macs     sync.Pool             // of HMAC-SHA256 keyed with secret (partitionKey)
-	items    map[string]*sync.Pool // policy name -> pool of its *sfItems (WriteHeaders)
-	jitterS  int64
-	obs      *observer
-	policies []Policy
+	cfg        Config
+	byName     map[string]*Policy
+	decided    []*Policy
+	secret     []byte
+	macs       sync.Pool             // of HMAC-SHA256 keyed with secret (partitionKey)
+	items      map[string]*sync.Pool // policy name -> pool of its *sfItems (WriteHeaders)
+	jitterS    int64
+	failRetryS int64 // Retry-After of a fail-closed 503 before jitter, in seconds
+	obs        *observer
+	policies   []Policy
 }
 
 // New validates cfg and returns a Middleware. It returns an error naming the first invalid field;
@@ -182,7 +197,14 @@ func New(cfg *Config) (*Middleware, error) {
 	if cfg.RetryJitter < 0 {
 		return nil, fmt.Errorf("httplimit: Config.RetryJitter must be >= 0 (got %s)", cfg.RetryJitter)
 	}
+	if cfg.FailClosedRetryAfter < 0 {
+		return nil, fmt.Errorf("httplimit: New: set Config.FailClosedRetryAfter to 0 (the default, %s) or more (got %s)", DefaultFailClosedRetryAfter, cfg.FailClosedRetryAfter)
+	}
 	m.jitterS = int64(cfg.RetryJitter / time.Second)
+	m.failRetryS = ceilSeconds(DefaultFailClosedRetryAfter)
+	if cfg.FailClosedRetryAfter > 0 {
+		m.failRetryS = ceilSeconds(cfg.FailClosedRetryAfter)
+	}
 	m.secret = append([]byte(nil), cfg.Secret...)
 	if len(m.secret) == 0 {
 		m.secret = make([]byte, 32)
@@ -267,17 +289,24 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	case err != nil && (m.cfg.FailOpen || m.cfg.Shadow):
 		m.obs.count(ctx, used, outcomeFailOpen)
-		m.obs.log.WarnContext(ctx, "httplimit: rate limit decision failed; request let through (FailOpen)", "method", r.Method, "path", r.URL.Path, "error", err)
+		msg := "httplimit: rate limit decision failed; request let through (FailOpen)"
+		if !m.cfg.FailOpen {
+			msg = "httplimit: rate limit decision failed; request let through (Shadow)"
+		}
+		m.obs.logger().WarnContext(ctx, msg, "method", r.Method, "path", r.URL.Path, "policies", names(used), "error", err)
 		next.ServeHTTP(w, r)
 		return
 	case err != nil:
 		m.obs.count(ctx, used, outcomeError)
-		m.obs.log.ErrorContext(ctx, "httplimit: rate limit decision failed; request refused (503)", "method", r.Method, "path", r.URL.Path, "error", err)
+		retry := m.failRetryS + m.jitterKeys(reqs)
+		m.obs.logger().ErrorContext(ctx, "httplimit: rate limit decision failed; request refused with 503 and Retry-After",
+			"method", r.Method, "path", r.URL.Path, "policies", names(used), "retry_after", retry, "error", err)
+		w.Header().Set("Retry-After", strconv.FormatInt(retry, 10))
 		writeProblem(w, http.StatusServiceUnavailable, "the rate limit could not be decided")
 		return
 	case !res.OK && m.cfg.Shadow:
 		m.obs.countDenied(ctx, res.Results, outcomeShadowDenied)
-		m.obs.log.InfoContext(ctx, "httplimit: request would have been denied (Shadow)", "method", r.Method, "path", r.URL.Path, "violated", violated(res.Results))
+		m.obs.logger().InfoContext(ctx, "httplimit: request would have been denied (Shadow)", "method", r.Method, "path", r.URL.Path, "violated", violated(res.Results))
 		next.ServeHTTP(w, r)
 		return
 	case !res.OK:
@@ -290,6 +319,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.WriteHeaders(w, res.Results...)
 	}
 	next.ServeHTTP(w, r)
+}
+
+// names returns the names of policies.
+func names(policies []*Policy) []string {
+	out := make([]string, len(policies))
+	for i, p := range policies {
+		out[i] = p.Name
+	}
+	return out
 }
 
 // violated returns the names of the denied results.

@@ -362,6 +362,7 @@ func TestDatabaseDown(t *testing.T) {
 	res := get(t, url)
 	require.Equal(t, 503, res.status)
 	require.JSONEq(t, `{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"the rate limit could not be decided"}`, res.body)
+	require.Equal(t, "5", res.header.Get("Retry-After")) // DefaultFailClosedRetryAfter
 	require.Empty(t, res.header.Get("RateLimit"))
 	require.Equal(t, int64(1), requests(t, b, "perIP", "error"))
 
@@ -575,4 +576,6 @@ func TestNewValidates(t *testing.T) {
 		_, err := httplimit.New(cfg)
 		require.Error(t, err, "case %d", i)
 	}
+	_, err := httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "a", Config: perIP}}, FailClosedRetryAfter: -time.Second})
+	require.EqualError(t, err, "httplimit: New: set Config.FailClosedRetryAfter to 0 (the default, 5s) or more (got -1s)")
 }

@@ -5,9 +5,9 @@ import (
 	"log/slog"
 	"sync"
 
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -36,29 +36,34 @@ const (
 	outcomeSkipped      = "skipped"
 )
 
+// observer counts and logs what the middleware does. With no MeterProvider it counts through the
+// global one, with no Logger it logs to slog.Default(): failures are never silent by default.
 type observer struct {
-	log      *slog.Logger
-	metrics  bool     // a MeterProvider was given: record measurements
-	sets     sync.Map // [2]string{policy, outcome} -> metric.MeasurementOption
+	log      *slog.Logger // nil: slog.Default() (logger)
+	sets     sync.Map     // [2]string{policy, outcome} -> metric.MeasurementOption
 	requests metric.Int64Counter
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
-	o := &observer{metrics: mp != nil}
+	o := &observer{log: log}
 	if mp == nil {
-		mp = noop.NewMeterProvider()
+		mp = otel.GetMeterProvider()
 	}
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	o.log = log
 	var err error
 	o.requests, err = mp.Meter(MeterName).Int64Counter(MetricRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("HTTP requests by rate limit policy and outcome."))
 	if err != nil { // the API still returns a working no-op counter
-		log.Warn("httplimit: creating metric instruments", "error", err)
+		o.logger().Warn("httplimit: creating metric instruments", "error", err)
 	}
 	return o
+}
+
+// logger is Config.Logger, or slog.Default() as it is now (the application may set it after New).
+func (o *observer) logger() *slog.Logger {
+	if o.log != nil {
+		return o.log
+	}
+	return slog.Default()
 }
 
 // count adds one request with outcome to each policy.
@@ -80,9 +85,6 @@ func (o *observer) countDenied(ctx context.Context, results []ratelimit.Result, 
 // add counts one request of policy with outcome. The attribute sets are built once each: there
 // are as many as policies (configured) times outcomes.
 func (o *observer) add(ctx context.Context, policy, outcome string) {
-	if !o.metrics {
-		return
-	}
 	k := [2]string{policy, outcome}
 	opt, ok := o.sets.Load(k)
 	if !ok {

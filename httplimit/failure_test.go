@@ -1,0 +1,203 @@
+package httplimit_test
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/txlimit/txlimit/httplimit"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// failing is a Decider whose every decision fails with err, as one on a database that is down.
+type failing struct{ err error }
+
+func (f failing) LimitMany(context.Context, []ratelimit.Request, *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+	return ratelimit.ManyResult{}, f.err
+}
+
+var errDown = errors.New("ratelimit: LimitMany: failed to connect to `user=postgres database=test`: connection refused")
+
+// records is an slog.Handler that keeps each record as "LEVEL message key=value ...".
+type records struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (h *records) Enabled(context.Context, slog.Level) bool { return true }
+func (h *records) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h *records) WithGroup(string) slog.Handler            { return h }
+
+func (h *records) Handle(_ context.Context, r slog.Record) error {
+	var b strings.Builder
+	b.WriteString(r.Level.String() + " " + r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		fmt.Fprintf(&b, " %s=%s", a.Key, a.Value)
+		return true
+	})
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.lines = append(h.lines, b.String())
+	return nil
+}
+
+func (h *records) all() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]string(nil), h.lines...)
+}
+
+// failureRun is what one request against a failing Decider produced.
+type failureRun struct {
+	res  response
+	logs []string
+	// requests reads MetricRequests for policy and outcome.
+	requests func(policy, outcome string) int64
+}
+
+// serveFailing sends one GET /items with header (name, value, ...) through a middleware whose
+// Decider fails, with cfg's other options and a Logger and MeterProvider of its own.
+func serveFailing(t *testing.T, cfg httplimit.Config, header ...string) failureRun {
+	t.Helper()
+	logs := &records{}
+	reader := sdkmetric.NewManualReader()
+	cfg.Decider = failing{errDown}
+	cfg.Secret = secret
+	cfg.Logger = slog.New(logs)
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	m, err := httplimit.New(&cfg)
+	require.NoError(t, err)
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write([]byte("ok"))
+	})))
+	t.Cleanup(srv.Close)
+	res := get(t, srv.URL+"/items", header...)
+	return failureRun{res: res, logs: logs.all(), requests: func(policy, outcome string) int64 {
+		return counter(t, reader, httplimit.MetricRequests, attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+	}}
+}
+
+const body503 = `{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"the rate limit could not be decided"}` + "\n"
+
+// Issue 31, item 7: a failed decision refused (fail closed) says when to come back, and is
+// logged and counted; let through (FailOpen, Shadow) it is logged and counted too.
+func TestDecisionFailure(t *testing.T) {
+	t.Parallel()
+	perIPPolicy := httplimit.Policy{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}
+	perUserPolicy := httplimit.Policy{Name: "perUser", Config: perIP, Key: httplimit.Header("X-User")}
+	// The jitter of the identity (127.0.0.1, alice) for RetryJitter 10 s: as the package doc says.
+	mac := hmac.New(sha256.New, secret)
+	mac.Write([]byte("retry-after\x00127.0.0.1\x00alice"))
+	jitter := int64(binary.BigEndian.Uint64(mac.Sum(nil)[:8]) % 11)
+
+	t.Run("fail closed: 503, Retry-After 5", func(t *testing.T) {
+		t.Parallel()
+		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}})
+		require.Equal(t, 503, run.res.status)
+		require.Equal(t, "5", run.res.header.Get("Retry-After"))
+		require.Equal(t, "application/problem+json", run.res.header.Get("Content-Type"))
+		require.Equal(t, body503, run.res.body)
+		require.Empty(t, run.res.header.Values("RateLimit"))
+		require.Equal(t, []string{"ERROR httplimit: rate limit decision failed; request refused with 503 and Retry-After " +
+			"method=GET path=/items policies=[perIP] retry_after=5 error=" + errDown.Error()}, run.logs)
+		require.Equal(t, int64(1), run.requests("perIP", "error"))
+	})
+	t.Run("fail closed: FailClosedRetryAfter rounded up", func(t *testing.T) {
+		t.Parallel()
+		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, FailClosedRetryAfter: 2500 * time.Millisecond})
+		require.Equal(t, 503, run.res.status)
+		require.Equal(t, "3", run.res.header.Get("Retry-After"))
+		require.Equal(t, []string{"ERROR httplimit: rate limit decision failed; request refused with 503 and Retry-After " +
+			"method=GET path=/items policies=[perIP] retry_after=3 error=" + errDown.Error()}, run.logs)
+	})
+	t.Run("fail closed: plus the identity's jitter", func(t *testing.T) {
+		t.Parallel()
+		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy, perUserPolicy}, RetryJitter: 10 * time.Second},
+			"X-User", "alice")
+		require.Equal(t, 503, run.res.status)
+		require.Equal(t, fmt.Sprint(5+jitter), run.res.header.Get("Retry-After"))
+		require.Equal(t, []string{fmt.Sprintf("ERROR httplimit: rate limit decision failed; request refused with 503 and Retry-After "+
+			"method=GET path=/items policies=[perIP perUser] retry_after=%d error=%s", 5+jitter, errDown)}, run.logs)
+		require.Equal(t, int64(1), run.requests("perIP", "error"))
+		require.Equal(t, int64(1), run.requests("perUser", "error"))
+	})
+	t.Run("FailOpen: let through, logged and counted", func(t *testing.T) {
+		t.Parallel()
+		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, FailOpen: true})
+		require.Equal(t, 200, run.res.status)
+		require.Equal(t, "ok", run.res.body)
+		require.Empty(t, run.res.header.Values("Retry-After"))
+		require.Equal(t, []string{"WARN httplimit: rate limit decision failed; request let through (FailOpen) " +
+			"method=GET path=/items policies=[perIP] error=" + errDown.Error()}, run.logs)
+		require.Equal(t, int64(1), run.requests("perIP", "fail_open"))
+		require.Equal(t, int64(0), run.requests("perIP", "error"))
+	})
+	t.Run("Shadow: let through, logged and counted", func(t *testing.T) {
+		t.Parallel()
+		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, Shadow: true})
+		require.Equal(t, 200, run.res.status)
+		require.Equal(t, "ok", run.res.body)
+		require.Equal(t, []string{"WARN httplimit: rate limit decision failed; request let through (Shadow) " +
+			"method=GET path=/items policies=[perIP] error=" + errDown.Error()}, run.logs)
+		require.Equal(t, int64(1), run.requests("perIP", "fail_open"))
+	})
+}
+
+// With no Logger and no MeterProvider a failed decision still goes to slog.Default() (as it is
+// when the request fails, not when New ran) and to the global MeterProvider. Not parallel: it
+// sets both process-wide defaults, and restores them.
+func TestDecisionFailureDefaults(t *testing.T) {
+	prevLogger, prevWriter, prevFlags, prevMeters := slog.Default(), log.Writer(), log.Flags(), otel.GetMeterProvider()
+	t.Cleanup(func() {
+		slog.SetDefault(prevLogger)
+		log.SetOutput(prevWriter)
+		log.SetFlags(prevFlags)
+		otel.SetMeterProvider(prevMeters)
+	})
+	reader := sdkmetric.NewManualReader()
+	otel.SetMeterProvider(sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)))
+
+	policy := httplimit.Policy{Name: "defaults", Config: perIP, Key: httplimit.ClientIP(nil)}
+	closed, err := httplimit.New(&httplimit.Config{Decider: failing{errDown}, Policies: []httplimit.Policy{policy}})
+	require.NoError(t, err)
+	open, err := httplimit.New(&httplimit.Config{Decider: failing{errDown}, Policies: []httplimit.Policy{policy}, FailOpen: true})
+	require.NoError(t, err)
+	logs := &records{}
+	slog.SetDefault(slog.New(logs)) // after New
+
+	ok := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write([]byte("ok")) })
+	for i, c := range []struct {
+		m      *httplimit.Middleware
+		status int
+		retry  string
+	}{{closed, 503, "5"}, {open, 200, ""}} {
+		w := httptest.NewRecorder()
+		c.m.Handler(ok).ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/items", nil))
+		require.Equal(t, c.status, w.Code, "step %d", i)
+		require.Equal(t, c.retry, w.Header().Get("Retry-After"), "step %d", i)
+	}
+	require.Equal(t, []string{
+		"ERROR httplimit: rate limit decision failed; request refused with 503 and Retry-After method=GET path=/items policies=[defaults] retry_after=5 error=" + errDown.Error(),
+		"WARN httplimit: rate limit decision failed; request let through (FailOpen) method=GET path=/items policies=[defaults] error=" + errDown.Error(),
+	}, logs.all())
+	for _, outcome := range []string{"error", "fail_open"} {
+		require.Equal(t, int64(1), counter(t, reader, httplimit.MetricRequests,
+			attribute.String("txlimit.policy", "defaults"), attribute.String("txlimit.outcome", outcome)), outcome)
+	}
+}
