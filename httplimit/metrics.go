@@ -40,7 +40,7 @@ const (
 // global one, with no Logger it logs to slog.Default(): failures are never silent by default.
 type observer struct {
 	log      *slog.Logger // nil: slog.Default() (logger)
-	sets     sync.Map     // [2]string{policy, outcome} -> metric.MeasurementOption
+	sets     sync.Map     // [2]string{policy, outcome} -> []metric.AddOption
 	requests metric.Int64Counter
 }
 
@@ -83,13 +83,15 @@ func (o *observer) countDenied(ctx context.Context, results []ratelimit.Result, 
 }
 
 // add counts one request of policy with outcome. The attribute sets are built once each: there
-// are as many as policies (configured) times outcomes.
+// are as many as policies (configured) times outcomes. Each is kept as the slice Add takes, so
+// that a call allocates nothing, not even when the provider records nothing (the global one
+// before the application sets it).
 func (o *observer) add(ctx context.Context, policy, outcome string) {
 	k := [2]string{policy, outcome}
-	opt, ok := o.sets.Load(k)
+	opts, ok := o.sets.Load(k)
 	if !ok {
-		opt, _ = o.sets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(
-			attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))))
+		opts, _ = o.sets.LoadOrStore(k, []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(
+			attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)))})
 	}
-	o.requests.Add(ctx, 1, opt.(metric.MeasurementOption))
+	o.requests.Add(ctx, 1, opts.([]metric.AddOption)...)
 }
