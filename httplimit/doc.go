@@ -49,9 +49,10 @@
 //
 // A database error fails closed: 503 Service Unavailable with Retry-After
 // (Config.FailClosedRetryAfter, DefaultFailClosedRetryAfter = 5 s unless set, plus the jitter
-// above), counted (outcome "error") and logged at error level. Config.FailOpen lets the request through instead, counted (outcome
-// "fail_open") and logged at warn level. Neither is silent by default: with Config.Logger nil the
-// record goes to slog.Default(), with Config.MeterProvider nil the count to the global provider.
+// above), counted (outcome "error") and logged at error level. Config.FailOpen lets the request
+// through instead, counted (outcome "fail_open") and logged at warn level. Neither is silent by
+// default: with Config.Logger nil the record goes to slog.Default(), with Config.MeterProvider
+// nil the count to the global provider.
 // Invalid input, such as a key longer than ratelimit.MaxKeyLen taken from a header or a negative
 // cost, is 400 Bad Request (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets
 // the policy's MissingKey outcome: 400 by default, or the policy is skipped, or shared by every
@@ -68,21 +69,22 @@
 // X-Forwarded-For by default), only from a trusted peer, and only the part the trusted proxies
 // wrote, read from the right. Other forwarding headers are ignored. The usual set-ups:
 //
-//	// No proxy: the peer is the client. Headers are ignored.
+//	// No proxy: the peer is the client. Forwarding headers are ignored.
 //	httplimit.ClientIP(nil)
 //
 //	// One proxy (nginx, a load balancer, httputil.ReverseProxy) on 10.0.0.0/8, appending to
 //	// X-Forwarded-For: the right-most address not in 10.0.0.0/8.
-//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
+//	proxies := []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}
+//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: proxies})
 //
-//	// A CDN in front of your proxy: trust both. List the CDN's published ranges...
-//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: append(cdnRanges, netip.MustParsePrefix("10.0.0.0/8"))})
-//	// ...or count the hops: the proxy on 10.0.0.0/8 appended the CDN's address, the CDN the
-//	// client's, which is then the second from the right.
-//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}, TrustedProxyCount: 2})
+//	// A CDN in front of that proxy: trust the CDN's published ranges too...
+//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: append(cdnRanges, proxies...)})
+//	// ...or count the hops: the proxy appended the CDN's address, the CDN the client's, which
+//	// is then the second from the right.
+//	httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: proxies, TrustedProxyCount: 2})
 //
 //	// A proxy that sets X-Real-IP (nginx: proxy_set_header X-Real-IP $remote_addr).
-//	httplimit.ClientIP(&httplimit.IPOpts{Header: "X-Real-IP", TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
+//	httplimit.ClientIP(&httplimit.IPOpts{Header: "X-Real-IP", TrustedProxies: proxies})
 //
 // Set Header to the one your proxies write and make sure the one facing the clients overwrites or
 // appends to it: a header the proxies only pass on is the client's to choose. Trusting a network
