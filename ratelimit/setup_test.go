@@ -67,9 +67,9 @@ func TestSetupErrors(t *testing.T) {
 		op   string
 		call func(db ratelimit.Executor) error
 	}{
-		{"LimitN", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }},
-		{"LimitN", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }},
-		{"CheckN", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }},
+		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }},
 		{"LimitMany", func(db ratelimit.Executor) error {
 			_, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
 			return err
@@ -96,7 +96,7 @@ func TestSetupErrors(t *testing.T) {
 		}
 		defer tx.Rollback(ctx)
 		err = calls[0].call(tx)
-		requireSetupError(t, "in a transaction", err, "LimitN", "", "42883") // txlimit_decide
+		requireSetupError(t, "in a transaction", err, "Limit", "", "42883") // txlimit_decide
 		if !strings.Contains(err.Error(), "SHOW search_path") {
 			t.Errorf("in a transaction: %q does not say how to read the search_path", err)
 		}
@@ -107,7 +107,7 @@ func TestSetupErrors(t *testing.T) {
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
 		pool := testdb.PoolOn(t, other+", public")
-		requireSetupError(t, "Limit", calls[0].call(pool), "LimitN", other+", public", "42883")
+		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42883")
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01")
 	})
 
@@ -146,7 +146,7 @@ func TestSetupErrors(t *testing.T) {
 		if !errors.As(err, &pgErr) {
 			t.Fatalf("sharded Limit on a schema behind: %v; want a Postgres error", err)
 		}
-		requireSetupError(t, "sharded Limit", err, "LimitN", schema, pgErr.Code)
+		requireSetupError(t, "sharded Limit", err, "Limit", schema, pgErr.Code)
 	})
 
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {
@@ -166,7 +166,7 @@ func TestSetupErrors(t *testing.T) {
 			t.Fatal("1/0 succeeded")
 		}
 		err = calls[0].call(tx) // 25P02: the transaction is aborted, not a set-up mistake
-		if err == nil || errors.Is(err, ratelimit.ErrSetup) || !strings.HasPrefix(err.Error(), "ratelimit: LimitN: ") {
+		if err == nil || errors.Is(err, ratelimit.ErrSetup) || !strings.HasPrefix(err.Error(), "ratelimit: Limit: ") {
 			t.Errorf("Limit in an aborted transaction: %v; want a plain database error", err)
 		}
 	})
