@@ -15,10 +15,9 @@
 // program prints a timeline of requests, model calls and the budget, then checks that the calls
 // started no faster than the budget allowed, and exits 0.
 //
-// It connects to DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
-// drops at the end, so it can be run again and again (db.go). It uses only public packages, so it
-// can be copied into an application as it is.
+// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
+// schema of its own, created with its migrations and dropped at the end, so it can be run again and
+// again (db.go). It imports only public packages, so it can be copied into an application.
 //
 // With -no-pull-forward it settles with scheduler.Settlement.Settle instead, which credits the
 // unused tokens without moving the waiting jobs (and is not exactly-once), and cancels with River's
@@ -157,7 +156,7 @@ func main() {
 
 func run(ctx context.Context) error {
 	// A schema of our own, dropped at the end.
-	pool, done, err := openScratch(ctx, databaseURL(), "txlimit_llmbudget_", 16)
+	pool, done, err := openDB(ctx, "txlimit_llmbudget_", 16)
 	if err != nil {
 		return err
 	}
