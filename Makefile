@@ -24,8 +24,8 @@ help: ## Show the targets and what they do.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: demo
-demo: ## Run the runnable examples (migrates; finds or starts a Postgres, see README).
-	$(GO) run ./internal/cmd/withdb -- bash -c '$(GO) run ./examples/demo && $(GO) run ./examples/llmbudget && $(GO) run ./examples/httpserver -demo'
+demo: ## Run the examples one after the other: demo, llmbudget, httpserver (each in a schema of its own; finds or starts a Postgres, see README).
+	$(GO) run ./internal/cmd/withdb -- bash -c '$(GO) run ./examples/demo && echo && $(GO) run ./examples/llmbudget && echo && $(GO) run ./examples/httpserver -demo'
 
 .PHONY: test
 test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).

@@ -1,6 +1,6 @@
-// Package cli is txlimit's operator command: migrations, the state of a key, a reset, pruning.
-// cmd/txlimit is this package with nothing added; an application embeds it in a command of its
-// own to inspect its limits under the definitions it runs with:
+// Package cli is txlimit's operator command: migrations, the names in the table, the state of a
+// key, a reset, pruning. cmd/txlimit is this package with nothing added; an application embeds it
+// in a command of its own to inspect its limits under the definitions it runs with:
 //
 //	// cmd/myapp-limits/main.go
 //	func main() {
@@ -9,16 +9,36 @@
 //		os.Exit(cli.Run(ctx, os.Args[1:], os.Stdout, os.Stderr, &cli.Options{Limits: myapp.Limits}))
 //	}
 //
-// where myapp.Limits is the map the application passes to ratelimit.LimiterConfig.Limits. An
-// application that keeps its limits in a JSON file reads it with LoadLimits and gives the same
-// file to the command with --config.
+// where myapp.Limits is the map the application passes to ratelimit.LimiterConfig.Limits, with
+// the Name and Config of every httplimit.Policy added, so that the command knows every name the
+// application writes. An application that keeps its limits in a JSON file reads it with
+// LoadLimits and gives the same file to the command with --config.
 //
 // # Usage
 //
 //	txlimit [flags] migrate up|down|status
+//	txlimit [flags] names
 //	txlimit [flags] inspect NAME KEY
 //	txlimit [flags] reset NAME KEY
 //	txlimit [flags] prune [NAME]
+//
+// migrate up applies the pending migrations in the schema of --schema (with --create-schema it
+// creates that schema first); migrate down rolls back the last one, which for the first migration
+// drops txlimit_state and with it the state of every limit: on a terminal it asks for "yes"
+// first, and elsewhere it needs --yes. migrate status lists the migrations.
+//
+// names lists every limit name that has rows in the table, with its row count and the config the
+// command knows for it, if any.
+//
+// inspect, reset and prune NAME work on a limit the command knows: one in --config, in the
+// application's Options.Limits, or given on the command line with --rate and --period (an ad-hoc
+// config). Any other NAME is exit 3, for every command.
+//
+// prune without NAME prunes every limit the command knows and checks that it knows every name in
+// the table: pruning a row needs its limit's config (a row goes only when it holds the limit's full
+// capacity at the clock), so a name found in the table without a config is exit 3, naming it, and
+// nothing is deleted. Give such limits in --config (httplimit policies and the limits the
+// scheduler reserves are ordinary named limits), or prune each with prune NAME --rate R --period D.
 //
 // Flags may come before or after the command and its arguments:
 //
@@ -27,6 +47,8 @@
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
 //	--timeout D        bound on the whole command; defaults to 5m
+//	--yes              migrate down without asking; defaults to false
+//	--create-schema    migrate up creates the schema of --schema when it does not exist; defaults to false
 //	--rate R --period D [--capacity C] [--kind token-bucket|fixed-window] [--shards N]
 //	[--max-reserved M] [--start RFC3339]
 //	                   an ad-hoc config for NAME, used instead of a registered one
@@ -34,15 +56,21 @@
 // # Exit codes
 //
 //	0  done
-//	1  the database failed: unreachable, or an error from a statement
-//	2  usage: an unknown command or flag, a missing argument, an unreadable config file
-//	3  invalid input: an unknown limit name, a bad config or key (ratelimit.ErrInvalid)
+//	1  the database failed: unreachable, not migrated (the message names the migrate command that
+//	   fixes it), or an error from a statement
+//	2  usage: an unknown command or flag, a missing argument, an unreadable config file; migrate
+//	   down not confirmed (no --yes and no terminal to ask on, or an answer other than "yes")
+//	3  invalid input: a limit name the command has no config for (an argument NAME, or for prune a
+//	   name found in the table), a bad config or key (ratelimit.ErrInvalid)
 //
-// The command uses only the public API of packages ratelimit and migrations.
+// The command uses the public API of packages ratelimit and migrations, and two reads of its own
+// (the names in the table with their row counts, the schema the search_path leads to).
 package cli
 
 import (
+	"bufio"
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -54,10 +82,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 
+	"github.com/txlimit/txlimit/internal/dbsqlc"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -66,13 +96,13 @@ import (
 const (
 	// ExitOK: the command did what it was asked.
 	ExitOK = 0
-	// ExitDatabase: the database could not be reached or a statement failed.
+	// ExitDatabase: the database could not be reached, is not migrated, or a statement failed.
 	ExitDatabase = 1
 	// ExitUsage: the command line was wrong (unknown command or flag, missing argument, unreadable
-	// config file).
+	// config file), or migrate down was not confirmed.
 	ExitUsage = 2
-	// ExitInvalid: the input was refused by package ratelimit (errors.Is(err, ratelimit.ErrInvalid)),
-	// an unknown limit name among them.
+	// ExitInvalid: the input was refused: a limit name the command has no config for, or input
+	// package ratelimit refuses (errors.Is(err, ratelimit.ErrInvalid)).
 	ExitInvalid = 3
 )
 
@@ -85,22 +115,41 @@ type Options struct {
 	// Getenv reads the environment (DATABASE_URL). Defaults to nil: os.Getenv.
 	Getenv func(string) string
 
+	// Stdin is where migrate down reads its confirmation. The command asks only when Stdin is a
+	// terminal (it has a Stat method reporting a character device, as an *os.File on a terminal
+	// does); otherwise migrate down needs --yes. Defaults to nil: os.Stdin.
+	Stdin io.Reader
+
 	// Name is the program's name in messages. Defaults to "txlimit".
 	Name string
 }
 
-// usageError is a wrong command line (exit 2).
-type usageError struct{ msg string }
+// exitError is an error with its exit code. msg, when set, is the command's own wording of err
+// (naming its flags and commands rather than Go calls); err stays reachable with errors.Is and
+// errors.As. extra adds fields to the --json error object.
+type exitError struct {
+	code  int
+	msg   string
+	err   error
+	extra map[string]any
+}
 
-func (e *usageError) Error() string { return e.msg }
+func (e *exitError) Error() string {
+	if e.msg != "" {
+		return e.msg
+	}
+	return e.err.Error()
+}
 
-func usagef(format string, args ...any) error { return &usageError{msg: fmt.Sprintf(format, args...)} }
+func (e *exitError) Unwrap() error { return e.err }
 
-// dbError is a failure of the database (exit 1).
-type dbError struct{ err error }
+func usagef(format string, args ...any) error {
+	return &exitError{code: ExitUsage, msg: fmt.Sprintf(format, args...)}
+}
 
-func (e *dbError) Error() string { return e.err.Error() }
-func (e *dbError) Unwrap() error { return e.err }
+func dbError(err error) error { return &exitError{code: ExitDatabase, err: err} }
+
+const usageLine = "usage: %s [flags] migrate up|down|status | names | inspect NAME KEY | reset NAME KEY | prune [NAME]\n"
 
 // Run runs the command line args (without the program name) and returns the exit code. It writes
 // results to stdout and errors to stderr, and never calls os.Exit, so it can run in-process.
@@ -108,7 +157,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer, opts *Opt
 	if opts == nil {
 		opts = &Options{}
 	}
-	c := &command{stdout: stdout, stderr: stderr, opts: opts, name: opts.Name}
+	c := &command{stdout: stdout, stderr: stderr, opts: opts, name: opts.Name, stdin: opts.Stdin}
 	if c.name == "" {
 		c.name = "txlimit"
 	}
@@ -117,28 +166,34 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer, opts *Opt
 	} else {
 		c.getenv = opts.Getenv
 	}
+	if c.stdin == nil {
+		c.stdin = os.Stdin
+	}
 	err := c.run(ctx, args)
-	if err == nil {
+	if err == nil || errors.Is(err, flag.ErrHelp) {
 		return ExitOK
 	}
+	err = c.explain(err)
 	code := ExitDatabase
-	var ue *usageError
+	var ee *exitError
 	switch {
-	case errors.As(err, &ue):
-		code = ExitUsage
+	case errors.As(err, &ee):
+		code = ee.code
 	case errors.Is(err, ratelimit.ErrInvalid):
 		code = ExitInvalid
 	}
-	if errors.Is(err, flag.ErrHelp) {
-		return ExitOK
-	}
 	if c.json {
-		_ = json.NewEncoder(stderr).Encode(map[string]any{"error": err.Error(), "exit_code": code})
+		out := map[string]any{"error": err.Error(), "exit_code": code}
+		if ee != nil {
+			for k, v := range ee.extra {
+				out[k] = v
+			}
+		}
+		_ = json.NewEncoder(stderr).Encode(out)
 	} else {
 		fmt.Fprintf(stderr, "%s: %v\n", c.name, err)
-		if code == ExitUsage {
-			fmt.Fprintf(stderr, "usage: %s [flags] migrate up|down|status | inspect NAME KEY | reset NAME KEY | prune [NAME]\n"+
-				"run '%s -h' for the flags\n", c.name, c.name)
+		if code == ExitUsage && ee != nil && ee.err == nil {
+			fmt.Fprintf(stderr, usageLine+"run '%s -h' for the flags\n", c.name, c.name)
 		}
 	}
 	return code
@@ -146,15 +201,18 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer, opts *Opt
 
 type command struct {
 	stdout, stderr io.Writer
+	stdin          io.Reader
 	opts           *Options
 	name           string
 	getenv         func(string) string
 
-	json       bool
-	dsn        string
-	schema     string
-	configFile string
-	timeout    time.Duration
+	json         bool
+	dsn          string
+	schema       string
+	configFile   string
+	timeout      time.Duration
+	yes          bool
+	createSchema bool
 
 	// the ad-hoc config
 	rate, capacity, maxReserved float64
@@ -163,6 +221,11 @@ type command struct {
 	shards                      int
 	start                       string
 	set                         map[string]bool
+
+	// searchPath is the connection's search_path once connected, and noSchema whether none of its
+	// schemas exists, for messages.
+	searchPath string
+	noSchema   bool
 }
 
 func (c *command) flags() *flag.FlagSet {
@@ -173,6 +236,8 @@ func (c *command) flags() *flag.FlagSet {
 	fs.StringVar(&c.schema, "schema", "", "schema of txlimit's table: sets search_path (default: the DSN's)")
 	fs.StringVar(&c.configFile, "config", "", "JSON file of named limits")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "bound on the whole command")
+	fs.BoolVar(&c.yes, "yes", false, "migrate down without asking")
+	fs.BoolVar(&c.createSchema, "create-schema", false, "migrate up: create the schema of --schema when it does not exist")
 	fs.Float64Var(&c.rate, "rate", 0, "ad-hoc config: tokens per period")
 	fs.DurationVar(&c.period, "period", 0, "ad-hoc config: the period, e.g. 1m")
 	fs.Float64Var(&c.capacity, "capacity", 0, "ad-hoc config: capacity (default: rate)")
@@ -190,7 +255,7 @@ func (c *command) parse(args []string) ([]string, error) {
 	for {
 		if err := fs.Parse(args); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
-				fmt.Fprintf(c.stderr, "usage: %s [flags] migrate up|down|status | inspect NAME KEY | reset NAME KEY | prune [NAME]\n", c.name)
+				fmt.Fprintf(c.stderr, usageLine, c.name)
 				fs.SetOutput(c.stderr)
 				fs.PrintDefaults()
 				return nil, err
@@ -226,6 +291,11 @@ func (c *command) run(ctx context.Context, args []string) error {
 			return usagef("migrate takes one of up, down, status")
 		}
 		return c.migrate(ctx, rest[0])
+	case "names":
+		if len(rest) != 0 {
+			return usagef("names takes no argument")
+		}
+		return c.names(ctx)
 	case "inspect":
 		if len(rest) != 2 {
 			return usagef("inspect takes NAME KEY (KEY may be \"\" for a global limit)")
@@ -233,7 +303,7 @@ func (c *command) run(ctx context.Context, args []string) error {
 		return c.inspect(ctx, rest[0], rest[1])
 	case "reset":
 		if len(rest) != 2 {
-			return usagef("reset takes NAME KEY")
+			return usagef("reset takes NAME KEY (KEY may be \"\" for a global limit)")
 		}
 		return c.reset(ctx, rest[0], rest[1])
 	case "prune":
@@ -245,15 +315,9 @@ func (c *command) run(ctx context.Context, args []string) error {
 	return usagef("unknown command %q", cmd)
 }
 
-// limiter returns a Limiter of every known limit (Options.Limits, then --config) and the ad-hoc
-// config from flags, nil when no --rate was given.
-func (c *command) limiter() (*ratelimit.Limiter, *ratelimit.Config, error) {
-	lim, _, adhoc, err := c.limits()
-	return lim, adhoc, err
-}
-
-// limits is limiter that also returns how many limits are registered.
-func (c *command) limits() (*ratelimit.Limiter, int, *ratelimit.Config, error) {
+// limiter returns a Limiter of every known limit (Options.Limits, then --config) with their names,
+// sorted, and the ad-hoc config from flags, nil when no ad-hoc flag was given.
+func (c *command) limiter() (*ratelimit.Limiter, []string, *ratelimit.Config, error) {
 	limits := map[string]ratelimit.Config{}
 	for name, cfg := range c.opts.Limits {
 		limits[name] = cfg
@@ -261,15 +325,19 @@ func (c *command) limits() (*ratelimit.Limiter, int, *ratelimit.Config, error) {
 	if c.configFile != "" {
 		f, err := os.Open(c.configFile)
 		if err != nil {
-			return nil, 0, nil, usagef("--config: %v", err)
+			return nil, nil, nil, usagef("--config: %v", err)
 		}
 		defer f.Close()
 		file, err := LoadLimits(f)
-		if err != nil {
-			if errors.Is(err, ratelimit.ErrInvalid) {
-				return nil, 0, nil, fmt.Errorf("--config %s: %w", c.configFile, err)
-			}
-			return nil, 0, nil, usagef("--config %s: %v", c.configFile, err)
+		var ce *ratelimit.ConfigError
+		switch {
+		case errors.As(err, &ce):
+			return nil, nil, nil, &exitError{code: ExitInvalid, err: err,
+				msg: fmt.Sprintf("--config %s: limit %q: %s", c.configFile, ce.Limit, fieldError(ce, jsonField))}
+		case errors.Is(err, ratelimit.ErrInvalid):
+			return nil, nil, nil, fmt.Errorf("--config %s: %w", c.configFile, err)
+		case err != nil:
+			return nil, nil, nil, usagef("--config %s: %v", c.configFile, err)
 		}
 		for name, cfg := range file {
 			limits[name] = cfg
@@ -277,12 +345,18 @@ func (c *command) limits() (*ratelimit.Limiter, int, *ratelimit.Config, error) {
 	}
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits})
 	if err != nil {
-		return nil, 0, nil, err
+		return nil, nil, nil, err
 	}
+	names := make([]string, 0, len(limits))
+	for name := range limits {
+		names = append(names, name)
+	}
+	sort.Strings(names)
 	adhoc, err := c.adhoc()
-	return lim, len(limits), adhoc, err
+	return lim, names, adhoc, err
 }
 
+// adhoc returns the config of the ad-hoc flags, validated, or nil when none was given.
 func (c *command) adhoc() (*ratelimit.Config, error) {
 	given := false
 	for _, f := range []string{"rate", "period", "capacity", "max-reserved", "kind", "shards", "start"} {
@@ -307,6 +381,13 @@ func (c *command) adhoc() (*ratelimit.Config, error) {
 		}
 		cfg.Start = t
 	}
+	if _, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"ad-hoc": *cfg}}); err != nil {
+		var ce *ratelimit.ConfigError
+		if errors.As(err, &ce) {
+			return nil, &exitError{code: ExitInvalid, err: err, msg: fieldError(ce, flagField)}
+		}
+		return nil, err
+	}
 	return cfg, nil
 }
 
@@ -320,14 +401,119 @@ func parseKind(s string) (ratelimit.Kind, error) {
 	return 0, fmt.Errorf("unknown kind %q: token-bucket or fixed-window", s)
 }
 
-// unknownHint adds to an unknown limit's error where the command finds configs.
-func unknownHint(err error) error {
-	var unknown *ratelimit.UnknownLimitError
-	if errors.As(err, &unknown) {
-		return fmt.Errorf("%w (the command knows the limits of --config FILE and of the application embedding it; "+
-			"or give an ad-hoc config with --rate and --period)", err)
+// flagField and jsonField name a Config field as the ad-hoc flags and the --config file do.
+var (
+	flagField = map[string]string{"Kind": "--kind", "Rate": "--rate", "Period": "--period", "Capacity": "--capacity",
+		"MaxReserved": "--max-reserved", "Shards": "--shards", "Start": "--start"}
+	jsonField = map[string]string{"Kind": `"kind"`, "Rate": `"rate"`, "Period": `"period"`, "Capacity": `"capacity"`,
+		"MaxReserved": `"max_reserved"`, "Shards": `"shards"`, "Start": `"start"`}
+)
+
+// fieldError says what is wrong with a config field in the words of the command line: the flag or
+// JSON field instead of the Go field, the values the command takes instead of Go names.
+func fieldError(ce *ratelimit.ConfigError, names map[string]string) string {
+	name, ok := names[ce.Field]
+	if !ok {
+		name = ce.Field
+	}
+	reason := ce.Reason
+	switch ce.Field {
+	case "Period":
+		reason = strings.TrimSuffix(reason, " (e.g. time.Second)")
+	case "Kind":
+		reason = "must be token-bucket or fixed-window"
+	case "Start":
+		reason = "applies only to a fixed window: give " + names["Kind"] + " fixed-window, or no " + name
+	}
+	return fmt.Sprintf("%s %s (got %v)", name, reason, ce.Value)
+}
+
+// explain words an error of package ratelimit in the command's own terms: its flags and commands
+// rather than the Go calls that fix it. The error stays reachable (errors.Is, errors.As).
+func (c *command) explain(err error) error {
+	var ee *exitError
+	if errors.As(err, &ee) && ee.msg != "" {
+		return err // worded already
+	}
+	code := ExitDatabase
+	if ee != nil {
+		code = ee.code
+	}
+	var (
+		unknown *ratelimit.UnknownLimitError
+		setup   *ratelimit.SetupError
+		arg     *ratelimit.ArgumentError
+	)
+	switch {
+	case errors.As(err, &unknown):
+		return &exitError{code: ExitInvalid, err: err, msg: c.unknownMessage(unknown.Name)}
+	case errors.As(err, &setup):
+		return &exitError{code: code, err: err, msg: c.setupMessage(setup)}
+	case errors.As(err, &arg) && arg.Op != "New" && (arg.Arg == "name" || arg.Arg == "key"): // an argument NAME or KEY
+		return &exitError{code: ExitInvalid, err: err, msg: fmt.Sprintf("%s %s", strings.ToUpper(arg.Arg), arg.Reason)}
 	}
 	return err
+}
+
+// unknownMessage says that name has no config and where the command takes one.
+func (c *command) unknownMessage(name string) string {
+	_, known, _, _ := c.limiter()
+	msg := fmt.Sprintf("unknown limit %q: give its config in --config FILE, or with --rate and --period", name)
+	switch {
+	case len(known) == 0:
+		msg += " (no limit is configured: no --config given)"
+	case len(known) <= 10:
+		msg += fmt.Sprintf(" (configured: %s)", strings.Join(known, ", "))
+	default:
+		msg += fmt.Sprintf(" (configured: %s and %d more)", strings.Join(known[:10], ", "), len(known)-10)
+	}
+	return msg
+}
+
+// migrateUp is the command that migrates the schema this command looks in.
+func (c *command) migrateUp() string {
+	cmd := c.name + " migrate up"
+	if c.schema != "" {
+		cmd += " --schema " + quoteArg(c.schema)
+	}
+	return cmd
+}
+
+// quoteArg quotes s for a POSIX shell when it needs it.
+func quoteArg(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("_-./:=,", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// setupMessage words a *ratelimit.SetupError: the migrate command that fixes it first.
+func (c *command) setupMessage(se *ratelimit.SetupError) string {
+	where := fmt.Sprintf("search_path %q", se.SearchPath)
+	if se.SearchPath == "" {
+		where = "the connection's search_path"
+	}
+	if se.Err == nil {
+		return fmt.Sprintf("run \"%s\" (on the same database): %s leads to a schema at migration version %d, this %s needs %d",
+			c.migrateUp(), where, se.Version, c.name, se.Want)
+	}
+	missing := "txlimit's table"
+	var pgErr *pgconn.PgError
+	if errors.As(se.Err, &pgErr) {
+		missing = pgErr.Message
+		if i, j := strings.IndexByte(missing, '('), strings.LastIndexByte(missing, ')'); i >= 0 && j > i {
+			missing = missing[:i] + missing[j+1:] // a function's argument types
+		}
+		missing += ", SQLSTATE " + pgErr.Code
+	}
+	if c.noSchema {
+		return fmt.Sprintf("not migrated: run \"%s --create-schema\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
+			"(no schema of %s exists: %s)", c.migrateUp(), where, missing)
+	}
+	return fmt.Sprintf("not migrated: run \"%s\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
+		"(%s: %s)", c.migrateUp(), where, missing)
 }
 
 // connConfig parses the DSN and applies --schema.
@@ -349,26 +535,44 @@ func (c *command) connConfig() (*pgx.ConnConfig, error) {
 	return cfg, nil
 }
 
-func (c *command) pool(ctx context.Context) (*pgxpool.Pool, error) {
+// pool connects with at most maxConns connections and reads where the search_path leads.
+func (c *command) pool(ctx context.Context, maxConns int32) (*pgxpool.Pool, dbsqlc.CurrentSchemaRow, error) {
+	var where dbsqlc.CurrentSchemaRow
 	cc, err := c.connConfig()
 	if err != nil {
-		return nil, err
+		return nil, where, err
 	}
 	pc, err := pgxpool.ParseConfig("")
 	if err != nil {
-		return nil, err
+		return nil, where, err
 	}
 	pc.ConnConfig = cc
-	pc.MaxConns = 2
+	pc.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
-		return nil, &dbError{err: fmt.Errorf("connect: %w", err)}
+		return nil, where, dbError(fmt.Errorf("connect: %w", err))
 	}
-	if err := pool.Ping(ctx); err != nil {
+	if where, err = dbsqlc.New().CurrentSchema(ctx, pool); err != nil {
 		pool.Close()
-		return nil, &dbError{err: fmt.Errorf("connect: %w", err)}
+		return nil, where, dbError(fmt.Errorf("connect: %w", err))
 	}
-	return pool, nil
+	c.searchPath, c.noSchema = where.SearchPath, where.Schema == ""
+	return pool, where, nil
+}
+
+// noSchemaError is the error of a search_path none of whose schemas exists.
+func (c *command) noSchemaError(where dbsqlc.CurrentSchemaRow, fix string) error {
+	return dbError(fmt.Errorf("no schema of search_path %q exists: %s", where.SearchPath, fix))
+}
+
+// tableError turns a failure of the command's own reads on a schema without txlimit's table into
+// the *ratelimit.SetupError package ratelimit would return, so that explain words it alike.
+func (c *command) tableError(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" && strings.Contains(pgErr.Message, "txlimit_") {
+		return dbError(&ratelimit.SetupError{Op: op, Fix: "migrations.Up", SearchPath: c.searchPath, Err: err})
+	}
+	return dbError(err)
 }
 
 func (c *command) print(v any, text string) error {
@@ -397,49 +601,94 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 	if dir != "up" && dir != "down" && dir != "status" {
 		return usagef("migrate takes one of up, down, status, not %q", dir)
 	}
-	cc, err := c.connConfig()
+	if c.createSchema && dir != "up" {
+		return usagef("--create-schema is for migrate up")
+	}
+	if c.yes && dir != "down" {
+		return usagef("--yes is for migrate down")
+	}
+	// goose's locked operations hold one connection for the migrations and another for the lock.
+	pool, where, err := c.pool(ctx, 4)
 	if err != nil {
 		return err
 	}
-	db := stdlib.OpenDB(*cc)
+	defer pool.Close()
+	if where.Schema == "" {
+		switch {
+		case dir != "up":
+			return c.noSchemaError(where, "nothing is migrated there; pass --schema with the schema txlimit was migrated into")
+		case !c.createSchema:
+			return c.noSchemaError(where, fmt.Sprintf("run \"%s --create-schema\" to create it, or pass --schema with an existing schema", c.migrateUp()))
+		}
+	}
+	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	if err := db.PingContext(ctx); err != nil {
-		return &dbError{err: fmt.Errorf("connect: %w", err)}
-	}
-	p, err := migrations.NewProvider(ctx, db)
-	if err != nil {
-		return &dbError{err: err}
-	}
 	var out []MigrationJSON
 	var text strings.Builder
 	switch dir {
 	case "up":
-		res, err := p.Up(ctx)
+		before := map[int64]bool{}
+		if where.Schema != "" {
+			st, err := status(ctx, db)
+			if err != nil {
+				return err
+			}
+			for _, s := range st {
+				before[s.Source.Version] = s.State == goose.StateApplied
+			}
+		}
+		var opts []migrations.Option
+		if c.createSchema {
+			opts = append(opts, migrations.CreateSchema())
+		}
+		if err := migrations.Up(ctx, pool, opts...); err != nil {
+			return dbError(fmt.Errorf("migrate up: %w", err))
+		}
+		st, err := status(ctx, db)
 		if err != nil {
-			return &dbError{err: fmt.Errorf("migrate up: %w", err)}
+			return err
 		}
-		for _, r := range res {
-			out = append(out, migrationJSON(r.Source, "up", nil))
-			fmt.Fprintf(&text, "up    %s\n", fileName(r.Source))
+		for _, s := range st {
+			if s.State == goose.StateApplied && !before[s.Source.Version] {
+				out = append(out, migrationJSON(s.Source, "up", nil))
+				fmt.Fprintf(&text, "up    %s\n", fileName(s.Source))
+			}
 		}
-		if len(res) == 0 {
+		if len(out) == 0 {
 			text.WriteString("up to date\n")
 		}
 	case "down":
-		r, err := p.Down(ctx)
-		if errors.Is(err, goose.ErrNoNextVersion) {
+		p, err := migrations.NewProvider(ctx, db)
+		if err != nil {
+			return dbError(err)
+		}
+		st, err := p.Status(ctx)
+		if err != nil {
+			return dbError(fmt.Errorf("migrate down: %w", err))
+		}
+		var last *goose.MigrationStatus
+		for _, s := range st {
+			if s.State == goose.StateApplied && (last == nil || s.Source.Version > last.Source.Version) {
+				last = s
+			}
+		}
+		if last == nil {
 			text.WriteString("nothing to roll back\n")
 			break
 		}
+		if err := c.confirmDown(ctx, pool, where.Schema, last.Source); err != nil {
+			return err
+		}
+		r, err := p.Down(ctx)
 		if err != nil {
-			return &dbError{err: fmt.Errorf("migrate down: %w", err)}
+			return dbError(fmt.Errorf("migrate down: %w", err))
 		}
 		out = append(out, migrationJSON(r.Source, "down", nil))
 		fmt.Fprintf(&text, "down  %s\n", fileName(r.Source))
 	case "status":
-		st, err := p.Status(ctx)
+		st, err := status(ctx, db)
 		if err != nil {
-			return &dbError{err: fmt.Errorf("migrate status: %w", err)}
+			return err
 		}
 		for _, s := range st {
 			var at *time.Time
@@ -459,6 +708,70 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 	return c.print(map[string]any{"migrations": out}, text.String())
 }
 
+// status lists the migrations and their state.
+func status(ctx context.Context, db *sql.DB) ([]*goose.MigrationStatus, error) {
+	p, err := migrations.NewProvider(ctx, db)
+	if err != nil {
+		return nil, dbError(err)
+	}
+	st, err := p.Status(ctx)
+	if err != nil {
+		return nil, dbError(fmt.Errorf("migrate status: %w", err))
+	}
+	return st, nil
+}
+
+// errNotConfirmed is the cause of a migrate down that was not confirmed.
+var errNotConfirmed = errors.New("migrate down not confirmed")
+
+// confirmDown asks whether to roll back m, unless --yes was given: on a terminal it reads "yes";
+// elsewhere it refuses.
+func (c *command) confirmDown(ctx context.Context, pool *pgxpool.Pool, schema string, m *goose.Source) error {
+	if c.yes {
+		return nil
+	}
+	what := fmt.Sprintf("migrate down rolls back %s in schema %q", fileName(m), schema)
+	if m.Version == 1 {
+		what += ": it drops txlimit_state, the state of every limit"
+		if rows, err := dbsqlc.New().LimitNames(ctx, pool); err == nil {
+			var n int64
+			for _, r := range rows {
+				n += r.Rows
+			}
+			what += fmt.Sprintf(" (%s of %s)", plural(n, "row"), plural(int64(len(rows)), "limit"))
+		}
+	}
+	if !isTerminal(c.stdin) {
+		return &exitError{code: ExitUsage, err: errNotConfirmed,
+			msg: what + "; pass --yes to roll back where no terminal can confirm: nothing was rolled back"}
+	}
+	fmt.Fprintf(c.stderr, "%s.\nType yes to roll back: ", what)
+	answer, _ := bufio.NewReader(c.stdin).ReadString('\n')
+	if strings.TrimSpace(answer) != "yes" {
+		return &exitError{code: ExitUsage, err: errNotConfirmed, msg: "migrate down not confirmed: nothing was rolled back"}
+	}
+	return nil
+}
+
+// plural is "1 row", "2 rows".
+func plural(n int64, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
+}
+
+// isTerminal reports whether r is a terminal: it has a Stat method (an *os.File) that reports a
+// character device.
+func isTerminal(r io.Reader) bool {
+	f, ok := r.(interface{ Stat() (os.FileInfo, error) })
+	if !ok {
+		return false
+	}
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}
+
 func fileName(s *goose.Source) string {
 	if s == nil {
 		return ""
@@ -473,6 +786,66 @@ func migrationJSON(s *goose.Source, state string, at *time.Time) MigrationJSON {
 		m.Version = s.Version
 	}
 	return m
+}
+
+// NamesJSON is the --json output of names.
+type NamesJSON struct {
+	// Names has one element per limit name with rows in the table, in name order.
+	Names []NameJSON `json:"names"`
+	// Total is the number of rows in the table.
+	Total int64 `json:"total"`
+}
+
+// NameJSON is one limit name in the table.
+type NameJSON struct {
+	// Name is the limit's name.
+	Name string `json:"name"`
+	// Rows is its number of rows: one per key and shard written.
+	Rows int64 `json:"rows"`
+	// Config describes the config the command knows for it (--config, Options.Limits), e.g.
+	// "token bucket 10/1m0s cap 3"; omitted when it knows none, and then prune cannot prune it.
+	Config string `json:"config,omitempty"`
+}
+
+func (c *command) names(ctx context.Context) error {
+	lim, _, adhoc, err := c.limiter()
+	if err != nil {
+		return err
+	}
+	if adhoc != nil {
+		return usagef("names takes no ad-hoc config: --rate, --period and the like go with inspect, reset or prune NAME")
+	}
+	pool, _, err := c.pool(ctx, 1)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rows, err := dbsqlc.New().LimitNames(ctx, pool)
+	if err != nil {
+		return c.tableError("names", err)
+	}
+	out := NamesJSON{Names: []NameJSON{}}
+	width := len("total")
+	for _, r := range rows {
+		n := NameJSON{Name: r.Name, Rows: r.Rows}
+		if cfg, err := lim.Lookup(r.Name, "", nil); err == nil {
+			n.Config = cfg.String()
+		}
+		out.Names = append(out.Names, n)
+		out.Total += r.Rows
+		width = max(width, len(r.Name))
+	}
+	var text strings.Builder
+	fmt.Fprintf(&text, "%-*s %10s  %s\n", width, "NAME", "ROWS", "CONFIG")
+	for _, n := range out.Names {
+		cfg := n.Config
+		if cfg == "" {
+			cfg = "none (prune needs one: --config FILE)"
+		}
+		fmt.Fprintf(&text, "%-*s %10d  %s\n", width, n.Name, n.Rows, cfg)
+	}
+	fmt.Fprintf(&text, "%-*s %10d\n", width, "total", out.Total)
+	return c.print(out, text.String())
 }
 
 // InspectJSON is the --json output of inspect.
@@ -498,29 +871,29 @@ type InspectJSON struct {
 }
 
 func (c *command) inspect(ctx context.Context, name, key string) error {
-	lim, adhoc, err := c.limiter()
+	lim, _, adhoc, err := c.limiter()
 	if err != nil {
 		return err
 	}
 	cfg, err := lim.Lookup(name, key, adhoc)
 	if err != nil {
-		return unknownHint(err)
+		return err
 	}
-	pool, err := c.pool(ctx)
+	pool, _, err := c.pool(ctx, 2)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	st, err := lim.State(ctx, pool, name, key, &ratelimit.KeyOpts{Config: adhoc})
 	if err != nil {
-		return &dbError{err: err}
+		return dbError(err)
 	}
 	chk, err := lim.Check(ctx, pool, name, key, &ratelimit.LimitOpts{Config: adhoc})
 	if err != nil {
 		if errors.Is(err, ratelimit.ErrInvalid) { // one token can never be granted (capacity < 1)
 			return err
 		}
-		return &dbError{err: err}
+		return dbError(err)
 	}
 	out := InspectJSON{Name: name, Key: key, Config: cfg.String(), Value: st.Value, Shards: st.Shards,
 		At: st.Time, NextToken: st.Time, NextTokenExact: len(st.Shards) <= 1}
@@ -555,14 +928,16 @@ func (c *command) inspect(ctx context.Context, name, key string) error {
 }
 
 func (c *command) reset(ctx context.Context, name, key string) error {
-	lim, _, err := c.limiter()
+	lim, _, adhoc, err := c.limiter()
 	if err != nil {
 		return err
 	}
-	if _, err := lim.Lookup(name, key, &ratelimit.Config{Rate: 1, Period: time.Second}); err != nil {
-		return err // a bad name or key, before connecting
+	// Reset needs no config, but a name the command does not know is most likely a typo: refuse
+	// it, as inspect and prune do, before connecting.
+	if _, err := lim.Lookup(name, key, adhoc); err != nil {
+		return err
 	}
-	pool, err := c.pool(ctx)
+	pool, _, err := c.pool(ctx, 1)
 	if err != nil {
 		return err
 	}
@@ -571,7 +946,7 @@ func (c *command) reset(ctx context.Context, name, key string) error {
 		if errors.Is(err, ratelimit.ErrInvalid) {
 			return err
 		}
-		return &dbError{err: err}
+		return dbError(err)
 	}
 	return c.print(map[string]any{"name": name, "key": key, "reset": true}, fmt.Sprintf("reset %s %q: full again\n", name, key))
 }
@@ -585,21 +960,18 @@ type PruneJSON struct {
 }
 
 func (c *command) prune(ctx context.Context, names []string) error {
-	lim, registered, adhoc, err := c.limits()
+	lim, known, adhoc, err := c.limiter()
 	if err != nil {
 		return err
 	}
-	switch {
-	case len(names) == 1:
+	if len(names) == 1 {
 		if _, err := lim.Lookup(names[0], "", adhoc); err != nil {
-			return unknownHint(err)
+			return err
 		}
-	case adhoc != nil:
-		return usagef("an ad-hoc config needs the limit's NAME: prune NAME --rate ... --period ...")
-	case registered == 0:
-		return usagef("no limits to prune: pass --config FILE, or prune NAME with an ad-hoc config")
+	} else if adhoc != nil {
+		return usagef("an ad-hoc config needs the limit's NAME: prune NAME --rate R --period D")
 	}
-	pool, err := c.pool(ctx)
+	pool, _, err := c.pool(ctx, 1)
 	if err != nil {
 		return err
 	}
@@ -609,11 +981,37 @@ func (c *command) prune(ctx context.Context, names []string) error {
 		n, err := lim.Prune(ctx, pool, names[0], &ratelimit.PruneOpts{Config: adhoc})
 		out.Deleted[names[0]] = n
 		if err != nil {
-			return &dbError{err: err}
+			return dbError(err)
 		}
 	} else {
+		// Every name in the table must have a config: refuse before deleting anything otherwise.
+		rows, err := dbsqlc.New().LimitNames(ctx, pool)
+		if err != nil {
+			return c.tableError("prune", err)
+		}
+		var unconfigured []string
+		extra := map[string]int64{}
+		for _, r := range rows {
+			if _, ok := sort.Find(len(known), func(i int) int { return strings.Compare(r.Name, known[i]) }); !ok {
+				unconfigured = append(unconfigured, fmt.Sprintf("%q (%s)", r.Name, plural(r.Rows, "row")))
+				extra[r.Name] = r.Rows
+			}
+		}
+		if len(unconfigured) > 0 {
+			one := "NAME"
+			if len(extra) == 1 {
+				for name := range extra {
+					one = quoteArg(name)
+				}
+			}
+			return &exitError{code: ExitInvalid, extra: map[string]any{"unconfigured": extra}, msg: fmt.Sprintf(
+				"prune: the table holds limits with no config here: %s; a row is pruned only when it holds its limit's full capacity, "+
+					"so pruning needs the limit's config: give it in --config FILE, or prune the limit alone with "+
+					"\"%s prune %s --rate R --period D\" (and --capacity, --kind, --shards, --start as it is configured); nothing was deleted",
+				strings.Join(unconfigured, ", "), c.name, one)}
+		}
 		if out.Deleted, err = lim.PruneAll(ctx, pool, nil); err != nil {
-			return &dbError{err: err}
+			return dbError(err)
 		}
 	}
 	names = names[:0]

@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -137,6 +139,15 @@ func TestCommand(t *testing.T) {
 	require.Contains(t, r.stdout, "written never")
 	require.Contains(t, r.stdout, "next    now\n")
 
+	// names: every name in the table, with its rows and the config the command knows.
+	r = run(t, dsn, nil, append([]string{"names"}, s...)...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, ""+
+		"NAME          ROWS  CONFIG\n"+
+		"century          1  fixed window 5/876000h0m0s\n"+
+		"fast             1  token bucket 1000/1s cap 1\n"+
+		"total            2\n", r.stdout)
+
 	// prune: "fast" refilled within a millisecond, "century" owes.
 	time.Sleep(5 * time.Millisecond)
 	r = run(t, dsn, nil, append([]string{"prune", "--json"}, s...)...)
@@ -152,8 +163,8 @@ func TestCommand(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 5.0, st2.Value)
 
-	// migrate down removes the last migration; up applies it again.
-	r = run(t, dsn, nil, append(s, "migrate", "down")...)
+	// migrate down (confirmed with --yes) removes the last migration; up applies it again.
+	r = run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.True(t, strings.HasPrefix(r.stdout, "down  "), r.stdout)
 	r = run(t, dsn, nil, append(s, "migrate", "up", "--json")...)
@@ -167,6 +178,9 @@ func TestCommandExitCodes(t *testing.T) {
 	schema := testdb.NewSchema(t)
 	dsn := testdb.DSN(t)
 	down := "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=5"
+	const unknownNope = `txlimit: unknown limit "nope": give its config in --config FILE, or with --rate and --period (no limit is configured: no --config given)` + "\n"
+	notMigrated := `txlimit: not migrated: run "txlimit migrate up --schema ` + schema + `" (on the same database), or pass --schema with the schema txlimit ` +
+		`was migrated into (search_path "` + schema + `": relation "txlimit_state" does not exist, SQLSTATE 42P01)` + "\n"
 	cases := []struct {
 		name   string
 		dsn    string
@@ -182,19 +196,49 @@ func TestCommandExitCodes(t *testing.T) {
 		{"bad direction", dsn, []string{"migrate", "sideways"}, cli.ExitUsage, "migrate takes one of up, down, status"},
 		{"half an ad-hoc config", dsn, []string{"inspect", "a", "b", "--rate", "5"}, cli.ExitUsage, "needs --rate and --period"},
 		{"no DSN", "", []string{"inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitUsage, "set DATABASE_URL or pass --dsn"},
-		{"nothing to prune", dsn, []string{"prune"}, cli.ExitUsage, "no limits to prune"},
-		{"unknown limit", dsn, []string{"inspect", "nope", "k"}, cli.ExitInvalid, `unknown limit "nope"`},
-		{"invalid ad-hoc config", dsn, []string{"inspect", "a", "b", "--rate", "-1", "--period", "1s"}, cli.ExitInvalid, "Rate"},
+		{"ad-hoc config without NAME: prune", dsn, []string{"prune", "--rate", "1", "--period", "1s"}, cli.ExitUsage, "an ad-hoc config needs the limit's NAME"},
+		{"ad-hoc config: names", dsn, []string{"names", "--rate", "1", "--period", "1s"}, cli.ExitUsage, "names takes no ad-hoc config"},
+		{"names takes no argument", dsn, []string{"names", "x"}, cli.ExitUsage, "names takes no argument"},
+		{"--yes without down", dsn, []string{"migrate", "up", "--yes"}, cli.ExitUsage, "--yes is for migrate down"},
+		{"--create-schema without up", dsn, []string{"migrate", "status", "--create-schema"}, cli.ExitUsage, "--create-schema is for migrate up"},
+		{"unknown limit: inspect", dsn, []string{"inspect", "nope", "k"}, cli.ExitInvalid, unknownNope},
+		{"unknown limit: reset", dsn, []string{"reset", "nope", "k"}, cli.ExitInvalid, unknownNope},
+		{"unknown limit: prune", dsn, []string{"prune", "nope"}, cli.ExitInvalid, unknownNope},
+		{"bad key: reset", dsn, []string{"reset", "nope", "a\x00b", "--rate", "1", "--period", "1s"}, cli.ExitInvalid,
+			"KEY contains a NUL byte, which Postgres text cannot hold"},
+		{"invalid ad-hoc config", dsn, []string{"inspect", "a", "b", "--rate", "-1", "--period", "1s"}, cli.ExitInvalid, "--rate must not be negative (got -1)"},
+		{"invalid ad-hoc config: kind", dsn, []string{"inspect", "a", "b", "--rate", "1", "--period", "1s", "--start", "2026-01-01T00:00:00Z"},
+			cli.ExitInvalid, "--start applies only to a fixed window: give --kind fixed-window, or no --start (got 2026-01-01 00:00:00 +0000 UTC)"},
 		{"database down: inspect", down, []string{"inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, "connect"},
 		{"database down: migrate", down, []string{"migrate", "status"}, cli.ExitDatabase, "connect"},
-		{"database down: reset", down, []string{"reset", "a", "b"}, cli.ExitDatabase, "connect"},
-		{"not migrated", dsn, []string{"--schema", schema, "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, "txlimit_state"},
+		{"database down: reset", down, []string{"reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, "connect"},
+		{"database down: names", down, []string{"names"}, cli.ExitDatabase, "connect"},
+		{"not migrated: inspect", dsn, []string{"--schema", schema, "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: reset", dsn, []string{"--schema", schema, "reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: prune NAME", dsn, []string{"--schema", schema, "prune", "a", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: prune", dsn, []string{"--schema", schema, "prune"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: names", dsn, []string{"--schema", schema, "names"}, cli.ExitDatabase, notMigrated},
+		{"no schema: inspect", dsn, []string{"--schema", "txlimit_no_such_schema", "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase,
+			`txlimit: not migrated: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" (on the same database), ` +
+				`or pass --schema with the schema txlimit was migrated into (no schema of search_path "txlimit_no_such_schema" exists: ` +
+				`relation "txlimit_state" does not exist, SQLSTATE 42P01)` + "\n"},
+		{"no schema: migrate up", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "up"}, cli.ExitDatabase,
+			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" ` +
+				`to create it, or pass --schema with an existing schema` + "\n"},
+		{"no schema: migrate status", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "status"}, cli.ExitDatabase,
+			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: nothing is migrated there; pass --schema with the schema txlimit was migrated into` + "\n"},
+		{"no schema: migrate down", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "down", "--yes"}, cli.ExitDatabase,
+			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: nothing is migrated there; pass --schema with the schema txlimit was migrated into` + "\n"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			r := run(t, c.dsn, nil, c.args...)
 			require.Equal(t, c.code, r.code, "stderr: %s", r.stderr)
-			require.Contains(t, r.stderr, c.stderr)
+			if strings.HasPrefix(c.stderr, "txlimit: ") { // the whole message
+				require.Equal(t, c.stderr, r.stderr)
+			} else {
+				require.Contains(t, r.stderr, c.stderr)
+			}
 			require.Empty(t, r.stdout)
 
 			// With --json, the error is one JSON object carrying the same exit code.
@@ -206,7 +250,7 @@ func TestCommandExitCodes(t *testing.T) {
 			}
 			require.NoError(t, json.Unmarshal([]byte(r.stderr), &e), r.stderr)
 			require.Equal(t, c.code, e.ExitCode)
-			require.Contains(t, e.Error, c.stderr)
+			require.Contains(t, e.Error, strings.TrimSuffix(strings.TrimPrefix(c.stderr, "txlimit: "), "\n"))
 		})
 	}
 }
@@ -215,7 +259,9 @@ func TestCommandHelp(t *testing.T) {
 	t.Parallel()
 	r := run(t, "", nil, "-h")
 	require.Equal(t, cli.ExitOK, r.code)
-	require.Contains(t, r.stderr, "usage: txlimit [flags] migrate up|down|status")
+	require.Contains(t, r.stderr, "usage: txlimit [flags] migrate up|down|status | names | inspect NAME KEY | reset NAME KEY | prune [NAME]\n")
+	require.Contains(t, r.stderr, "-yes")
+	require.Contains(t, r.stderr, "-create-schema")
 	require.Contains(t, r.stderr, "-rate float")
 }
 
@@ -238,4 +284,176 @@ func TestLoadLimits(t *testing.T) {
 	}
 	_, err = cli.LoadLimits(strings.NewReader(`{"a": {"rate": 0, "period": "1s"}}`))
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+}
+
+// tty is a standard input that reports a terminal, as an *os.File on one does.
+type tty struct{ io.Reader }
+
+func (tty) Stat() (os.FileInfo, error) { return ttyInfo{}, nil }
+
+type ttyInfo struct{ os.FileInfo }
+
+func (ttyInfo) Mode() os.FileMode { return os.ModeDevice | os.ModeCharDevice | 0o620 }
+
+// migrated returns a migrated schema and the arguments that select it.
+func migrated(t *testing.T, dsn string) (schema string, args []string) {
+	t.Helper()
+	schema = testdb.NewSchema(t)
+	r := run(t, dsn, nil, "--schema", schema, "migrate", "up")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	return schema, []string{"--schema", schema}
+}
+
+// TestCommandNamesAndPrune: names lists every name in the table, configured or not; prune without
+// NAME refuses, before deleting anything, when the table holds a name it has no config for (rows
+// an httplimit policy wrote, say), and prunes every name once each has one (issue 31, item 5).
+func TestCommandNamesAndPrune(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn := testdb.DSN(t)
+	schema, s := migrated(t, dsn)
+	pool, err := pgxpool.New(ctx, testdb.SchemaURL(t, schema))
+	require.NoError(t, err)
+	defer pool.Close()
+
+	// The application decides "fast" and, through its middleware, "perIP"; the operator's config
+	// file knows only "fast".
+	perIP := ratelimit.Config{Rate: 1000, Period: time.Second, Capacity: 2}
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"fast": {Rate: 1000, Period: time.Second, Capacity: 1}, "perIP": perIP,
+	}})
+	require.NoError(t, err)
+	for _, call := range []struct{ name, key string }{{"fast", "k"}, {"perIP", "203.0.113.7"}, {"perIP", "203.0.113.8"}} {
+		_, err := lim.Limit(ctx, pool, call.name, call.key, nil)
+		require.NoError(t, err)
+	}
+	dir := t.TempDir()
+	fastOnly := filepath.Join(dir, "fast.json")
+	require.NoError(t, os.WriteFile(fastOnly, []byte(`{"fast": {"rate": 1000, "period": "1s", "capacity": 1}}`), 0o600))
+	both := filepath.Join(dir, "both.json")
+	require.NoError(t, os.WriteFile(both, []byte(`{"fast": {"rate": 1000, "period": "1s", "capacity": 1},
+		"perIP": {"rate": 1000, "period": "1s", "capacity": 2}}`), 0o600))
+
+	r := run(t, dsn, nil, append(s, "names", "--config", fastOnly)...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, ""+
+		"NAME        ROWS  CONFIG\n"+
+		"fast           1  token bucket 1000/1s cap 1\n"+
+		"perIP          2  none (prune needs one: --config FILE)\n"+
+		"total          3\n", r.stdout)
+	r = run(t, dsn, nil, append(s, "names", "--json")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	var names cli.NamesJSON
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &names))
+	require.Equal(t, cli.NamesJSON{Names: []cli.NameJSON{{Name: "fast", Rows: 1}, {Name: "perIP", Rows: 2}}, Total: 3}, names)
+
+	time.Sleep(5 * time.Millisecond) // every row refills: each could go
+	r = run(t, dsn, nil, append(s, "prune", "--config", fastOnly)...)
+	require.Equal(t, cli.ExitInvalid, r.code, r.stderr)
+	require.Equal(t, `txlimit: prune: the table holds limits with no config here: "perIP" (2 rows); a row is pruned only when it holds `+
+		`its limit's full capacity, so pruning needs the limit's config: give it in --config FILE, or prune the limit alone with `+
+		`"txlimit prune perIP --rate R --period D" (and --capacity, --kind, --shards, --start as it is configured); nothing was deleted`+"\n", r.stderr)
+	require.Empty(t, r.stdout)
+	require.Equal(t, 3, testdb.CountRows(t, pool), "a refused prune deleted rows")
+	r = run(t, dsn, nil, append(s, "prune", "--json")...) // no config at all
+	require.Equal(t, cli.ExitInvalid, r.code, r.stderr)
+	var e struct {
+		Error        string           `json:"error"`
+		ExitCode     int              `json:"exit_code"`
+		Unconfigured map[string]int64 `json:"unconfigured"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(r.stderr), &e), r.stderr)
+	require.Equal(t, cli.ExitInvalid, e.ExitCode)
+	require.Equal(t, map[string]int64{"fast": 1, "perIP": 2}, e.Unconfigured)
+	require.Contains(t, e.Error, `no config here: "fast" (1 row), "perIP" (2 rows);`)
+	require.Contains(t, e.Error, `"txlimit prune NAME --rate R --period D"`)
+	require.Equal(t, 3, testdb.CountRows(t, pool))
+
+	// The one name, with its config on the command line; then every name from a complete file.
+	r = run(t, dsn, nil, append(s, "prune", "perIP", "--rate", "1000", "--period", "1s", "--capacity", "2")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "perIP                2 rows deleted\ntotal                2 rows deleted\n", r.stdout)
+	_, err = lim.Limit(ctx, pool, "perIP", "203.0.113.7", nil)
+	require.NoError(t, err)
+	time.Sleep(5 * time.Millisecond)
+	r = run(t, dsn, nil, append(s, "prune", "--config", both)...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "fast                 1 rows deleted\nperIP                1 rows deleted\ntotal                2 rows deleted\n", r.stdout)
+	r = run(t, dsn, nil, append(s, "names")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "NAME        ROWS  CONFIG\ntotal          0\n", r.stdout)
+	r = run(t, dsn, nil, append(s, "prune")...) // an empty table and no config: nothing to do
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "total                0 rows deleted\n", r.stdout)
+}
+
+// TestCommandMigrateDownAsks: migrate down drops every limit's state, so it rolls back only when
+// confirmed: "yes" typed on a terminal, or --yes; elsewhere it refuses with exit 2 (issue 31).
+func TestCommandMigrateDownAsks(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn := testdb.DSN(t)
+	schema, s := migrated(t, dsn)
+	pool, err := pgxpool.New(ctx, testdb.SchemaURL(t, schema))
+	require.NoError(t, err)
+	defer pool.Close()
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"century": century}})
+	require.NoError(t, err)
+	_, err = lim.Limit(ctx, pool, "century", "user-42", nil)
+	require.NoError(t, err)
+	what := `migrate down rolls back 00001_txlimit_state.sql in schema "` + schema + `": it drops txlimit_state, the state of every limit (1 row of 1 limit)`
+	down := append(s, "migrate", "down")
+	steps := []struct {
+		stdin          io.Reader
+		args           []string
+		code           int
+		stdout, stderr string
+	}{
+		{stdin: strings.NewReader("yes\n"), args: down, code: cli.ExitUsage, // not a terminal: no one to ask
+			stderr: "txlimit: " + what + "; pass --yes to roll back where no terminal can confirm: nothing was rolled back\n"},
+		{stdin: tty{strings.NewReader("no\n")}, args: down, code: cli.ExitUsage,
+			stderr: what + ".\nType yes to roll back: txlimit: migrate down not confirmed: nothing was rolled back\n"},
+		{stdin: tty{strings.NewReader("")}, args: down, code: cli.ExitUsage,
+			stderr: what + ".\nType yes to roll back: txlimit: migrate down not confirmed: nothing was rolled back\n"},
+		{stdin: tty{strings.NewReader("yes\n")}, args: down, code: cli.ExitOK,
+			stdout: "down  00001_txlimit_state.sql\n", stderr: what + ".\nType yes to roll back: "},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "up"), code: cli.ExitOK, stdout: "up    00001_txlimit_state.sql\n"},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00001_txlimit_state.sql\n"},
+		{stdin: strings.NewReader(""), args: down, code: cli.ExitOK, stdout: "nothing to roll back\n"}, // asks nothing
+	}
+	for i, st := range steps {
+		r := run(t, dsn, &cli.Options{Stdin: st.stdin}, st.args...)
+		if r.code != st.code || r.stdout != st.stdout || r.stderr != st.stderr {
+			t.Fatalf("step %d: got exit %d, stdout %q, stderr %q; want %d, %q, %q", i, r.code, r.stdout, r.stderr, st.code, st.stdout, st.stderr)
+		}
+		if i == 2 {
+			require.Equal(t, 1, testdb.CountRows(t, pool), "step %d: the state is gone", i)
+		}
+	}
+}
+
+// TestCommandMigrateUpCreateSchema: migrate up into a schema that does not exist says how to
+// create it, and does with --create-schema.
+func TestCommandMigrateUpCreateSchema(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	schema := testdb.NewSchema(t) + "_new" // a name no schema has; dropped at the end
+	t.Cleanup(func() {
+		ctx := context.Background()
+		conn, err := pgx.Connect(ctx, dsn)
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+		_, err = conn.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		require.NoError(t, err)
+	})
+	r := run(t, dsn, nil, "--schema", schema, "migrate", "up")
+	require.Equal(t, cli.ExitDatabase, r.code)
+	require.Equal(t, `txlimit: no schema of search_path "`+schema+`" exists: run "txlimit migrate up --schema `+schema+
+		` --create-schema" to create it, or pass --schema with an existing schema`+"\n", r.stderr)
+	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "up    00001_txlimit_state.sql\n", r.stdout)
+	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "up to date\n", r.stdout)
 }

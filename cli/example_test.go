@@ -11,8 +11,8 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// An application embeds the command with its own limits, so that an operator inspects, resets and
-// prunes them under the definitions the application runs with.
+// An application embeds the command with its own limits, so that an operator lists, inspects,
+// resets and prunes them under the definitions the application runs with.
 func ExampleRun() {
 	ctx := context.Background()
 	pool, done := testdb.ForExample()
@@ -35,19 +35,25 @@ func ExampleRun() {
 	cfg := pool.Config()
 	db := []string{"--dsn", cfg.ConnString(), "--schema", cfg.ConnConfig.RuntimeParams["search_path"]}
 	opts := &cli.Options{Limits: limits}
-	code := cli.Run(ctx, append(db, "reset", "invite", "user-42"), os.Stdout, os.Stderr, opts)
+	code := cli.Run(ctx, append(db, "names"), os.Stdout, os.Stderr, opts)
+	fmt.Println("exit", code)
+	code = cli.Run(ctx, append(db, "reset", "invite", "user-42"), os.Stdout, os.Stderr, opts)
 	fmt.Println("exit", code)
 	code = cli.Run(ctx, append(db, "prune"), os.Stdout, os.Stderr, opts)
 	fmt.Println("exit", code)
 	code = cli.Run(ctx, append(db, "inspect", "nope", "k"), os.Stdout, os.Stdout, opts)
 	fmt.Println("exit", code)
 	// Output:
+	// NAME         ROWS  CONFIG
+	// invite          1  token bucket 5/24h0m0s
+	// total           1
+	// exit 0
 	// reset invite "user-42": full again
 	// exit 0
 	// invite               0 rows deleted
 	// sendMessage          0 rows deleted
 	// total                0 rows deleted
 	// exit 0
-	// txlimit: ratelimit: unknown limit "nope": register it in LimiterConfig.Limits or pass a Config with the call (the command knows the limits of --config FILE and of the application embedding it; or give an ad-hoc config with --rate and --period)
+	// txlimit: unknown limit "nope": give its config in --config FILE, or with --rate and --period (configured: invite, sendMessage)
 	// exit 3
 }

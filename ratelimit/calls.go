@@ -24,6 +24,19 @@ type outcome struct {
 	err error
 }
 
+// metricOp is the txlimit.op attribute of a call's metrics (metrics.go): Limit and Check count as
+// LimitN and CheckN, the calls they are shorthand for, so the attribute keeps its four values,
+// while errors name the call that was made (op: "ratelimit: Limit: ...").
+func metricOp(op string) string {
+	switch op {
+	case "Limit":
+		return "LimitN"
+	case "Check":
+		return "CheckN"
+	}
+	return op
+}
+
 // prepareSingle validates a Limit, LimitN, Check or CheckN call. Nothing is sent to the database.
 func (l *Limiter) prepareSingle(op, name, key string, count float64, opts *LimitOpts, dry bool) (*call, error) {
 	if opts == nil {

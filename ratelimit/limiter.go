@@ -162,7 +162,7 @@ func (r Result) Err() error {
 // Limit consumes one token of the limit name for key. It is shorthand for
 // LimitN(ctx, db, name, key, 1, opts).
 func (l *Limiter) Limit(ctx context.Context, db Executor, name, key string, opts *LimitOpts) (Result, error) {
-	return l.LimitN(ctx, db, name, key, 1, opts)
+	return l.single(ctx, db, "Limit", name, key, 1, opts, false)
 }
 
 // LimitN consumes count tokens of the limit name for key, if they are there (or, with
@@ -175,7 +175,7 @@ func (l *Limiter) LimitN(ctx context.Context, db Executor, name, key string, cou
 // Check answers what Limit would, without consuming anything or taking a lock. It is shorthand for
 // CheckN(ctx, db, name, key, 1, opts).
 func (l *Limiter) Check(ctx context.Context, db Executor, name, key string, opts *LimitOpts) (Result, error) {
-	return l.CheckN(ctx, db, name, key, 1, opts)
+	return l.single(ctx, db, "Check", name, key, 1, opts, true)
 }
 
 // CheckN answers what LimitN would, without consuming anything or taking a lock. Result.Shards
@@ -191,7 +191,7 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 	start := time.Now()
 	c, err := l.prepareSingle(op, name, key, count, opts, dry)
 	if err != nil {
-		l.obs.decided(ctx, op, start, []Request{{Name: name}}, ManyResult{}, err)
+		l.obs.decided(ctx, metricOp(op), start, []Request{{Name: name}}, ManyResult{}, err)
 		return Result{}, err
 	}
 	out, err := l.decideCalls(ctx, db, []*call{c})
@@ -206,7 +206,7 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 		res = out[0].res
 		r = res.Results[0]
 	}
-	l.obs.decided(ctx, op, start, c.reqs, res, err)
+	l.obs.decided(ctx, metricOp(op), start, c.reqs, res, err)
 	if err != nil {
 		return Result{}, err
 	}

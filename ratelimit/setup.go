@@ -37,26 +37,46 @@ type SetupError struct {
 	Err error
 }
 
-// Error says what is missing, where Postgres looked, and which call creates it.
+// Error leads with the fix (the call that creates the missing objects), then says what Postgres did
+// not find and where it looked: the object without its argument types, and the SQLSTATE.
+// Postgres's own message stays available through Unwrap. A forgotten migration, on search_path
+// "app":
+//
+//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: function txlimit_decide does not exist in search_path "app" (SQLSTATE 42883; see docs/deploy.md)
 func (e *SetupError) Error() string {
 	fix := e.Fix
 	if fix == "" {
 		fix = "migrations.Up"
 	}
-	where := "search_path unknown (the transaction is aborted: run SHOW search_path on that connection)"
-	if e.SearchPath != "" || e.Err == nil {
-		where = fmt.Sprintf("search_path is %q", e.SearchPath)
+	where := fmt.Sprintf("search_path %q", e.SearchPath)
+	if e.Err != nil && e.SearchPath == "" {
+		where = "this connection's search_path"
 	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "ratelimit: %s: ", e.Op)
-	if e.Err != nil {
-		fmt.Fprintf(&b, "%v: txlimit's schema is not set up where this connection looks for it (%s): ", e.Err, where)
-		fmt.Fprintf(&b, "run %s(ctx, pool) with this search_path at start-up, or set search_path to the schema it ran in (see docs/deploy.md)", fix)
-		return b.String()
+	if e.Err == nil {
+		return fmt.Sprintf("ratelimit: %s: run %s(ctx, pool) at start-up with this search_path: %s leads to a schema at migration version %d, this build of txlimit needs %d (see docs/deploy.md)",
+			e.Op, fix, where, e.Version, e.Want)
 	}
-	fmt.Fprintf(&b, "the schema is at migration version %d, this build of txlimit needs %d (%s): run %s(ctx, pool) with this search_path at start-up (see docs/deploy.md)",
-		e.Version, e.Want, where, fix)
-	return b.String()
+	missing, code := "txlimit's tables and functions do not exist", ""
+	var pgErr *pgconn.PgError
+	if errors.As(e.Err, &pgErr) {
+		missing, code = shortMissing(pgErr.Message), "SQLSTATE "+pgErr.Code+"; "
+	}
+	aborted := ""
+	if e.SearchPath == "" {
+		aborted = "the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; "
+	}
+	return fmt.Sprintf("ratelimit: %s: run %s(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: %s in %s (%s%ssee docs/deploy.md)",
+		e.Op, fix, missing, where, code, aborted)
+}
+
+// shortMissing is Postgres's "does not exist" message without a function's argument types:
+// "function txlimit_decide(timestamp with time zone, integer[], ...) does not exist" becomes
+// "function txlimit_decide does not exist"; `relation "txlimit_state" does not exist` is kept.
+func shortMissing(msg string) string {
+	if i, j := strings.IndexByte(msg, '('), strings.LastIndexByte(msg, ')'); i >= 0 && j > i {
+		return msg[:i] + msg[j+1:]
+	}
+	return msg
 }
 
 // Is makes errors.Is(err, ErrSetup) true.

@@ -1,5 +1,5 @@
-// Command txlimit is txlimit's operator command: migrate, inspect, reset and prune the limits of a
-// database. Run it with go run ./cmd/txlimit or install it with
+// Command txlimit is txlimit's operator command: migrate a database, list the limit names in it,
+// inspect, reset and prune its limits. Run it with go run ./cmd/txlimit or install it with
 // go install github.com/txlimit/txlimit/cmd/txlimit@latest; `txlimit -h` lists the flags, and
 // package cli documents the commands, the --config file and the exit codes.
 package main

@@ -2,10 +2,9 @@
 // transaction that also writes a business row, a rollback that gives the tokens back, a
 // reservation with its retryAt, and two limits taken together. It prints what happened and exits 0.
 //
-// It connects to DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable, else a private throwaway Postgres it
-// starts and removes itself when the Postgres server is installed (docs/deploy.md), and works in a
-// schema of its own that it drops at the end, so it can be run again and again.
+// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
+// schema of its own, created with its migrations and dropped at the end, so it can be run again
+// and again (db.go). It imports only public packages, so it can be copied into an application.
 package main
 
 import (
@@ -17,8 +16,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/txlimit/txlimit/internal/scratch"
-	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -29,13 +26,12 @@ func main() {
 }
 
 func run(ctx context.Context) error {
-	fmt.Println("== migrate")
-	pool, done, err := scratch.OpenAny(ctx, "txlimit_demo_", 0)
+	fmt.Println("# demo: limits decided inside the transactions that write")
+	pool, done, err := openDB(ctx, "txlimit_demo_", 0)
 	if err != nil {
 		return err
 	}
 	defer done()
-	fmt.Printf("applied txlimit's migrations in a schema of its own (version table %s)\n", migrations.VersionTable)
 	if _, err := pool.Exec(ctx, "CREATE TABLE messages (id bigserial PRIMARY KEY, user_id text NOT NULL, body text NOT NULL)"); err != nil {
 		return err
 	}

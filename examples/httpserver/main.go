@@ -13,9 +13,9 @@
 // HTTP client, prints the statuses, header fields and bodies, and a few metric lines, and stops.
 // Without it, it serves on -addr until interrupted.
 //
-// It connects to DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
-// drops at the end.
+// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
+// schema of its own, created with its migrations and dropped at the end (db.go). It imports only
+// public packages, so it can be copied into an application.
 package main
 
 import (
@@ -43,7 +43,6 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/txlimit/txlimit/httplimit"
-	"github.com/txlimit/txlimit/internal/scratch"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -66,7 +65,8 @@ func main() {
 }
 
 func run(ctx context.Context, addr string, demo bool) error {
-	pool, done, err := scratch.Open(ctx, scratch.URL(), "txlimit_httpserver_", 0)
+	fmt.Println("# httpserver: an HTTP API limited per client IP and per user, and in a handler's transaction")
+	pool, done, err := openDB(ctx, "txlimit_httpserver_", 0)
 	if err != nil {
 		return err
 	}
@@ -235,7 +235,7 @@ func client(ctx context.Context, base string) error {
 		fmt.Printf("  %s\n", strings.TrimSpace(string(b)))
 		return nil
 	}
-	fmt.Printf("== httpserver on %s\n", base)
+	fmt.Printf("serving on %s; a real HTTP client sends the requests\n", base)
 	fmt.Printf("\n== GET /api/items: perIP (%s) AND perUser (%s), decided together by the middleware\n", perIP, perUser)
 	for range 4 {
 		if err := do("GET", "/api/items", "alice", ""); err != nil {

@@ -3,9 +3,10 @@ package main
 import (
 	"context"
 	"crypto/rand"
-	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -13,53 +14,39 @@ import (
 	"github.com/txlimit/txlimit/migrations"
 )
 
-// databaseURL returns DATABASE_URL, else TEST_DATABASE_URL, else a local default.
-func databaseURL() string {
-	for _, env := range []string{"DATABASE_URL", "TEST_DATABASE_URL"} {
-		if v := os.Getenv(env); v != "" {
-			return v
-		}
-	}
-	return "postgres://postgres@localhost:5432/test?sslmode=disable"
-}
-
-// openScratch creates a schema named prefix plus a random suffix, opens a pool of at most
-// maxConns connections whose search_path is that schema, and applies txlimit's migrations there.
-// The returned function closes the pool and drops the schema. An application would instead
-// connect to its own database and run migrations.Up and scheduler.Migrate at start-up.
-func openScratch(ctx context.Context, url, prefix string, maxConns int32) (*pgxpool.Pool, func(), error) {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	schema := pgx.Identifier{prefix + hex.EncodeToString(b[:])}
-	admin, err := pgx.Connect(ctx, url)
-	if err != nil {
-		return nil, nil, fmt.Errorf("connect (set DATABASE_URL): %w", err)
-	}
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema.Sanitize()); err != nil {
-		_ = admin.Close(ctx)
-		return nil, nil, err
-	}
-	drop := func() {
-		_, _ = admin.Exec(context.Background(), "DROP SCHEMA "+schema.Sanitize()+" CASCADE")
-		_ = admin.Close(context.Background())
+// openDB connects to DATABASE_URL with a new schema, named prefix plus a random suffix, as its
+// search_path, migrates txlimit into it (migrations.Up creates the schema), says which database
+// and schema it uses (never a password), and returns a function that drops the schema and closes
+// the pool. maxConns bounds the pool; 0 is pgxpool's default. An application connects to its own
+// database and schema instead, and runs migrations.Up at start-up.
+func openDB(ctx context.Context, prefix string, maxConns int32) (*pgxpool.Pool, func(), error) {
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		return nil, nil, errors.New("set DATABASE_URL to a Postgres, e.g. postgres://postgres@localhost:5432/postgres " +
+			"(make demo sets it: it finds or starts one)")
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
-		drop()
-		return nil, nil, err
+		return nil, nil, fmt.Errorf("DATABASE_URL: %w", err)
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema[0]
-	cfg.MaxConns = maxConns
+	schema := prefix + strings.ToLower(rand.Text()[:8])
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err == nil {
-		err = migrations.Up(ctx, pool)
-	}
 	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		drop()
 		return nil, nil, err
 	}
-	return pool, func() { pool.Close(); drop() }, nil
+	drop := func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		pool.Close()
+	}
+	if err := migrations.Up(ctx, pool, migrations.CreateSchema()); err != nil {
+		drop()
+		return nil, nil, fmt.Errorf("migrate: %w", err)
+	}
+	c := cfg.ConnConfig
+	fmt.Printf("database %s:%d/%s, schema %s (migrated now, dropped at the end)\n", c.Host, c.Port, c.Database, schema)
+	return pool, drop, nil
 }

@@ -15,10 +15,9 @@
 // program prints a timeline of requests, model calls and the budget, then checks that the calls
 // started no faster than the budget allowed, and exits 0.
 //
-// It connects to DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable, and works in a schema of its own that it
-// drops at the end, so it can be run again and again (db.go). It uses only public packages, so it
-// can be copied into an application as it is.
+// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
+// schema of its own, created with its migrations and dropped at the end, so it can be run again and
+// again (db.go). It imports only public packages, so it can be copied into an application.
 //
 // With -no-pull-forward it settles with scheduler.Settlement.Settle instead, which credits the
 // unused tokens without moving the waiting jobs (and is not exactly-once), and cancels with River's
@@ -156,8 +155,9 @@ func main() {
 }
 
 func run(ctx context.Context) error {
+	fmt.Println("# llmbudget: LLM calls kept within a tokens-per-minute budget, reserved and scheduled with River")
 	// A schema of our own, dropped at the end.
-	pool, done, err := openScratch(ctx, databaseURL(), "txlimit_llmbudget_", 16)
+	pool, done, err := openDB(ctx, "txlimit_llmbudget_", 16)
 	if err != nil {
 		return err
 	}
@@ -203,11 +203,13 @@ func run(ctx context.Context) error {
 		_ = client.Stop(ctx)
 	}()
 
+	fmt.Printf("\n== the budget and the requests\n")
 	fmt.Printf("budget %q for %s: %d tokens per minute, at most %d owed; one minute lasts %s here\n",
 		limitName, org, tpm, maxOwed, minute)
-	fmt.Printf("%d requests, one every %s, %.0f tokens estimated in all (%.1f budget minutes' worth)\n\n",
+	fmt.Printf("%d requests, one every %s, %.0f tokens estimated in all (%.1f budget minutes' worth)\n",
 		len(estimates), arrival, sum(estimates), sum(estimates)/tpm)
-	fmt.Println("budget bars: each # is 500 tokens available, each - 500 tokens owed to reservations")
+	fmt.Println("\n== the timeline, in time order (about 12 s)")
+	fmt.Println("a call's line is printed when it has settled; budget bars: each # is 500 tokens available, each - 500 tokens owed")
 	fmt.Println("\n    time  event")
 
 	// The budget, sampled while the demo runs.
@@ -298,7 +300,7 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 		res, err := sched.CancelTx(ctx, tx, jobID)
 		var started *scheduler.NotCancellableError
 		if errors.As(err, &started) {
-			tl.printf(time.Now(), "request %2d  gives up, too late: %v", i, err)
+			tl.event("request %2d  gives up, too late: %v", i, err)
 			return nil
 		}
 		if err != nil {
@@ -345,30 +347,38 @@ type call struct {
 	reserved, credited float64
 }
 
-func (t *timeline) printf(at time.Time, format string, args ...any) {
-	fmt.Printf("%7.2fs  %s\n", at.Sub(t.start).Seconds(), fmt.Sprintf(format, args...))
+// event prints one line of the timeline, stamped with the time it is printed at, so that the lines
+// are in time order whichever goroutine prints them.
+func (t *timeline) event(format string, args ...any) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.printLocked(format, args...)
+}
+
+// printLocked is event with t.mu held.
+func (t *timeline) printLocked(format string, args ...any) {
+	fmt.Printf("%7.2fs  %s\n", time.Since(t.start).Seconds(), fmt.Sprintf(format, args...))
 }
 
 func (t *timeline) reserved(i int, estimate float64, res *scheduler.Reservation) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	now := time.Now()
 	if t.firstGrant.IsZero() {
 		t.firstGrant = res.Results[0].Time
 	}
 	if res.ScheduledAt.IsZero() {
-		t.printf(now, "request %2d  reserves %5.0f  runs now", i, estimate)
+		t.printLocked("request %2d  reserves %5.0f  runs now", i, estimate)
 		return
 	}
 	t.scheduled[i] = res.ScheduledAt
-	t.printf(now, "request %2d  reserves %5.0f  scheduled for %6.2fs", i, estimate, res.ScheduledAt.Sub(t.start).Seconds())
+	t.printLocked("request %2d  reserves %5.0f  scheduled for %6.2fs", i, estimate, res.ScheduledAt.Sub(t.start).Seconds())
 }
 
 func (t *timeline) cancelled(i int, refund float64, pulled int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.cancels++
-	t.printf(time.Now(), "request %2d  gives up while it waits: job cancelled, %.0f tokens refunded, %s pulled forward",
+	t.printLocked("request %2d  gives up while it waits: job cancelled, %.0f tokens refunded, %s pulled forward",
 		i, refund, jobs(pulled))
 }
 
@@ -376,7 +386,7 @@ func (t *timeline) rejected(i int, estimate float64, retryAt time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.rejections++
-	t.printf(time.Now(), "request %2d  rejected %5.0f  more than %d would be owed: retry at %.2fs; nothing reserved, no job",
+	t.printLocked("request %2d  rejected %5.0f  more than %d would be owed: retry at %.2fs; nothing reserved, no job",
 		i, estimate, maxOwed, retryAt.Sub(t.start).Seconds())
 }
 
@@ -391,8 +401,8 @@ func (t *timeline) ran(i int, started, settling, scheduledAt time.Time, reserved
 	if first, ok := t.scheduled[i]; ok && scheduledAt.Before(first) {
 		pulled = fmt.Sprintf(", pulled forward from %.2fs", first.Sub(t.start).Seconds())
 	}
-	t.printf(started, "  call %2d  runs (%3.0f ms after its time%s), used %5.0f of %5.0f: %s",
-		i, float64(late)/float64(time.Millisecond), pulled, used, reserved, note)
+	t.printLocked("  call %2d  ran at %5.2fs (%3.0f ms after its time%s), used %5.0f of %5.0f: %s",
+		i, started.Sub(t.start).Seconds(), float64(late)/float64(time.Millisecond), pulled, used, reserved, note)
 }
 
 func (t *timeline) budget(v float64) {
@@ -406,7 +416,7 @@ func (t *timeline) budget(v float64) {
 	} else {
 		bar = fmt.Sprintf("%*s|%s", maxOwed/scale, "", bar)
 	}
-	t.printf(time.Now(), "budget %7.0f  %s", v, bar)
+	t.printLocked("budget %7.0f  %s", v, bar)
 }
 
 func (t *timeline) done() int {
@@ -445,7 +455,8 @@ func (t *timeline) summary(requests, accepted int, final float64) error {
 	for _, c := range t.calls {
 		wait += c.started.Sub(t.start.Add(time.Duration(c.request) * arrival))
 	}
-	fmt.Printf("\n%d requests: %d ran, %d cancelled with a refund, %d rejected with a time to retry\n",
+	fmt.Printf("\n== what happened\n")
+	fmt.Printf("%d requests: %d ran, %d cancelled with a refund, %d rejected with a time to retry\n",
 		requests, accepted, t.cancels, t.rejections)
 	mode := "with pull-forward"
 	if *noPull {

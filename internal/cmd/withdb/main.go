@@ -59,10 +59,12 @@ func run(args []string) int {
 	return 0
 }
 
-// find returns the URL of a Postgres and what to do when the command has ended.
+// find returns the URL of a Postgres and what to do when the command has ended, and says on
+// stderr which it found (host, port and database: never a password).
 func find(ctx context.Context) (string, func(), error) {
 	for _, env := range []string{"DATABASE_URL", "TEST_DATABASE_URL"} {
 		if v := os.Getenv(env); v != "" {
+			fmt.Fprintf(os.Stderr, "(withdb: the database of %s, %s)\n", env, describe(v))
 			return v, func() {}, nil
 		}
 	}
@@ -75,6 +77,7 @@ func find(ctx context.Context) (string, func(), error) {
 	cancel()
 	if localErr == nil {
 		_ = conn.Close(ctx)
+		fmt.Fprintf(os.Stderr, "(withdb: no DATABASE_URL; the Postgres answering on %s)\n", describe(local))
 		return local, func() {}, nil
 	}
 	c, err := pgtemp.Start(ctx)
@@ -82,6 +85,15 @@ func find(ctx context.Context) (string, func(), error) {
 		return "", nil, fmt.Errorf("no Postgres found. Tried, in order:\n  - DATABASE_URL and TEST_DATABASE_URL: not set\n  - %s: %v\n  - %v\n%s",
 			local, localErr, err, pgtemp.Ways("DATABASE_URL"))
 	}
-	fmt.Fprintf(os.Stderr, "(no DATABASE_URL and nothing on %s: using a private throwaway Postgres at %s)\n", local, c.URL)
+	fmt.Fprintf(os.Stderr, "(withdb: no DATABASE_URL and nothing on %s: a private throwaway Postgres, %s)\n", describe(local), describe(c.URL))
 	return c.URL, func() { _ = c.Stop() }, nil
+}
+
+// describe names the database of url by host, port and database name, without user or password.
+func describe(url string) string {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return "an unparsable URL"
+	}
+	return fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
 }

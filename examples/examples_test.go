@@ -1,0 +1,37 @@
+// Package examples holds the runnable programs (demo, httpserver, llmbudget); this test keeps them
+// copyable into an application.
+package examples
+
+import (
+	"go/parser"
+	"go/token"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestExamplesImportOnlyPublicPackages: a program under examples/ imports no internal package of
+// txlimit, so it can be copied into an application as it is (issue 31, item 8).
+func TestExamplesImportOnlyPublicPackages(t *testing.T) {
+	t.Parallel()
+	files, err := filepath.Glob("*/*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(files) < 4 {
+		t.Fatalf("found %d example files: %v", len(files), files)
+	}
+	for _, file := range files {
+		f, err := parser.ParseFile(token.NewFileSet(), file, nil, parser.ImportsOnly)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, imp := range f.Imports {
+			path, _ := strconv.Unquote(imp.Path.Value)
+			if strings.HasPrefix(path, "github.com/txlimit/txlimit/") && strings.Contains(path+"/", "/internal/") {
+				t.Errorf("%s imports %s: an application cannot import it", file, path)
+			}
+		}
+	}
+}
