@@ -164,7 +164,7 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 		if err != nil {
 			return nil, err
 		}
-		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: b}); err != nil {
+		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return res, nil

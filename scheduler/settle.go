@@ -184,7 +184,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 	}
 	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
 		q := schedsql.New()
-		claimed, err := q.ClaimSettlement(ctx, sp, schedsql.ClaimSettlementParams{ID: jobID, Claim: []byte(`{"claimed": true}`)})
+		claimed, err := q.ClaimSettlement(ctx, sp, schedsql.ClaimSettlementParams{ID: jobID, Claim: `{"claimed": true}`})
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -232,7 +232,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 		if err != nil {
 			return nil, err
 		}
-		if err := q.RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: b}); err != nil {
+		if err := q.RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return out, nil

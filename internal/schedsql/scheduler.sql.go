@@ -13,13 +13,13 @@ import (
 
 const claimSettlement = `-- name: ClaimSettlement :many
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)
 WHERE j.id = $2::bigint AND NOT (j.metadata ? 'txlimit_settled')
 RETURNING coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved
 `
 
 type ClaimSettlementParams struct {
-	Claim []byte
+	Claim string
 	ID    int64
 }
 
@@ -27,6 +27,8 @@ type ClaimSettlementParams struct {
 // is recorded already, and returns the job's reservation. No row means the job is missing or
 // already settled: a concurrent settle waits for the row lock, then re-checks the condition on the
 // committed row (READ COMMITTED), so exactly one claim succeeds.
+// JSON parameters are sent as text and cast here: pgx's exec and simple-protocol modes (the ones a
+// transaction pooler needs) encode a []byte as bytea, which ::jsonb refuses.
 func (q *Queries) ClaimSettlement(ctx context.Context, db DBTX, arg ClaimSettlementParams) ([][]byte, error) {
 	rows, err := db.Query(ctx, claimSettlement, arg.Claim, arg.ID)
 	if err != nil {
@@ -81,12 +83,12 @@ func (q *Queries) LockJob(ctx context.Context, db DBTX, id int64) (LockJobRow, e
 
 const recordSettlement = `-- name: RecordSettlement :exec
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)
 WHERE j.id = $2::bigint
 `
 
 type RecordSettlementParams struct {
-	Outcome []byte
+	Outcome string
 	ID      int64
 }
 
@@ -99,17 +101,17 @@ func (q *Queries) RecordSettlement(ctx context.Context, db DBTX, arg RecordSettl
 const reschedule = `-- name: Reschedule :execrows
 UPDATE river_job j
 SET scheduled_at = u.scheduled_at,
-    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved, true)
+    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved::jsonb, true)
 FROM (SELECT unnest($1::bigint[]) AS id,
              unnest($2::timestamptz[]) AS scheduled_at,
-             unnest($3::jsonb[]) AS reserved) u
+             unnest($3::text[]) AS reserved) u
 WHERE j.id = u.id
 `
 
 type RescheduleParams struct {
 	Ids          []int64
 	ScheduledAts []pgtype.Timestamptz
-	Reserveds    [][]byte
+	Reserveds    []string
 }
 
 // Reschedule moves each job ids[i] to scheduled_ats[i] and stores its updated reservation.
@@ -182,7 +184,7 @@ func (q *Queries) Settlement(ctx context.Context, db DBTX, id int64) ([][]byte, 
 const waiting = `-- name: Waiting :many
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.metadata @> $1::jsonb
+WHERE j.metadata @> $1::text::jsonb
   AND j.id >= $2::bigint
   AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
@@ -192,7 +194,7 @@ FOR UPDATE SKIP LOCKED
 `
 
 type WaitingParams struct {
-	Filter []byte
+	Filter string
 	FromID int64
 	Now    pgtype.Timestamptz
 }

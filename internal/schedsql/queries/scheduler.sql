@@ -15,8 +15,10 @@ FOR UPDATE;
 -- is recorded already, and returns the job's reservation. No row means the job is missing or
 -- already settled: a concurrent settle waits for the row lock, then re-checks the condition on the
 -- committed row (READ COMMITTED), so exactly one claim succeeds.
+-- JSON parameters are sent as text and cast here: pgx's exec and simple-protocol modes (the ones a
+-- transaction pooler needs) encode a []byte as bytea, which ::jsonb refuses.
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('claim')::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('claim')::text::jsonb, true)
 WHERE j.id = sqlc.arg('id')::bigint AND NOT (j.metadata ? 'txlimit_settled')
 RETURNING coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved;
 
@@ -30,7 +32,7 @@ WHERE j.id = sqlc.arg('id')::bigint;
 -- name: RecordSettlement :exec
 -- RecordSettlement stores the outcome of a settlement this transaction claimed.
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::text::jsonb, true)
 WHERE j.id = sqlc.arg('id')::bigint;
 
 -- name: Waiting :many
@@ -41,7 +43,7 @@ WHERE j.id = sqlc.arg('id')::bigint;
 -- by another transaction are skipped: they keep their time, which is never too early.
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.metadata @> sqlc.arg('filter')::jsonb
+WHERE j.metadata @> sqlc.arg('filter')::text::jsonb
   AND j.id >= sqlc.arg('from_id')::bigint
   AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
@@ -53,10 +55,10 @@ FOR UPDATE SKIP LOCKED;
 -- Reschedule moves each job ids[i] to scheduled_ats[i] and stores its updated reservation.
 UPDATE river_job j
 SET scheduled_at = u.scheduled_at,
-    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved, true)
+    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved::jsonb, true)
 FROM (SELECT unnest(sqlc.arg('ids')::bigint[]) AS id,
              unnest(sqlc.arg('scheduled_ats')::timestamptz[]) AS scheduled_at,
-             unnest(sqlc.arg('reserveds')::jsonb[]) AS reserved) u
+             unnest(sqlc.arg('reserveds')::text[]) AS reserved) u
 WHERE j.id = u.id;
 
 -- name: RiverTables :one
