@@ -37,10 +37,10 @@ type Scheduler struct {
 // Config.AllowImprecise), and the queue of the reserved jobs should come from PreciseQueue.
 func New(client *river.Client[pgx.Tx], limiter *ratelimit.Limiter, config *Config) (*Scheduler, error) {
 	if client == nil {
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.New", Arg: "client", Reason: "is nil: pass the *river.Client that inserts the jobs"}
+		return nil, argError("New", "client", "is nil: pass the *river.Client that inserts the jobs", nil)
 	}
 	if limiter == nil {
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.New", Arg: "limiter", Reason: "is nil: pass a *ratelimit.Limiter from ratelimit.New"}
+		return nil, argError("New", "limiter", "is nil: pass a *ratelimit.Limiter from ratelimit.New", nil)
 	}
 	if config == nil {
 		config = &Config{}
@@ -193,7 +193,7 @@ func atomically(ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (*
 	var refused *insertError
 	var pgErr *pgconn.PgError
 	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
-		return nil, &ratelimit.ArgumentError{Op: op, Arg: "args or insert options", Reason: "were refused by River (nothing was reserved)", Err: refused.err}
+		return nil, argError(op, "args or insert options", "were refused by River (nothing was reserved)", refused.err)
 	}
 	return nil, err
 }
@@ -275,18 +275,18 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 	var insertOpts river.InsertOpts
 	switch {
 	case tx == nil:
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx the job and the reservation belong to"}
+		return insertOpts, argError(op, "tx", "is nil: pass the pgx.Tx the job and the reservation belong to", nil)
 	case args == nil:
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "args", Reason: "is nil: pass the job's river.JobArgs"}
+		return insertOpts, argError(op, "args", "is nil: pass the job's river.JobArgs", nil)
 	case opts.Jitter < 0:
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "ReserveOpts.Jitter", Reason: fmt.Sprintf("must be >= 0, got %s", opts.Jitter)}
+		return insertOpts, argError(op, "ReserveOpts.Jitter", fmt.Sprintf("must be >= 0, got %s", opts.Jitter), nil)
 	}
 	if opts.InsertOpts != nil {
 		insertOpts = *opts.InsertOpts
 	}
 	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
 	if err != nil {
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "ReserveOpts.InsertOpts.Metadata", Reason: err.Error()}
+		return insertOpts, argError(op, "ReserveOpts.InsertOpts.Metadata", err.Error(), nil)
 	}
 	insertOpts.Metadata = md
 	return insertOpts, nil

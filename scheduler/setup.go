@@ -12,7 +12,6 @@ import (
 	"github.com/riverqueue/river"
 
 	"github.com/txlimit/txlimit/internal/schedsql"
-	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // ErrSetup matches (errors.Is) every *SetupError: the scheduler is not set up to work, whatever
@@ -108,7 +107,7 @@ var errProbe = errors.New("scheduler: check probe (not an error)")
 func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs) error {
 	const op = "Check"
 	if db == nil {
-		return &ratelimit.ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass the *pgxpool.Pool of the River client"}
+		return argError(op, "db", "is nil: pass the *pgxpool.Pool of the River client", nil)
 	}
 	if probe == nil {
 		probe = checkArgs{}
