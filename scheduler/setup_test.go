@@ -64,6 +64,7 @@ type clientOpts struct {
 	middleware  []rivertype.Middleware
 	work        func(ctx context.Context, job *river.Job[callArgs]) error
 	noHook      bool
+	pollOnly    bool // no LISTEN: through PgBouncer
 	retryPolicy river.ClientRetryPolicy
 }
 
@@ -81,6 +82,7 @@ func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	cfg := &river.Config{
 		Logger:      quietLogger(),
 		Middleware:  opts.middleware,
+		PollOnly:    opts.pollOnly,
 		Queues:      opts.queues,
 		RetryPolicy: opts.retryPolicy,
 		TestOnly:    true,

@@ -229,3 +229,30 @@ func (q *Queries) Waiting(ctx context.Context, db DBTX, arg WaitingParams) ([]Wa
 	}
 	return items, nil
 }
+
+const workedQueues = `-- name: WorkedQueues :many
+SELECT q.name FROM river_queue q ORDER BY q.name
+`
+
+// WorkedQueues lists River's queue table: the queues River's clients work. A client writes each of
+// its queues there when it starts and every 10 minutes after; River deletes a queue 24 h after its
+// last report.
+func (q *Queries) WorkedQueues(ctx context.Context, db DBTX) ([]string, error) {
+	rows, err := db.Query(ctx, workedQueues)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []string
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			return nil, err
+		}
+		items = append(items, name)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}

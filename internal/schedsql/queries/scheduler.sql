@@ -69,3 +69,10 @@ SELECT (to_regclass('river_job') IS NOT NULL)::boolean AS present,
 -- name: SearchPath :one
 -- SearchPath returns the connection's search_path.
 SELECT current_setting('search_path')::text AS search_path;
+
+-- name: WorkedQueues :many
+-- WorkedQueues lists River's queue table: the queues River's clients work. A client writes each of
+-- its queues there when it starts and every 10 minutes after; River deletes a queue 24 h after its
+-- last report.
+SELECT q.name FROM river_queue q ORDER BY q.name;
+
