@@ -38,6 +38,11 @@
 // PrunePeriodicJob and PruneWorker run Limiter.PruneAll as a River periodic job, every DefaultPruneInterval
 // unless PruneConfig.Interval says otherwise.
 //
+// A reserved job holds its tokens until it runs, settles or is cancelled. StrandedPeriodicJob and
+// StrandedWorker find, every minute, the reserved jobs that have not started 5 minutes past their
+// time (StrandedConfig), count them (MetricStranded, with an OpenTelemetry MeterProvider) and log
+// each queue's with the fix.
+//
 // # Setup
 //
 // Migrate applies River's own migrations (rivermigrate) next to txlimit's (migrations.Up). The

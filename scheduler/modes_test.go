@@ -51,7 +51,7 @@ func (c conn) pool(t *testing.T, maxConns int32, noRiver bool) *pgxpool.Pool {
 }
 
 // TestExecModes runs the scheduler's statements (River's insert, the queue check, Check, CancelTx,
-// SettleTx, the pull-forward's Waiting and Reschedule) in every pgx exec
+// SettleTx, the pull-forward's Waiting and Reschedule, the stranded-job check) in every pgx exec
 // mode docs/deploy.md calls safe behind a transaction-mode pooler (pgbouncertest.SafeModes),
 // directly on Postgres and through PgBouncer. The subtests are the same functions the other
 // tests run in pgx's default mode. The PgBouncer ones are skipped unless TXLIMIT_PGBOUNCER_URL is
@@ -70,6 +70,7 @@ func TestExecModes(t *testing.T) {
 		{"Check", check},
 		{"MissingRiverTables", missingRiverTables},
 		{"UnworkedQueue", unworkedQueue},
+		{"Stranded", stranded},
 	}
 	for _, via := range []struct {
 		name    string

@@ -81,6 +81,70 @@ func (q *Queries) LockJob(ctx context.Context, db DBTX, id int64) (LockJobRow, e
 	return i, err
 }
 
+const markStranded = `-- name: MarkStranded :many
+WITH found AS (
+    SELECT j.id
+    FROM river_job j
+    WHERE j.state IN ('available', 'scheduled')
+      AND j.attempted_at IS NULL
+      AND j.scheduled_at < coalesce($1::timestamptz, now()) - $2::bigint * interval '1 microsecond'
+      AND j.metadata ? 'txlimit_reserved'
+      AND NOT (j.metadata ? 'txlimit_stranded')
+    ORDER BY j.id
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata, '{txlimit_stranded}',
+                         jsonb_build_object('at', coalesce($1::timestamptz, now())), true)
+FROM found f
+WHERE j.id = f.id
+RETURNING j.id, j.queue, j.scheduled_at,
+          (EXISTS (SELECT 1 FROM river_queue q WHERE q.name = j.queue))::boolean AS worked
+`
+
+type MarkStrandedParams struct {
+	Now     pgtype.Timestamptz
+	AfterUs int64
+}
+
+type MarkStrandedRow struct {
+	ID          int64
+	Queue       string
+	ScheduledAt pgtype.Timestamptz
+	Worked      bool
+}
+
+// MarkStranded marks (metadata key txlimit_stranded, the time it ran) at most 1000 reserved jobs
+// that have not started though they were due more than after_us microseconds before now (the
+// database's clock unless given), in ID order, and returns them with whether River's queue table
+// lists their queue. A marked job is not returned again, so each is counted once, by whichever
+// check finds it first; jobs locked by a worker that is starting them are skipped.
+func (q *Queries) MarkStranded(ctx context.Context, db DBTX, arg MarkStrandedParams) ([]MarkStrandedRow, error) {
+	rows, err := db.Query(ctx, markStranded, arg.Now, arg.AfterUs)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []MarkStrandedRow
+	for rows.Next() {
+		var i MarkStrandedRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.Queue,
+			&i.ScheduledAt,
+			&i.Worked,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const recordSettlement = `-- name: RecordSettlement :exec
 UPDATE river_job j
 SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)
