@@ -40,8 +40,8 @@
 //
 // A reserved job holds its tokens until it runs, settles or is cancelled. StrandedPeriodicJob and
 // StrandedWorker find, every minute, the reserved jobs that have not started 5 minutes past their
-// time (StrandedConfig), count them (MetricStranded, with an OpenTelemetry MeterProvider) and log
-// each queue's with the fix.
+// time (StrandedConfig), count each once (MetricStranded, OpenTelemetry) and log a warning per
+// queue with the fix.
 //
 // # Setup
 //
