@@ -32,12 +32,10 @@ test: ## Run every test with the race detector, one package at a time (needs Pos
 	$(GO) test -race -count=1 -p 1 -timeout 15m ./...
 
 .PHONY: test-pgbouncer
-test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode (.ci/pgbouncer.sh starts one unless TXLIMIT_PGBOUNCER_URL is set).
-	@if [ -n "$$TXLIMIT_PGBOUNCER_URL" ]; then \
-		$(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/; \
-	else \
-		.ci/pgbouncer.sh $(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/; \
-	fi
+test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode: internal/pgbouncertest, then the scheduler's in each safe exec mode (.ci/pgbouncer.sh starts one unless TXLIMIT_PGBOUNCER_URL is set).
+	@run='$(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/ && \
+		$(GO) test -race -count=1 -v -timeout 10m -run "^TestExecModes$$/^pgbouncer$$" ./scheduler/'; \
+	if [ -n "$$TXLIMIT_PGBOUNCER_URL" ]; then bash -c "$$run"; else .ci/pgbouncer.sh bash -c "$$run"; fi
 
 .PHONY: lint
 lint: ## gofmt and go vet over every module.

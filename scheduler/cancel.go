@@ -112,7 +112,7 @@ type CancelResult struct {
 func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*CancelResult, error) {
 	const op = "CancelTx"
 	if tx == nil {
-		return nil, &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx to cancel in"}
+		return nil, argError(op, "tx", "is nil: pass the pgx.Tx to cancel in", nil)
 	}
 	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*CancelResult, error) {
 		job, err := schedsql.New().LockJob(ctx, sp, jobID)
@@ -164,7 +164,7 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 		if err != nil {
 			return nil, err
 		}
-		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: b}); err != nil {
+		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return res, nil

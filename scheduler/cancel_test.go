@@ -41,8 +41,12 @@ func jobRow(t *testing.T, b *testBundle, id int64) *rivertype.JobRow {
 
 func TestCancelTx(t *testing.T) {
 	t.Parallel()
+	cancelTx(t, conn{})
+}
+
+func cancelTx(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0)})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), conn: c})
 
 	reserve(t, b, "calls", "u1", 10)      // runs now: the bucket is empty
 	jb := reserve(t, b, "calls", "u1", 5) // waits 500 ms
@@ -75,7 +79,7 @@ func TestCancelTx(t *testing.T) {
 	require.Equal(t, -5.0, value(t, b, "calls", "u1"))
 	require.Equal(t, t0.Add(500*time.Millisecond), jobRow(t, b, jc.Job.ID).ScheduledAt.UTC())
 
-	// A second cancel is refused and writes nothing; so is an unknown job.
+	// A second cancel is refused and writes nothing; so is a cancel or a settle of an unknown job.
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		_, err := b.sched.CancelTx(ctx, tx, jb.Job.ID)
 		var nc *scheduler.NotCancellableError
@@ -83,6 +87,8 @@ func TestCancelTx(t *testing.T) {
 		require.ErrorIs(t, err, scheduler.ErrNotCancellable)
 		require.True(t, nc.Cancelled())
 		_, err = b.sched.CancelTx(ctx, tx, 1<<40)
+		require.ErrorIs(t, err, rivertype.ErrNotFound)
+		_, err = b.sched.SettleTx(ctx, tx, 1<<40, 1)
 		require.ErrorIs(t, err, rivertype.ErrNotFound)
 		return nil // the transaction is still usable
 	}))
@@ -120,11 +126,15 @@ func TestCancelTx(t *testing.T) {
 
 func TestCancelTxManyLimits(t *testing.T) {
 	t.Parallel()
+	cancelTxManyLimits(t, conn{})
+}
+
+func cancelTxManyLimits(t *testing.T, c conn) {
 	ctx := context.Background()
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{
 		"calls":  {Rate: 2, Period: time.Second, MaxReserved: 100},
 		"tokens": {Rate: 1000, Period: time.Second, MaxReserved: 100_000},
-	}, now: frozen(t0)})
+	}, now: frozen(t0), conn: c})
 	var res *scheduler.Reservation
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		var err error
@@ -214,8 +224,12 @@ func metadataMap(t *testing.T, md []byte) map[string]any {
 // once, every call returns the same outcome, and exactly one of them did it.
 func TestSettleTxOnce(t *testing.T) {
 	t.Parallel()
+	settleTxOnce(t, conn{})
+}
+
+func settleTxOnce(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 20})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 20, conn: c})
 	reserve(t, b, "calls", "u1", 10)
 	res := reserve(t, b, "calls", "u1", 10) // owes 10
 	require.Equal(t, -10.0, value(t, b, "calls", "u1"))

@@ -38,15 +38,26 @@
 // PrunePeriodicJob and PruneWorker run Limiter.PruneAll as a River periodic job, every DefaultPruneInterval
 // unless PruneConfig.Interval says otherwise.
 //
+// A reserved job holds its tokens until it runs, settles or is cancelled. StrandedPeriodicJob and
+// StrandedWorker find, every minute, the reserved jobs that have not started 5 minutes past their
+// time (StrandedConfig), count each once (MetricStranded, OpenTelemetry) and log a warning per
+// queue with the fix.
+//
 // # Setup
 //
 // Migrate applies River's own migrations (rivermigrate) next to txlimit's (migrations.Up). The
-// River client needs PreciseHook among its Hooks, and a queue from PreciseQueue for the reserved
-// jobs; Scheduler.Check verifies both at start-up and returns a *SetupError naming the fix:
+// River client needs PreciseHook among its Hooks, and the reserved jobs a queue that River's
+// clients work, configured with PreciseQueue. ReserveTx refuses a job headed for a queue no client
+// works (ErrQueueNotWorked; Config.Queues says how it knows), before anything is reserved.
+// Scheduler.Check verifies all three at start-up and returns a *SetupError naming the fix. Give
+// the reserved jobs' args an InsertOpts method that names their queue, so that no call can forget
+// it and Check verifies it:
+//
+//	func (CompletionArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{Queue: "llm"} }
 //
 //	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 //		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
-//		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+//		Queues:  map[string]river.QueueConfig{"llm": scheduler.PreciseQueue(10)},
 //		Workers: workers,
 //	})
 //	sched, err := scheduler.New(client, limiter, nil)

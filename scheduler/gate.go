@@ -96,15 +96,15 @@ var _ rivertype.WorkerMiddleware = (*Gate)(nil)
 func NewGate(config *GateConfig) (*Gate, error) {
 	switch {
 	case config == nil:
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "config", Reason: "is nil: set DB, Limit and Limiter"}
+		return nil, argError("NewGate", "config", "is nil: set DB, Limit and Limiter", nil)
 	case config.DB == nil:
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.DB", Reason: "is nil: set it to the *pgxpool.Pool of the River client"}
+		return nil, argError("NewGate", "GateConfig.DB", "is nil: set it to the *pgxpool.Pool of the River client", nil)
 	case config.Limit == nil:
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.Limit", Reason: "is nil: set it to a func that maps a job to its limit"}
+		return nil, argError("NewGate", "GateConfig.Limit", "is nil: set it to a func that maps a job to its limit", nil)
 	case config.Limiter == nil:
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.Limiter", Reason: "is nil: set it to a *ratelimit.Limiter"}
+		return nil, argError("NewGate", "GateConfig.Limiter", "is nil: set it to a *ratelimit.Limiter", nil)
 	case config.Jitter < 0:
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.NewGate", Arg: "GateConfig.Jitter", Reason: fmt.Sprintf("must be >= 0, got %s", config.Jitter)}
+		return nil, argError("NewGate", "GateConfig.Jitter", fmt.Sprintf("must be >= 0, got %s", config.Jitter), nil)
 	}
 	return &Gate{db: config.DB, jitter: config.Jitter, limit: config.Limit, limiter: config.Limiter, now: time.Now}, nil
 }

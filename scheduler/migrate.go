@@ -8,8 +8,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
-
-	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // MigrateOpts are the options of Migrate. A nil *MigrateOpts is the zero value.
@@ -33,7 +31,7 @@ type MigrateOpts struct {
 // run it from one place (a deploy step, or at start-up of one instance).
 func Migrate(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) error {
 	if pool == nil {
-		return &ratelimit.ArgumentError{Op: "scheduler.Migrate", Arg: "pool", Reason: "is nil: pass the *pgxpool.Pool to migrate"}
+		return argError("Migrate", "pool", "is nil: pass the *pgxpool.Pool to migrate", nil)
 	}
 	if opts == nil {
 		opts = &MigrateOpts{}

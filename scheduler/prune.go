@@ -67,11 +67,11 @@ func (c *PruneConfig) withDefaults(op string) (PruneConfig, error) {
 	}
 	switch {
 	case out.Interval < 0:
-		return out, &ratelimit.ArgumentError{Op: op, Arg: "PruneConfig.Interval", Reason: fmt.Sprintf("must not be negative, got %s", out.Interval)}
+		return out, argError(op, "PruneConfig.Interval", fmt.Sprintf("must not be negative, got %s", out.Interval), nil)
 	case out.BatchSize < 0:
-		return out, &ratelimit.ArgumentError{Op: op, Arg: "PruneConfig.BatchSize", Reason: fmt.Sprintf("must not be negative, got %d", out.BatchSize)}
+		return out, argError(op, "PruneConfig.BatchSize", fmt.Sprintf("must not be negative, got %d", out.BatchSize), nil)
 	case out.Timeout < 0:
-		return out, &ratelimit.ArgumentError{Op: op, Arg: "PruneConfig.Timeout", Reason: fmt.Sprintf("must not be negative, got %s", out.Timeout)}
+		return out, argError(op, "PruneConfig.Timeout", fmt.Sprintf("must not be negative, got %s", out.Timeout), nil)
 	}
 	if out.Interval == 0 {
 		out.Interval = DefaultPruneInterval
@@ -100,12 +100,12 @@ type PruneWorker struct {
 // (a *pgxpool.Pool, or ratelimit.SQL of a *sql.DB). A nil limiter or db, or an invalid config, is
 // an *ratelimit.ArgumentError.
 func NewPruneWorker(limiter *ratelimit.Limiter, db ratelimit.Executor, config *PruneConfig) (*PruneWorker, error) {
-	const op = "scheduler.NewPruneWorker"
+	const op = "NewPruneWorker"
 	if limiter == nil {
-		return nil, &ratelimit.ArgumentError{Op: op, Arg: "limiter", Reason: "is nil: pass the *ratelimit.Limiter whose limits to prune"}
+		return nil, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter whose limits to prune", nil)
 	}
 	if db == nil {
-		return nil, &ratelimit.ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass a *pgxpool.Pool"}
+		return nil, argError(op, "db", "is nil: pass a *pgxpool.Pool", nil)
 	}
 	cfg, err := config.withDefaults(op)
 	if err != nil {
@@ -153,7 +153,7 @@ func (w *PruneWorker) Work(ctx context.Context, job *river.Job[PruneArgs]) error
 //	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 //		PeriodicJobs: []*river.PeriodicJob{job}, Workers: workers, ...})
 func PrunePeriodicJob(config *PruneConfig) (*river.PeriodicJob, error) {
-	cfg, err := config.withDefaults("scheduler.PrunePeriodicJob")
+	cfg, err := config.withDefaults("PrunePeriodicJob")
 	if err != nil {
 		return nil, err
 	}

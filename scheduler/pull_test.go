@@ -139,12 +139,12 @@ func TestPullForwardModel(t *testing.T) {
 	for _, seed := range []uint64{1, 3, 5, 15} { // each a different history; seed 1 found a lost fixed-window credit
 		t.Run(fmt.Sprint("seed ", seed), func(t *testing.T) {
 			t.Parallel()
-			pullForwardModel(t, seed)
+			pullForwardModel(t, conn{}, seed)
 		})
 	}
 }
 
-func pullForwardModel(t *testing.T, seed uint64) {
+func pullForwardModel(t *testing.T, c conn, seed uint64) {
 	ctx := context.Background()
 	limits := map[string]*mLimit{
 		"tok": {cfg: ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 1000}},
@@ -158,7 +158,7 @@ func pullForwardModel(t *testing.T, seed uint64) {
 	var clock atomic.Int64
 	clock.Store(t0.UnixNano())
 	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	b := setup(t, &setupOpts{limits: cfgs, now: now})
+	b := setup(t, &setupOpts{limits: cfgs, now: now, conn: c})
 	rng := rand.New(rand.NewPCG(seed, 6))
 
 	var js []*mJob

@@ -207,7 +207,7 @@ func (s *Scheduler) pullForward(ctx context.Context, db schedsql.DBTX, from int6
 		if err != nil {
 			return 0, err
 		}
-		found, err := q.Waiting(ctx, db, schedsql.WaitingParams{Filter: filter, FromID: from, Now: ts(now)})
+		found, err := q.Waiting(ctx, db, schedsql.WaitingParams{Filter: string(filter), FromID: from, Now: ts(now)})
 		if err != nil {
 			return 0, fmt.Errorf("pull forward waiting jobs: %w", err)
 		}
@@ -258,7 +258,7 @@ func (s *Scheduler) pullForward(ctx context.Context, db schedsql.DBTX, from int6
 		}
 		params.Ids = append(params.Ids, row.ID)
 		params.ScheduledAts = append(params.ScheduledAts, ts(at))
-		params.Reserveds = append(params.Reserveds, b)
+		params.Reserveds = append(params.Reserveds, string(b))
 	}
 	if len(params.Ids) == 0 {
 		return 0, nil

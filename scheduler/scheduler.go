@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,31 +23,58 @@ type Config struct {
 	// Defaults to false: ReserveTx returns an error saying to install PreciseHook, so that the
 	// mistake shows on the first call rather than as lateness in production.
 	AllowImprecise bool
+
+	// Queues are the River queues some River client works (the keys of river.Config.Queues of
+	// your workers, which River does not let other packages read): ReserveTx and ReserveManyTx
+	// insert reserved jobs into these only. A job headed for another queue (its InsertOpts.Queue,
+	// else its args' InsertOpts().Queue, else river.QueueDefault) is refused with a *SetupError
+	// (ErrQueueNotWorked) before anything is reserved, with no query. Set it in a process whose
+	// client only inserts, to refuse at once what no worker would run.
+	//
+	// Defaults to nil: River's queue table decides, in the caller's transaction. River's clients
+	// write each queue they work there when they start and every 10 minutes after, and River deletes
+	// a queue 24 h after its last report; a queue found there is trusted for a minute. A table that
+	// lists no queue at all (no client has worked one on this database yet, e.g. before the first
+	// worker starts) refuses nothing: StrandedWorker reports the jobs that then wait in a queue no
+	// client works.
+	Queues []string
 }
 
 // Scheduler reserves rate-limit tokens and schedules River jobs for when they are due, in the
-// caller's transaction. It holds no state of its own: it is safe for concurrent use, and one per
-// River client is enough.
+// caller's transaction. Its only state is which queues River's queue table listed in the last
+// minute (Config.Queues): it is safe for concurrent use, and one per River client is enough.
 type Scheduler struct {
 	client         *river.Client[pgx.Tx]
 	limiter        *ratelimit.Limiter
 	allowImprecise bool
+	queues         []string // Config.Queues; nil: River's queue table decides
+	worked         sync.Map // queue -> time.Time until which River's queue table is known to list it
 }
 
 // New returns a Scheduler that inserts jobs with client and decides limits with limiter. The
 // client may be insert-only (no Queues). It should have PreciseHook among its Hooks (see
-// Config.AllowImprecise), and the queue of the reserved jobs should come from PreciseQueue.
+// Config.AllowImprecise), and the queue of the reserved jobs should be one a client works (see
+// Config.Queues), configured with PreciseQueue.
 func New(client *river.Client[pgx.Tx], limiter *ratelimit.Limiter, config *Config) (*Scheduler, error) {
 	if client == nil {
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.New", Arg: "client", Reason: "is nil: pass the *river.Client that inserts the jobs"}
+		return nil, argError("New", "client", "is nil: pass the *river.Client that inserts the jobs", nil)
 	}
 	if limiter == nil {
-		return nil, &ratelimit.ArgumentError{Op: "scheduler.New", Arg: "limiter", Reason: "is nil: pass a *ratelimit.Limiter from ratelimit.New"}
+		return nil, argError("New", "limiter", "is nil: pass a *ratelimit.Limiter from ratelimit.New", nil)
 	}
 	if config == nil {
 		config = &Config{}
 	}
-	return &Scheduler{client: client, limiter: limiter, allowImprecise: config.AllowImprecise}, nil
+	s := &Scheduler{client: client, limiter: limiter, allowImprecise: config.AllowImprecise}
+	if len(config.Queues) > 0 {
+		for i, q := range config.Queues {
+			if q == "" {
+				return nil, argError("New", fmt.Sprintf("Config.Queues[%d]", i), "is empty: name a queue your River clients work, e.g. river.QueueDefault", nil)
+			}
+		}
+		s.queues = slices.Clone(config.Queues)
+	}
+	return s, nil
 }
 
 // ReserveOpts are the options of ReserveTx and ReserveManyTx. A nil *ReserveOpts is the zero value.
@@ -101,6 +130,10 @@ type Reservation struct {
 // now; otherwise it is scheduled for the reservation's RetryAt (plus opts.Jitter) and runs then,
 // without checking the limit again. Settle the reservation from the job with a Settlement.
 //
+// The job's queue must be one River's clients work (see Config.Queues): a job headed for a queue
+// no client works would wait there with its tokens reserved, so it is refused with a *SetupError
+// (errors.Is(err, ErrQueueNotWorked)), nothing reserved, nothing inserted, tx as it was.
+//
 // When the reservation would leave more than the limit's MaxReserved owed, nothing is reserved,
 // no job is inserted, tx is left as it was and the error is a *ratelimit.LimitedError (errors.As)
 // with the RetryAt at which the same call could succeed. Bad input is an error matching
@@ -120,7 +153,14 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 	if err != nil {
 		return nil, err
 	}
+	queue := jobQueue(args, insertOpts)
+	if err := s.configuredQueue(op, queue); err != nil {
+		return nil, err
+	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
+		if err := s.workedQueue(ctx, op, tx, queue); err != nil {
+			return nil, err
+		}
 		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true})
 		if err == nil {
 			err = res.Err() // past MaxReserved: a *LimitedError, nothing written
@@ -146,6 +186,10 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 	if err != nil {
 		return nil, err
 	}
+	queue := jobQueue(args, insertOpts)
+	if err := s.configuredQueue(op, queue); err != nil {
+		return nil, err
+	}
 	reqs = append([]ratelimit.Request(nil), reqs...)
 	credits := make([]credit, len(reqs))
 	for i := range reqs {
@@ -156,6 +200,9 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 		}
 	}
 	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
+		if err := s.workedQueue(ctx, op, tx, queue); err != nil {
+			return nil, err
+		}
 		res, err := s.limiter.LimitMany(ctx, tx, reqs, nil)
 		if err == nil {
 			err = res.Err()
@@ -193,7 +240,7 @@ func atomically(ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (*
 	var refused *insertError
 	var pgErr *pgconn.PgError
 	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
-		return nil, &ratelimit.ArgumentError{Op: op, Arg: "args or insert options", Reason: "were refused by River (nothing was reserved)", Err: refused.err}
+		return nil, argError(op, "args or insert options", "were refused by River (nothing was reserved)", refused.err)
 	}
 	return nil, err
 }
@@ -275,18 +322,18 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 	var insertOpts river.InsertOpts
 	switch {
 	case tx == nil:
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx the job and the reservation belong to"}
+		return insertOpts, argError(op, "tx", "is nil: pass the pgx.Tx the job and the reservation belong to", nil)
 	case args == nil:
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "args", Reason: "is nil: pass the job's river.JobArgs"}
+		return insertOpts, argError(op, "args", "is nil: pass the job's river.JobArgs", nil)
 	case opts.Jitter < 0:
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "ReserveOpts.Jitter", Reason: fmt.Sprintf("must be >= 0, got %s", opts.Jitter)}
+		return insertOpts, argError(op, "ReserveOpts.Jitter", fmt.Sprintf("must be >= 0, got %s", opts.Jitter), nil)
 	}
 	if opts.InsertOpts != nil {
 		insertOpts = *opts.InsertOpts
 	}
 	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
 	if err != nil {
-		return insertOpts, &ratelimit.ArgumentError{Op: op, Arg: "ReserveOpts.InsertOpts.Metadata", Reason: err.Error()}
+		return insertOpts, argError(op, "ReserveOpts.InsertOpts.Metadata", err.Error(), nil)
 	}
 	insertOpts.Metadata = md
 	return insertOpts, nil

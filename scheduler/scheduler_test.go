@@ -25,8 +25,12 @@ var perMinute10 = ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 2
 
 func TestReserveTx(t *testing.T) {
 	t.Parallel()
+	reserveTx(t, conn{})
+}
+
+func reserveTx(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0), conn: c})
 
 	// step 1: 10 tokens are there: the job runs now, nothing is scheduled.
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {

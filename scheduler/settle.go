@@ -62,19 +62,19 @@ type SettleResult struct {
 func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, actual float64, opts *SettleOpts) (SettleResult, error) {
 	const op = "Settle"
 	if l == nil {
-		return SettleResult{}, &ratelimit.ArgumentError{Op: op, Arg: "limiter", Reason: "is nil"}
+		return SettleResult{}, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter the tokens were reserved with", nil)
 	}
 	if math.IsNaN(actual) || math.IsInf(actual, 0) || actual < 0 {
-		return SettleResult{}, &ratelimit.ArgumentError{Op: op, Arg: "actual", Reason: fmt.Sprintf("must be finite and >= 0, got %g", actual)}
+		return SettleResult{}, argError(op, "actual", fmt.Sprintf("must be finite and >= 0, got %g", actual), nil)
 	}
 	if math.IsNaN(s.Reserved) || math.IsInf(s.Reserved, 0) || s.Reserved < 0 {
-		return SettleResult{}, &ratelimit.ArgumentError{Op: op, Arg: "Settlement.Reserved", Reason: fmt.Sprintf("must be finite and >= 0, got %g", s.Reserved)}
+		return SettleResult{}, argError(op, "Settlement.Reserved", fmt.Sprintf("must be finite and >= 0, got %g", s.Reserved), nil)
 	}
 	if opts == nil {
 		opts = &SettleOpts{}
 	}
 	if db == nil {
-		return SettleResult{}, &ratelimit.ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn"}
+		return SettleResult{}, argError(op, "db", "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn", nil)
 	}
 	// Refuse a bad name, key or config even when there is nothing to settle.
 	cfg, err := l.Lookup(s.Name, s.Key, opts.Config)
@@ -175,16 +175,16 @@ func (s *Scheduler) SettleManyTx(ctx context.Context, tx pgx.Tx, jobID int64, ac
 
 func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int64, actual []float64) (*JobSettlement, error) {
 	if tx == nil {
-		return nil, &ratelimit.ArgumentError{Op: op, Arg: "tx", Reason: "is nil: pass the pgx.Tx to settle in"}
+		return nil, argError(op, "tx", "is nil: pass the pgx.Tx to settle in", nil)
 	}
 	for i, a := range actual {
 		if math.IsNaN(a) || math.IsInf(a, 0) || a < 0 {
-			return nil, &ratelimit.ArgumentError{Op: op, Arg: fmt.Sprintf("actual[%d]", i), Reason: fmt.Sprintf("must be finite and >= 0, got %g", a)}
+			return nil, argError(op, fmt.Sprintf("actual[%d]", i), fmt.Sprintf("must be finite and >= 0, got %g", a), nil)
 		}
 	}
 	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
 		q := schedsql.New()
-		claimed, err := q.ClaimSettlement(ctx, sp, schedsql.ClaimSettlementParams{ID: jobID, Claim: []byte(`{"claimed": true}`)})
+		claimed, err := q.ClaimSettlement(ctx, sp, schedsql.ClaimSettlementParams{ID: jobID, Claim: `{"claimed": true}`})
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
@@ -212,7 +212,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 			if len(actual) == 1 {
 				reason += ": use SettleManyTx"
 			}
-			return nil, &ratelimit.ArgumentError{Op: op, Arg: "actual", Reason: reason}
+			return nil, argError(op, "actual", reason, nil)
 		}
 		out := &JobSettlement{JobID: jobID, Limits: make([]SettledLimit, len(rec.Limits))}
 		amounts := make([]float64, len(rec.Limits))
@@ -232,7 +232,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 		if err != nil {
 			return nil, err
 		}
-		if err := q.RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: b}); err != nil {
+		if err := q.RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return out, nil

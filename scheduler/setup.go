@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -12,7 +13,6 @@ import (
 	"github.com/riverqueue/river"
 
 	"github.com/txlimit/txlimit/internal/schedsql"
-	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // ErrSetup matches (errors.Is) every *SetupError: the scheduler is not set up to work, whatever
@@ -26,16 +26,23 @@ var ErrNoPreciseHook = errors.New("scheduler: PreciseHook is not registered on t
 // the connection's search_path (SQLSTATE 42P01 for river_job and the like).
 var ErrNoRiverTables = errors.New("scheduler: River's tables are missing")
 
-// SetupError is a set-up mistake found by Check or by a call: it names what is wrong and how to
-// fix it. It matches ErrSetup and one of ErrNoPreciseHook, ErrNoRiverTables (errors.Is), and
-// unwraps to the database's error when there is one.
+// ErrQueueNotWorked matches (errors.Is) the *SetupError of a reserved job headed for a queue that
+// no River client works (Config.Queues says which do): it would wait there, its tokens reserved,
+// until someone cancels it. ReserveTx and ReserveManyTx return it before anything is reserved.
+var ErrQueueNotWorked = errors.New("scheduler: no River client works the job's queue")
+
+// SetupError is a set-up mistake found by Check or by a call: it says how to fix it, then what is
+// wrong. It matches ErrSetup and one of ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked
+// (errors.Is), and unwraps to the database's error when there is one.
 type SetupError struct {
 	// Op is the call that found it, e.g. "ReserveTx" or "Check".
 	Op string
-	// Problem is ErrNoPreciseHook or ErrNoRiverTables.
+	// Problem is ErrNoPreciseHook, ErrNoRiverTables or ErrQueueNotWorked.
 	Problem error
 	// Fix says what to do.
 	Fix string
+	// Queue is the queue no River client works (ErrQueueNotWorked); "" otherwise.
+	Queue string
 	// SearchPath is the connection's search_path when the tables were missing ("" when it could
 	// not be read or does not matter).
 	SearchPath string
@@ -43,11 +50,16 @@ type SetupError struct {
 	Err error
 }
 
+// Error reads "scheduler: <Op>: <Fix> (<Problem>)", then the underlying error, if any.
 func (e *SetupError) Error() string {
-	s := fmt.Sprintf("scheduler: %s: %v: %s", e.Op, strings.TrimPrefix(e.Problem.Error(), "scheduler: "), e.Fix)
-	if e.SearchPath != "" {
-		s += fmt.Sprintf(" (the connection's search_path is %q)", e.SearchPath)
+	s := fmt.Sprintf("scheduler: %s: %s (%s", e.Op, e.Fix, strings.TrimPrefix(e.Problem.Error(), "scheduler: "))
+	if e.Queue != "" {
+		s += fmt.Sprintf(" %q", e.Queue)
 	}
+	if e.SearchPath != "" {
+		s += fmt.Sprintf("; the connection's search_path is %q", e.SearchPath)
+	}
+	s += ")"
 	if e.Err != nil {
 		s += ": " + e.Err.Error()
 	}
@@ -61,8 +73,8 @@ func (e *SetupError) Is(target error) bool { return target == ErrSetup || target
 func (e *SetupError) Unwrap() error { return e.Err }
 
 const (
-	fixHook   = "add &scheduler.PreciseHook{} to river.Config.Hooks of the client (or set scheduler.Config.AllowImprecise to accept River's ~5 s lateness)"
-	fixTables = "run scheduler.Migrate on this database and schema (it runs River's migrator), or set the connection's search_path to the schema that has them"
+	fixHook   = "add &scheduler.PreciseHook{} to river.Config.Hooks of the client, or set scheduler.Config.AllowImprecise to accept River's ~5 s lateness"
+	fixTables = "run scheduler.Migrate (River's migrator) on this database and schema, or set the connection's search_path to the schema that has River's tables"
 )
 
 // noHookError is the error of a call whose insert did not go through PreciseHook.
@@ -96,22 +108,23 @@ func (checkArgs) Kind() string { return "txlimit_scheduler_check" }
 var errProbe = errors.New("scheduler: check probe (not an error)")
 
 // Check verifies the set-up the scheduler needs, once, e.g. at start-up: River's tables are on
-// db's search_path, and PreciseHook is registered on the River client (unless
+// db's search_path; River's clients work the queues reserved jobs go to (ErrQueueNotWorked: the
+// queue of probe, as ReserveTx checks it, and every queue of Config.Queues, when River's queue
+// table lists any queue at all); and PreciseHook is registered on the River client (unless
 // Config.AllowImprecise). It returns a *SetupError (errors.Is(err, ErrSetup)) naming the fix, or
 // the database's error. It writes nothing: the hook is probed with an insert that it stops before
 // anything is written, inside a transaction (a savepoint when db is a pgx.Tx) that is rolled back.
 //
-// probe is the args of the probe insert. A River client with Workers refuses args of a kind it has
-// no worker for before its hooks run, so pass args of one of its kinds (nothing is inserted); nil
-// uses a kind of this package, which works for insert-only clients and clients with
-// SkipUnknownJobCheck. Defaults to nil.
+// probe is the args of the probe insert: pass the args of your reserved jobs. Their queue (their
+// InsertOpts().Queue, else river.QueueDefault) is checked; a queue a call names in
+// ReserveOpts.InsertOpts.Queue is checked by that call. A River client with Workers refuses args of
+// a kind it has no worker for before its hooks run, so they must be of one of its kinds (nothing is
+// inserted). nil uses a kind of this package, which works for insert-only clients and clients with
+// SkipUnknownJobCheck, and checks no queue but those of Config.Queues. Defaults to nil.
 func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs) error {
 	const op = "Check"
 	if db == nil {
-		return &ratelimit.ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass the *pgxpool.Pool of the River client"}
-	}
-	if probe == nil {
-		probe = checkArgs{}
+		return argError(op, "db", "is nil: pass the *pgxpool.Pool of the River client", nil)
 	}
 	tx, err := db.Begin(ctx)
 	if err != nil {
@@ -125,8 +138,14 @@ func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs)
 	if !row.Present {
 		return &SetupError{Op: op, Problem: ErrNoRiverTables, Fix: fixTables, SearchPath: row.SearchPath}
 	}
+	if err := s.checkQueues(ctx, op, tx, probe); err != nil {
+		return err
+	}
 	if s.allowImprecise {
 		return nil
+	}
+	if probe == nil {
+		probe = checkArgs{}
 	}
 	seen := false
 	pctx := context.WithValue(withHookSeen(WithPrecise(ctx), &seen), probeKey{}, true)
@@ -144,6 +163,31 @@ func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs)
 		return fmt.Errorf("scheduler: %s: River refused the probe before its hooks ran (pass args of a kind the client works as probe): %w", op, err)
 	}
 	return fmt.Errorf("scheduler: %s: %w", op, err)
+}
+
+// checkQueues returns the *SetupError of the first queue reserved jobs go to that no River client
+// works: probe's, when not nil, and those of Config.Queues, when River's queue table lists any.
+func (s *Scheduler) checkQueues(ctx context.Context, op string, tx pgx.Tx, probe river.JobArgs) error {
+	if probe != nil {
+		if err := s.workedQueue(ctx, op, tx, jobQueue(probe, river.InsertOpts{})); err != nil {
+			return err
+		}
+	}
+	if s.queues == nil {
+		return nil
+	}
+	names, err := schedsql.New().WorkedQueues(ctx, tx)
+	if err != nil {
+		return fmt.Errorf("scheduler: %s: read River's queues (river_queue): %w", op, err)
+	}
+	for _, q := range s.queues {
+		if len(names) > 0 && !slices.Contains(names, q) {
+			return &SetupError{Op: op, Problem: ErrQueueNotWorked, Queue: q, Fix: fmt.Sprintf(
+				"have a River client work %q (river.Config.Queues; River's clients work %s), or remove it from scheduler.Config.Queues",
+				q, quoted(names))}
+		}
+	}
+	return nil
 }
 
 // Beginner begins a transaction, or a savepoint of one: a *pgxpool.Pool, *pgx.Conn or pgx.Tx.

@@ -19,8 +19,12 @@ import (
 // writing nothing.
 func TestCheck(t *testing.T) {
 	t.Parallel()
+	check(t, conn{})
+}
+
+func check(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, conn: c})
 
 	// Set up: the probe is stopped by the hook, nothing is inserted. This client has Workers, so
 	// the probe needs the args of one of its kinds; the built-in kind is refused, with a hint.
@@ -78,8 +82,12 @@ func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
 // every call that touches them.
 func TestMissingRiverTables(t *testing.T) {
 	t.Parallel()
+	missingRiverTables(t, conn{})
+}
+
+func missingRiverTables(t *testing.T, c conn) {
 	ctx := context.Background()
-	pool := testdb.Pool(t, nil) // txlimit's tables only
+	pool := c.pool(t, 8, true) // txlimit's tables only
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"calls": perMinute10}})
 	require.NoError(t, err)
 	sched, err := scheduler.New(newClient(t, pool, nil), limiter, nil)

@@ -13,7 +13,6 @@ import (
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
-	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -41,6 +40,7 @@ type setupOpts struct {
 	limits   map[string]ratelimit.Config
 	now      func() time.Time // the limiter's clock; nil: the database's
 	maxConns int32
+	conn     conn // how to reach Postgres; the zero conn: directly, pgx's default exec mode
 }
 
 // setup returns a migrated schema (txlimit and River), a limiter and an insert-only client.
@@ -49,9 +49,7 @@ func setup(t *testing.T, opts *setupOpts) *testBundle {
 	if opts == nil {
 		opts = &setupOpts{}
 	}
-	ctx := context.Background()
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: max(opts.maxConns, 8)})
-	require.NoError(t, scheduler.Migrate(ctx, pool, nil))
+	pool := opts.conn.pool(t, max(opts.maxConns, 8), false)
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: opts.limits, Now: opts.now})
 	require.NoError(t, err)
 	client := newClient(t, pool, nil)
@@ -66,6 +64,7 @@ type clientOpts struct {
 	middleware  []rivertype.Middleware
 	work        func(ctx context.Context, job *river.Job[callArgs]) error
 	noHook      bool
+	pollOnly    bool // no LISTEN: through PgBouncer
 	retryPolicy river.ClientRetryPolicy
 }
 
@@ -83,6 +82,7 @@ func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	cfg := &river.Config{
 		Logger:      quietLogger(),
 		Middleware:  opts.middleware,
+		PollOnly:    opts.pollOnly,
 		Queues:      opts.queues,
 		RetryPolicy: opts.retryPolicy,
 		TestOnly:    true,

@@ -2,10 +2,7 @@ package pgbouncertest_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,93 +16,21 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
-	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
 
-// EnvURL names the URL of the test database through PgBouncer.
-const EnvURL = "TXLIMIT_PGBOUNCER_URL"
-
-// bouncer is one test's place behind PgBouncer: a role of its own whose search_path is a schema it
-// owns, set with ALTER ROLE (PgBouncer 1.18 refuses search_path as a startup parameter), as
-// docs/deploy.md tells users to do.
-type bouncer struct {
-	url    string
-	role   string
-	schema string
-}
-
-func newBouncer(t *testing.T) *bouncer {
-	t.Helper()
-	base := os.Getenv(EnvURL)
-	if base == "" {
-		t.Skipf("%s is not set: run make test-pgbouncer", EnvURL)
-	}
-	ctx := context.Background()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	role := "txlimit_pgb_" + hex.EncodeToString(b[:])
-	admin, err := pgx.Connect(ctx, testdb.DSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, sql := range []string{
-		"CREATE ROLE " + role + " LOGIN",
-		"CREATE SCHEMA " + role + " AUTHORIZATION " + role,
-		"ALTER ROLE " + role + " SET search_path = " + role,
-	} {
-		if _, err := admin.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
-	t.Cleanup(func() {
-		ctx := context.Background()
-		defer admin.Close(ctx)
-		// PgBouncer keeps server connections of the role open: end them, then drop what it owns.
-		_, _ = admin.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role)
-		for _, sql := range []string{"DROP SCHEMA " + role + " CASCADE", "DROP OWNED BY " + role, "DROP ROLE " + role} {
-			if _, err := admin.Exec(ctx, sql); err != nil {
-				t.Errorf("%s: %v", sql, err)
-			}
-		}
-	})
-	cfg, err := pgx.ParseConfig(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.User = role
-	return &bouncer{url: cfg.ConnString(), role: role, schema: role}
-}
-
-// pool opens a pool through PgBouncer as the test's role, with mode as its exec mode.
-func (b *bouncer) pool(t *testing.T, mode pgx.QueryExecMode, maxConns int32) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(b.url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.User = b.role
-	cfg.ConnConfig.DefaultQueryExecMode = mode
-	cfg.MaxConns = maxConns
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
-}
-
 // TestSearchPathIsRefusedAsAStartupParameter pins why users set search_path with ALTER ROLE: the
 // way testdb and most applications name it, a startup parameter, is refused by PgBouncer 1.18.
 func TestSearchPathIsRefusedAsAStartupParameter(t *testing.T) {
-	b := newBouncer(t)
-	cfg, err := pgx.ParseConfig(b.url)
+	b := pgbouncertest.New(t)
+	cfg, err := pgx.ParseConfig(b.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.RuntimeParams["search_path"] = b.schema
+	cfg.RuntimeParams["search_path"] = b.Schema
 	conn, err := pgx.ConnectConfig(context.Background(), cfg)
 	if err == nil {
 		_ = conn.Close(context.Background())
@@ -218,8 +143,8 @@ func decide(ctx context.Context, pool *pgxpool.Pool, key string) error {
 // the pooler picks next (PgBouncer tracks prepared statements only from 1.21, max_prepared_statements).
 func TestExecModes(t *testing.T) {
 	ctx := context.Background()
-	b := newBouncer(t)
-	if err := migrations.Up(ctx, b.pool(t, pgx.QueryExecModeExec, 2)); err != nil {
+	b := pgbouncertest.New(t)
+	if err := migrations.Up(ctx, b.Pool(t, pgx.QueryExecModeExec, 2)); err != nil {
 		t.Fatal(err)
 	}
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
@@ -228,20 +153,20 @@ func TestExecModes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, c := range []struct {
+	type mode struct {
 		name string
 		mode pgx.QueryExecMode
 		safe bool
-	}{
-		{"exec", pgx.QueryExecModeExec, true},
-		{"simple_protocol", pgx.QueryExecModeSimpleProtocol, true},
-		{"cache_describe", pgx.QueryExecModeCacheDescribe, true},
-		{"describe_exec", pgx.QueryExecModeDescribeExec, false},
-		{"cache_statement", pgx.QueryExecModeCacheStatement, false},
-	} {
+	}
+	var modes []mode
+	for _, m := range pgbouncertest.SafeModes {
+		modes = append(modes, mode{m.Name, m.Mode, true})
+	}
+	modes = append(modes, mode{"describe_exec", pgx.QueryExecModeDescribeExec, false}, mode{"cache_statement", pgx.QueryExecModeCacheStatement, false})
+	for _, c := range modes {
 		t.Run(c.name, func(t *testing.T) {
 			if c.safe {
-				if err := decide(ctx, b.pool(t, c.mode, 8), c.name); err != nil {
+				if err := decide(ctx, b.Pool(t, c.mode, 8), c.name); err != nil {
 					t.Fatalf("%s through PgBouncer: %v", c.name, err)
 				}
 				return
@@ -249,7 +174,7 @@ func TestExecModes(t *testing.T) {
 			// Whether an unsafe mode fails depends on which server connection PgBouncer picks for
 			// each step, so it is shown, not asserted (a test must not flake): 30 clients take 30
 			// decisions each, and the test logs how many failed and the first error.
-			pool := b.pool(t, c.mode, 30)
+			pool := b.Pool(t, c.mode, 30)
 			var ok, failed atomic.Int64
 			var first atomic.Value
 			var wg sync.WaitGroup
@@ -276,8 +201,8 @@ func TestExecModes(t *testing.T) {
 // PgBouncer, each time at the right version.
 func TestMigrationsUpAndDownTwice(t *testing.T) {
 	ctx := context.Background()
-	b := newBouncer(t)
-	pool := b.pool(t, pgx.QueryExecModeExec, 4)
+	b := pgbouncertest.New(t)
+	pool := b.Pool(t, pgx.QueryExecModeExec, 4)
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 	for round := range 2 {
@@ -314,8 +239,8 @@ func TestMigrationsUpAndDownTwice(t *testing.T) {
 // long Up took (no bound: speed lives in benchmarks).
 func TestMigrationsUnderLoad(t *testing.T) {
 	ctx := context.Background()
-	busy := newBouncer(t)
-	busyPool := busy.pool(t, pgx.QueryExecModeExec, 30)
+	busy := pgbouncertest.New(t)
+	busyPool := busy.Pool(t, pgx.QueryExecModeExec, 30)
 	if err := migrations.Up(ctx, busyPool); err != nil {
 		t.Fatal(err)
 	}
@@ -346,10 +271,10 @@ func TestMigrationsUnderLoad(t *testing.T) {
 	defer func() { close(stop); load.Wait() }()
 	time.Sleep(500 * time.Millisecond) // let the load fill PgBouncer's server pool
 
-	b := newBouncer(t)
+	b := pgbouncertest.New(t)
 	pools := make([]*pgxpool.Pool, 4)
 	for i := range pools {
-		pools[i] = b.pool(t, pgx.QueryExecModeExec, 2)
+		pools[i] = b.Pool(t, pgx.QueryExecModeExec, 2)
 	}
 	errs := make([]error, len(pools))
 	took := make([]time.Duration, len(pools))
@@ -379,7 +304,7 @@ func TestMigrationsUnderLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	noop := time.Since(start)
-	alone := newBouncer(t).pool(t, pgx.QueryExecModeExec, 2)
+	alone := pgbouncertest.New(t).Pool(t, pgx.QueryExecModeExec, 2)
 	start = time.Now()
 	if err := migrations.Up(ctx, alone); err != nil {
 		t.Fatal(err)
@@ -400,8 +325,8 @@ func (JobArgs) Kind() string { return "pgbouncer_test" }
 // its RetryAt, and both complete.
 func TestSchedulerPollOnly(t *testing.T) {
 	ctx := context.Background()
-	b := newBouncer(t)
-	pool := b.pool(t, pgx.QueryExecModeExec, 8)
+	b := pgbouncertest.New(t)
+	pool := b.Pool(t, pgx.QueryExecModeExec, 8)
 	if err := migrations.Up(ctx, pool); err != nil {
 		t.Fatal(err)
 	}

@@ -65,5 +65,11 @@ type RiverJob struct {
 	Attempt     int16
 	AttemptedAt pgtype.Timestamptz
 	ScheduledAt pgtype.Timestamptz
+	Queue       string
 	Metadata    []byte
+}
+
+type RiverQueue struct {
+	Name      string
+	UpdatedAt pgtype.Timestamptz
 }

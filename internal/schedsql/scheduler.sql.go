@@ -13,13 +13,13 @@ import (
 
 const claimSettlement = `-- name: ClaimSettlement :many
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)
 WHERE j.id = $2::bigint AND NOT (j.metadata ? 'txlimit_settled')
 RETURNING coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved
 `
 
 type ClaimSettlementParams struct {
-	Claim []byte
+	Claim string
 	ID    int64
 }
 
@@ -27,6 +27,8 @@ type ClaimSettlementParams struct {
 // is recorded already, and returns the job's reservation. No row means the job is missing or
 // already settled: a concurrent settle waits for the row lock, then re-checks the condition on the
 // committed row (READ COMMITTED), so exactly one claim succeeds.
+// JSON parameters are sent as text and cast here: pgx's exec and simple-protocol modes (the ones a
+// transaction pooler needs) encode a []byte as bytea, which ::jsonb refuses.
 func (q *Queries) ClaimSettlement(ctx context.Context, db DBTX, arg ClaimSettlementParams) ([][]byte, error) {
 	rows, err := db.Query(ctx, claimSettlement, arg.Claim, arg.ID)
 	if err != nil {
@@ -79,14 +81,78 @@ func (q *Queries) LockJob(ctx context.Context, db DBTX, id int64) (LockJobRow, e
 	return i, err
 }
 
+const markStranded = `-- name: MarkStranded :many
+WITH found AS (
+    SELECT j.id
+    FROM river_job j
+    WHERE j.state IN ('available', 'scheduled')
+      AND j.attempted_at IS NULL
+      AND j.scheduled_at < coalesce($1::timestamptz, now()) - $2::bigint * interval '1 microsecond'
+      AND j.metadata ? 'txlimit_reserved'
+      AND NOT (j.metadata ? 'txlimit_stranded')
+    ORDER BY j.id
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata, '{txlimit_stranded}',
+                         jsonb_build_object('at', coalesce($1::timestamptz, now())), true)
+FROM found f
+WHERE j.id = f.id
+RETURNING j.id, j.queue, j.scheduled_at,
+          (EXISTS (SELECT 1 FROM river_queue q WHERE q.name = j.queue))::boolean AS worked
+`
+
+type MarkStrandedParams struct {
+	Now     pgtype.Timestamptz
+	AfterUs int64
+}
+
+type MarkStrandedRow struct {
+	ID          int64
+	Queue       string
+	ScheduledAt pgtype.Timestamptz
+	Worked      bool
+}
+
+// MarkStranded marks (metadata key txlimit_stranded, the time it ran) at most 1000 reserved jobs
+// that have not started though they were due more than after_us microseconds before now (the
+// database's clock unless given), in ID order, and returns them with whether River's queue table
+// lists their queue. A marked job is not returned again, so each is counted once, by whichever
+// check finds it first; jobs locked by a worker that is starting them are skipped.
+func (q *Queries) MarkStranded(ctx context.Context, db DBTX, arg MarkStrandedParams) ([]MarkStrandedRow, error) {
+	rows, err := db.Query(ctx, markStranded, arg.Now, arg.AfterUs)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []MarkStrandedRow
+	for rows.Next() {
+		var i MarkStrandedRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.Queue,
+			&i.ScheduledAt,
+			&i.Worked,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const recordSettlement = `-- name: RecordSettlement :exec
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)
 WHERE j.id = $2::bigint
 `
 
 type RecordSettlementParams struct {
-	Outcome []byte
+	Outcome string
 	ID      int64
 }
 
@@ -99,17 +165,17 @@ func (q *Queries) RecordSettlement(ctx context.Context, db DBTX, arg RecordSettl
 const reschedule = `-- name: Reschedule :execrows
 UPDATE river_job j
 SET scheduled_at = u.scheduled_at,
-    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved, true)
+    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved::jsonb, true)
 FROM (SELECT unnest($1::bigint[]) AS id,
              unnest($2::timestamptz[]) AS scheduled_at,
-             unnest($3::jsonb[]) AS reserved) u
+             unnest($3::text[]) AS reserved) u
 WHERE j.id = u.id
 `
 
 type RescheduleParams struct {
 	Ids          []int64
 	ScheduledAts []pgtype.Timestamptz
-	Reserveds    [][]byte
+	Reserveds    []string
 }
 
 // Reschedule moves each job ids[i] to scheduled_ats[i] and stores its updated reservation.
@@ -182,7 +248,7 @@ func (q *Queries) Settlement(ctx context.Context, db DBTX, id int64) ([][]byte, 
 const waiting = `-- name: Waiting :many
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.metadata @> $1::jsonb
+WHERE j.metadata @> $1::text::jsonb
   AND j.id >= $2::bigint
   AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
@@ -192,7 +258,7 @@ FOR UPDATE SKIP LOCKED
 `
 
 type WaitingParams struct {
-	Filter []byte
+	Filter string
 	FromID int64
 	Now    pgtype.Timestamptz
 }
@@ -221,6 +287,33 @@ func (q *Queries) Waiting(ctx context.Context, db DBTX, arg WaitingParams) ([]Wa
 			return nil, err
 		}
 		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const workedQueues = `-- name: WorkedQueues :many
+SELECT q.name FROM river_queue q ORDER BY q.name
+`
+
+// WorkedQueues lists River's queue table: the queues River's clients work. A client writes each of
+// its queues there when it starts and every 10 minutes after; River deletes a queue 24 h after its
+// last report.
+func (q *Queries) WorkedQueues(ctx context.Context, db DBTX) ([]string, error) {
+	rows, err := db.Query(ctx, workedQueues)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []string
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			return nil, err
+		}
+		items = append(items, name)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, err

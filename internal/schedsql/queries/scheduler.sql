@@ -15,8 +15,10 @@ FOR UPDATE;
 -- is recorded already, and returns the job's reservation. No row means the job is missing or
 -- already settled: a concurrent settle waits for the row lock, then re-checks the condition on the
 -- committed row (READ COMMITTED), so exactly one claim succeeds.
+-- JSON parameters are sent as text and cast here: pgx's exec and simple-protocol modes (the ones a
+-- transaction pooler needs) encode a []byte as bytea, which ::jsonb refuses.
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('claim')::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('claim')::text::jsonb, true)
 WHERE j.id = sqlc.arg('id')::bigint AND NOT (j.metadata ? 'txlimit_settled')
 RETURNING coalesce(j.metadata -> 'txlimit_reserved', 'null'::jsonb)::jsonb AS reserved;
 
@@ -30,7 +32,7 @@ WHERE j.id = sqlc.arg('id')::bigint;
 -- name: RecordSettlement :exec
 -- RecordSettlement stores the outcome of a settlement this transaction claimed.
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::jsonb, true)
+SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::text::jsonb, true)
 WHERE j.id = sqlc.arg('id')::bigint;
 
 -- name: Waiting :many
@@ -41,7 +43,7 @@ WHERE j.id = sqlc.arg('id')::bigint;
 -- by another transaction are skipped: they keep their time, which is never too early.
 SELECT j.id, j.scheduled_at, (j.metadata -> 'txlimit_reserved')::jsonb AS reserved
 FROM river_job j
-WHERE j.metadata @> sqlc.arg('filter')::jsonb
+WHERE j.metadata @> sqlc.arg('filter')::text::jsonb
   AND j.id >= sqlc.arg('from_id')::bigint
   AND j.state IN ('available', 'scheduled', 'pending')
   AND j.attempted_at IS NULL
@@ -53,10 +55,10 @@ FOR UPDATE SKIP LOCKED;
 -- Reschedule moves each job ids[i] to scheduled_ats[i] and stores its updated reservation.
 UPDATE river_job j
 SET scheduled_at = u.scheduled_at,
-    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved, true)
+    metadata = jsonb_set(j.metadata, '{txlimit_reserved}', u.reserved::jsonb, true)
 FROM (SELECT unnest(sqlc.arg('ids')::bigint[]) AS id,
              unnest(sqlc.arg('scheduled_ats')::timestamptz[]) AS scheduled_at,
-             unnest(sqlc.arg('reserveds')::jsonb[]) AS reserved) u
+             unnest(sqlc.arg('reserveds')::text[]) AS reserved) u
 WHERE j.id = u.id;
 
 -- name: RiverTables :one
@@ -67,3 +69,35 @@ SELECT (to_regclass('river_job') IS NOT NULL)::boolean AS present,
 -- name: SearchPath :one
 -- SearchPath returns the connection's search_path.
 SELECT current_setting('search_path')::text AS search_path;
+
+-- name: WorkedQueues :many
+-- WorkedQueues lists River's queue table: the queues River's clients work. A client writes each of
+-- its queues there when it starts and every 10 minutes after; River deletes a queue 24 h after its
+-- last report.
+SELECT q.name FROM river_queue q ORDER BY q.name;
+
+-- name: MarkStranded :many
+-- MarkStranded marks (metadata key txlimit_stranded, the time it ran) at most 1000 reserved jobs
+-- that have not started though they were due more than after_us microseconds before now (the
+-- database's clock unless given), in ID order, and returns them with whether River's queue table
+-- lists their queue. A marked job is not returned again, so each is counted once, by whichever
+-- check finds it first; jobs locked by a worker that is starting them are skipped.
+WITH found AS (
+    SELECT j.id
+    FROM river_job j
+    WHERE j.state IN ('available', 'scheduled')
+      AND j.attempted_at IS NULL
+      AND j.scheduled_at < coalesce(sqlc.narg('now')::timestamptz, now()) - sqlc.arg('after_us')::bigint * interval '1 microsecond'
+      AND j.metadata ? 'txlimit_reserved'
+      AND NOT (j.metadata ? 'txlimit_stranded')
+    ORDER BY j.id
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata, '{txlimit_stranded}',
+                         jsonb_build_object('at', coalesce(sqlc.narg('now')::timestamptz, now())), true)
+FROM found f
+WHERE j.id = f.id
+RETURNING j.id, j.queue, j.scheduled_at,
+          (EXISTS (SELECT 1 FROM river_queue q WHERE q.name = j.queue))::boolean AS worked;

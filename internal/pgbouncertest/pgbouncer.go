@@ -1,0 +1,112 @@
+package pgbouncertest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+)
+
+// EnvURL names the URL of the test database through PgBouncer. Tests that need it are skipped
+// without it; make test-pgbouncer sets it (.ci/pgbouncer.sh).
+const EnvURL = "TXLIMIT_PGBOUNCER_URL"
+
+// Mode is a pgx exec mode and the name tests give it.
+type Mode struct {
+	// Name is the mode's name in test names, e.g. "simple_protocol".
+	Name string
+	// Mode is the pool's pgx.ConnConfig.DefaultQueryExecMode.
+	Mode pgx.QueryExecMode
+}
+
+// SafeModes are the pgx exec modes docs/deploy.md calls safe behind a transaction-mode pooler:
+// exec, simple protocol and cache describe. TestExecModes checks that the decisions work in each
+// through PgBouncer; the scheduler's TestExecModes runs its statements in each, directly on
+// Postgres and through PgBouncer.
+var SafeModes = []Mode{
+	{Name: "exec", Mode: pgx.QueryExecModeExec},
+	{Name: "simple_protocol", Mode: pgx.QueryExecModeSimpleProtocol},
+	{Name: "cache_describe", Mode: pgx.QueryExecModeCacheDescribe},
+}
+
+// Bouncer is one test's place behind PgBouncer: a role of its own whose search_path is a schema it
+// owns, set with ALTER ROLE (PgBouncer 1.18 refuses search_path as a startup parameter), as
+// docs/deploy.md tells users to do. The role and its schema are dropped when the test ends.
+type Bouncer struct {
+	// URL is PgBouncer's URL of the test database, as EnvURL gives it; Pool connects through it
+	// as Role.
+	URL string
+	// Role is the role the test connects as; its search_path is Schema.
+	Role string
+	// Schema is the role's schema, empty at first.
+	Schema string
+}
+
+// New creates a role and its schema for the test and returns its place behind PgBouncer. It skips
+// the test when EnvURL is not set.
+func New(tb testing.TB) *Bouncer {
+	tb.Helper()
+	base := os.Getenv(EnvURL)
+	if base == "" {
+		tb.Skipf("%s is not set: run make test-pgbouncer", EnvURL)
+	}
+	ctx := context.Background()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	role := "txlimit_pgb_" + hex.EncodeToString(b[:])
+	admin, err := pgx.Connect(ctx, testdb.DSN(tb))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, sql := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"CREATE SCHEMA " + role + " AUTHORIZATION " + role,
+		"ALTER ROLE " + role + " SET search_path = " + role,
+	} {
+		if _, err := admin.Exec(ctx, sql); err != nil {
+			tb.Fatalf("%s: %v", sql, err)
+		}
+	}
+	tb.Cleanup(func() {
+		ctx := context.Background()
+		defer admin.Close(ctx)
+		// PgBouncer keeps server connections of the role open: end them, then drop what it owns.
+		_, _ = admin.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role)
+		for _, sql := range []string{"DROP SCHEMA " + role + " CASCADE", "DROP OWNED BY " + role, "DROP ROLE " + role} {
+			if _, err := admin.Exec(ctx, sql); err != nil {
+				tb.Errorf("%s: %v", sql, err)
+			}
+		}
+	})
+	cfg, err := pgx.ParseConfig(base)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.User = role
+	return &Bouncer{URL: cfg.ConnString(), Role: role, Schema: role}
+}
+
+// Pool opens a pool through PgBouncer as the test's role, with mode as its exec mode and at most
+// maxConns connections, closed when the test ends.
+func (b *Bouncer) Pool(tb testing.TB, mode pgx.QueryExecMode, maxConns int32) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(b.URL)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.ConnConfig.User = b.Role
+	cfg.ConnConfig.DefaultQueryExecMode = mode
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}

@@ -1,0 +1,46 @@
+package scheduler_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/scheduler"
+)
+
+// TestArgumentErrorsNameTheCall: bad input to a call of this package is an
+// *ratelimit.ArgumentError (ratelimit.ErrInvalid) whose message names the call the user made,
+// "scheduler: New: ...", not "ratelimit: scheduler.New: ..." (issue 31, item 6).
+func TestArgumentErrorsNameTheCall(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	lim, err := ratelimit.New(nil)
+	require.NoError(t, err)
+	sched := &scheduler.Scheduler{} // the calls below fail on their arguments first
+	for i, c := range []struct {
+		err  error
+		want string
+	}{
+		{err: second(scheduler.New(nil, lim, nil)), want: "scheduler: New: client is nil: pass the *river.Client that inserts the jobs"},
+		{err: second(sched.ReserveTx(ctx, nil, "calls", "k", 1, callArgs{}, nil)), want: "scheduler: ReserveTx: tx is nil: pass the pgx.Tx the job and the reservation belong to"},
+		{err: second(sched.CancelTx(ctx, nil, 1)), want: "scheduler: CancelTx: tx is nil: pass the pgx.Tx to cancel in"},
+		{err: second(sched.SettleTx(ctx, nil, 1, 1)), want: "scheduler: SettleTx: tx is nil: pass the pgx.Tx to settle in"},
+		{err: sched.Check(ctx, nil, nil), want: "scheduler: Check: db is nil: pass the *pgxpool.Pool of the River client"},
+		{err: second(scheduler.NewGate(nil)), want: "scheduler: NewGate: config is nil: set DB, Limit and Limiter"},
+		{err: second(scheduler.NewPruneWorker(lim, nil, nil)), want: "scheduler: NewPruneWorker: db is nil: pass a *pgxpool.Pool"},
+		{err: second(scheduler.PrunePeriodicJob(&scheduler.PruneConfig{Interval: -time.Second})), want: "scheduler: PrunePeriodicJob: PruneConfig.Interval must not be negative, got -1s"},
+		{err: scheduler.Migrate(ctx, nil, nil), want: "scheduler: Migrate: pool is nil: pass the *pgxpool.Pool to migrate"},
+		{err: second(scheduler.Settlement{Name: "calls"}.Settle(ctx, nil, nil, 1, nil)), want: "scheduler: Settle: limiter is nil: pass the *ratelimit.Limiter the tokens were reserved with"},
+	} {
+		require.EqualError(t, c.err, c.want, "case %d", i)
+		var ae *ratelimit.ArgumentError
+		require.ErrorAs(t, c.err, &ae, "case %d", i)
+		require.ErrorIs(t, c.err, ratelimit.ErrInvalid, "case %d", i)
+	}
+}
+
+// second returns the error of a call that returns a value and an error.
+func second[T any](_ T, err error) error { return err }
