@@ -1,6 +1,7 @@
 // Command bench measures txlimit side by side with a Redis Lua token bucket, a naive SERIALIZABLE
 // read-modify-write in Postgres and golang.org/x/time/rate in memory, in one run on one machine, and
-// writes docs/bench.md and docs/bench.svg.
+// writes docs/bench.md, docs/bench.svg and the README's performance table (its figures at 64 callers,
+// between <!-- bench:begin --> and <!-- bench:end -->).
 //
 //	cd bench && go run . -quick   # make bench: under 2 minutes
 //	cd bench && go run .          # make bench-full: under 15 minutes
@@ -61,7 +62,13 @@ func main() {
 	only := flag.String("contenders", "", "comma-separated contender IDs to run (default: all)")
 	cell := flag.Duration("cell", 0, "override the duration of each throughput cell")
 	lanes := flag.Int("lanes", 0, "BatcherConfig.Lanes of every Batcher of the run (0: the default)")
+	readmePath := flag.String("readme", filepath.Join("..", "README.md"), "README whose performance table (between <!-- bench:begin --> and <!-- bench:end -->) to rewrite; \"\" for none, and none by default when -md is given")
 	flag.Parse()
+	given := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if given["md"] && !given["readme"] {
+		*readmePath = "" // a report written elsewhere leaves the README's table, which is docs/bench.md's, alone
+	}
 
 	mode := fullMode
 	if *quick {
@@ -87,7 +94,7 @@ func main() {
 	if *lanes != 0 {
 		command += fmt.Sprintf(" -lanes %d", *lanes)
 	}
-	if err := run(ctx, mode, command, *only, *lanes, *mdPath, *svgPath); err != nil {
+	if err := run(ctx, mode, command, *only, *lanes, *mdPath, *svgPath, *readmePath); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -110,7 +117,12 @@ type Report struct {
 	HTTP      []*HTTPResult // the HTTP cell (http.go)
 }
 
-func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath, svgPath string) error {
+func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath, svgPath, readmePath string) error {
+	if readmePath != "" {
+		if err := checkReadme(readmePath); err != nil { // now, not after minutes of measuring
+			return err
+		}
+	}
 	rep := &Report{Mode: mode, Command: command, Started: time.Now(), Skipped: map[string]string{}}
 	env, closeEnv, err := OpenEnv(ctx, EnvOpts{Schema: "txlimit_bench"})
 	if err != nil {
@@ -248,6 +260,12 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 	}
 	if err := os.WriteFile(svgPath, []byte(rep.SVG()), 0o644); err != nil {
 		return err
+	}
+	if readmePath != "" {
+		if err := rep.writeReadme(readmePath); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "wrote the performance table of %s\n", readmePath)
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s and %s in %s\n", mdPath, svgPath, rep.WallTime.Round(time.Second))
 	return nil

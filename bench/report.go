@@ -136,13 +136,7 @@ func (rep *Report) Markdown() string {
 	}
 
 	w("\n## Decisions per second at 64 callers\n\n")
-	w("%s", rep.cellTable(64, func(d *Def, r *Result) string {
-		text := fmtRate(r.PerSecond())
-		if ratio := rep.vsRedis(r); ratio != "" && d.Family == FamilyTxlimit {
-			text += " (" + ratio + ")"
-		}
-		return text
-	}))
+	w("%s", rep.cellTable(64, rep.perSecondText))
 	w("\nIn brackets: the txlimit row's throughput divided by Redis Lua's in the same cell of this run.\n")
 
 	w("\n## CPU per decision at 64 callers\n\n")
@@ -245,12 +239,97 @@ func (rep *Report) Markdown() string {
 	return b.String()
 }
 
+// perSecondText is a cell's text in the tables of decisions per second: the throughput and, for a
+// txlimit contender, in brackets, its ratio to Redis Lua's in the same cell.
+func (rep *Report) perSecondText(d *Def, r *Result) string {
+	text := fmtRate(r.PerSecond())
+	if ratio := rep.vsRedis(r); ratio != "" && d.Family == FamilyTxlimit {
+		text += " (" + ratio + ")"
+	}
+	return text
+}
+
+// The README's performance table lies between these markers; a run that writes docs/bench.md
+// rewrites it from the same figures (main.go, -readme).
+const (
+	readmeBegin = "<!-- bench:begin -->"
+	readmeEnd   = "<!-- bench:end -->"
+)
+
+// readmeIDs are the contenders of the README's table, in its order.
+var readmeIDs = []string{"txlimit-batched", "txlimit", "txlimit-ser", "redis-lua", "floor"}
+
+// ReadmeTable is the README's performance table: decisions per second at 64 callers of the
+// contenders of readmeIDs, each row exactly as in the report's table "Decisions per second at 64
+// callers", under a line that says what the columns are and which command measured them. It has no
+// date: docs/bench.md, which it links, has the date and the machine.
+func (rep *Report) ReadmeTable() string {
+	var defs []*Def
+	for _, id := range readmeIDs {
+		if d := findDef(rep.cellDefs(), id); d != nil {
+			defs = append(defs, d)
+		}
+	}
+	command := map[string]string{"cd bench && go run . -quick": "make bench", "cd bench && go run .": "make bench-full"}[rep.Command]
+	if command == "" {
+		command = rep.Command
+	}
+	return "Decisions per second with 64 concurrent callers, from the run of `" + command + "` that wrote\n" +
+		"[docs/bench.md](docs/bench.md) (its date, machine and every other figure are there). Hot key: every\n" +
+		"caller on one key; per user: each caller on a key of its own; allow-heavy: nearly every decision\n" +
+		"granted; deny-heavy: nearly every one denied. In brackets, txlimit's figure over Redis Lua's in the\n" +
+		"same cell.\n\n" + rep.cellTableOf(defs, 64, rep.perSecondText)
+}
+
+// spliceReadme returns readme with what lies between readmeBegin and readmeEnd replaced by table.
+// Each marker must be there once, on a line of its own, the begin before the end.
+func spliceReadme(readme, table string) (string, error) {
+	i, j := strings.Index(readme, readmeBegin+"\n"), strings.Index(readme, "\n"+readmeEnd)
+	if i < 0 || j < 0 || j < i || strings.Count(readme, readmeBegin) != 1 || strings.Count(readme, readmeEnd) != 1 {
+		return "", fmt.Errorf("want %s and %s once each, on lines of their own, in that order, around the performance table", readmeBegin, readmeEnd)
+	}
+	return readme[:i+len(readmeBegin)+1] + strings.TrimSuffix(table, "\n") + readme[j:], nil
+}
+
+// writeReadme rewrites the performance table of the README at path with rep's figures.
+func (rep *Report) writeReadme(path string) error {
+	readme, err := readmeWith(path, rep.ReadmeTable())
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, []byte(readme), 0o644)
+}
+
+// checkReadme fails when writeReadme would, so that a run fails before it measures anything.
+func checkReadme(path string) error {
+	_, err := readmeWith(path, "")
+	return err
+}
+
+// readmeWith returns the README at path with table as its performance table.
+func readmeWith(path, table string) (string, error) {
+	old, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("README's performance table: %w (-readme '' leaves it alone)", err)
+	}
+	readme, err := spliceReadme(string(old), table)
+	if err != nil {
+		return "", fmt.Errorf("README's performance table in %s: %w (-readme '' leaves it alone)", path, err)
+	}
+	return readme, nil
+}
+
 // cellTable is a table of every contender (rows) in the four cells of callers callers (columns):
 // text gives a measured cell's text, "" (like a cell not run) for "—".
 func (rep *Report) cellTable(callers int, text func(d *Def, r *Result) string) string {
+	return rep.cellTableOf(rep.cellDefs(), callers, text)
+}
+
+// cellTableOf is cellTable with the contenders defs, in their order.
+func (rep *Report) cellTableOf(defs []*Def, callers int, text func(d *Def, r *Result) string) string {
 	var b strings.Builder
 	b.WriteString("| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |\n|---|--:|--:|--:|--:|\n")
-	for _, d := range rep.cellDefs() {
+	for _, d := range defs {
 		b.WriteString("| " + d.Name)
 		for _, c := range []Cell{{HotKey, limitAllow, callers}, {HotKey, limitDeny, callers}, {PerUser, limitAllow, callers}, {PerUser, limitDeny, callers}} {
 			t := ""

@@ -3,7 +3,10 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
+	"time"
 )
 
 func TestHaltPoll(t *testing.T) {
@@ -40,5 +43,173 @@ func TestHaltPoll(t *testing.T) {
 	put("sys/module/haltpoll/parameters/guest_halt_poll_ns", "200000\n")
 	if got, want := haltPoll(root), "; guest halt polling up to 200000 ns (haltpoll guest_halt_poll_ns)"; got != want {
 		t.Fatalf("on: haltPoll = %q, want %q", got, want)
+	}
+}
+
+// readmeReport is a report with the 64-caller cells of the README's contenders and of one other,
+// Redis Lua's throughput 100,000/s in every cell, the Batcher's 77,000/s on the hot key.
+func readmeReport(t *testing.T, command string) *Report {
+	t.Helper()
+	rep := &Report{Command: command, Defs: Defs()}
+	perSecond := map[string]float64{"txlimit": 2462, "txlimit-batched": 77000, "txlimit-ser": 696, "redis-lua": 100000, "floor": 2893, "naive-ser": 736}
+	for id, n := range perSecond {
+		d := findDef(rep.Defs, id)
+		if d == nil {
+			t.Fatalf("no contender %q", id)
+		}
+		for _, sc := range []Scenario{HotKey, PerUser} {
+			for _, lim := range []Limit{limitAllow, limitDeny} {
+				decided := n
+				if id == "txlimit-batched" && sc == PerUser {
+					decided = 42873
+				}
+				rep.Results = append(rep.Results, &Result{Def: d, Cell: Cell{sc, lim, 64}, Decisions: int64(decided), Elapsed: time.Second})
+			}
+		}
+	}
+	return rep
+}
+
+func TestReadmeTable(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ command, says string }{
+		{"cd bench && go run . -quick", "from the run of `make bench` that wrote"},
+		{"cd bench && go run .", "from the run of `make bench-full` that wrote"},
+		{"cd bench && go run . -quick -lanes 2", "from the run of `cd bench && go run . -quick -lanes 2` that wrote"},
+	} {
+		rep := readmeReport(t, tc.command)
+		got := rep.ReadmeTable()
+		want := `| contender | hot key, allow-heavy | hot key, deny-heavy | per user, allow-heavy | per user, deny-heavy |
+|---|--:|--:|--:|--:|
+| txlimit batched (pool) | 77,000 (0.77×) | 77,000 (0.77×) | 42,873 (0.43×) | 42,873 (0.43×) |
+| txlimit (pool) | 2,462 (0.025×) | 2,462 (0.025×) | 2,462 (0.025×) | 2,462 (0.025×) |
+| txlimit in SERIALIZABLE tx | 696 (0.007×) | 696 (0.007×) | 696 (0.007×) | 696 (0.007×) |
+| Redis Lua (EVALSHA) | 100,000 | 100,000 | 100,000 | 100,000 |
+| floor: UPDATE … RETURNING | 2,893 | 2,893 | 2,893 | 2,893 |
+`
+		if !strings.HasSuffix(got, "\n\n"+want) {
+			t.Fatalf("%s: ReadmeTable's table:\n%s\nwant:\n%s", tc.command, got, want)
+		}
+		if !strings.Contains(strings.ReplaceAll(got, "\n", " "), tc.says) || !strings.Contains(got, "[docs/bench.md](docs/bench.md)") {
+			caption, _, _ := strings.Cut(got, "\n\n")
+			t.Fatalf("%s: ReadmeTable's caption %q: want it to say %q and link docs/bench.md", tc.command, caption, tc.says)
+		}
+		// Every row is the report's own, so the README quotes docs/bench.md.
+		md := rep.Markdown()
+		for _, row := range strings.Split(strings.TrimSpace(want), "\n")[2:] {
+			if !strings.Contains(md, "\n"+row+"\n") {
+				t.Fatalf("%s: the README's row %q is not a row of the report", tc.command, row)
+			}
+		}
+		if strings.Contains(got, "UTC") {
+			t.Fatalf("%s: ReadmeTable is dated: %q", tc.command, got)
+		}
+	}
+}
+
+func TestReadmeTableOfAPartialRun(t *testing.T) {
+	t.Parallel()
+	rep := readmeReport(t, "cd bench && go run . -quick -contenders txlimit")
+	rep.Results = slices.DeleteFunc(rep.Results, func(r *Result) bool { return r.Def.ID != "txlimit" })
+	got := rep.ReadmeTable()
+	for step, row := range []string{
+		"| txlimit batched (pool) | — | — | — | — |",
+		"| txlimit (pool) | 2,462 | 2,462 | 2,462 | 2,462 |",
+		"| Redis Lua (EVALSHA) | — | — | — | — |",
+	} {
+		if !strings.Contains(got, "\n"+row+"\n") {
+			t.Fatalf("step %d: got\n%s\nwant the row %q", step, got, row)
+		}
+	}
+}
+
+func TestSpliceReadme(t *testing.T) {
+	t.Parallel()
+	const table = "caption\n\n| a |\n|---|\n| 1 |\n"
+	for i, tc := range []struct{ readme, want string }{
+		{"# r\n\n<!-- bench:begin -->\nold\n\nrows\n<!-- bench:end -->\n\nafter\n", "# r\n\n<!-- bench:begin -->\ncaption\n\n| a |\n|---|\n| 1 |\n<!-- bench:end -->\n\nafter\n"},
+		{"<!-- bench:begin -->\n<!-- bench:end -->", "<!-- bench:begin -->\ncaption\n\n| a |\n|---|\n| 1 |\n<!-- bench:end -->"},
+		{"no markers\n", ""},
+		{"<!-- bench:begin -->\nonly the begin\n", ""},
+		{"<!-- bench:end -->\n<!-- bench:begin -->\n", ""},
+		{"<!-- bench:begin -->\nx\n<!-- bench:end -->\n<!-- bench:begin -->\ny\n<!-- bench:end -->\n", ""},
+		{"text <!-- bench:begin --> x <!-- bench:end -->\n", ""},
+	} {
+		got, err := spliceReadme(tc.readme, table)
+		if tc.want == "" {
+			if err == nil {
+				t.Fatalf("step %d: got %q, want an error", i, got)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Fatalf("step %d: got %q, %v; want %q", i, got, err, tc.want)
+		}
+		if again, err := spliceReadme(got, table); err != nil || again != got {
+			t.Fatalf("step %d: splicing twice: got %q, %v; want %q", i, again, err, got)
+		}
+	}
+}
+
+func TestWriteReadme(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "README.md")
+	rep := readmeReport(t, "cd bench && go run . -quick")
+	if err := rep.writeReadme(path); err == nil || !strings.Contains(err.Error(), "-readme ''") {
+		t.Fatalf("no README: got %v, want an error saying how to leave it alone", err)
+	}
+	if err := os.WriteFile(path, []byte("# txlimit\n\nno markers\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkReadme(path); err == nil || !strings.Contains(err.Error(), "-readme ''") {
+		t.Fatalf("no markers: checkReadme got %v, want an error saying how to leave the README alone", err)
+	}
+	if err := os.WriteFile(path, []byte("# txlimit\n\n## Performance\n\n<!-- bench:begin -->\n<!-- bench:end -->\n\nMore.\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkReadme(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := rep.writeReadme(path); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "# txlimit\n\n## Performance\n\n<!-- bench:begin -->\n" + rep.ReadmeTable() + "<!-- bench:end -->\n\nMore.\n"; string(got) != want {
+		t.Fatalf("got:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+// The README's performance table and docs/bench.md come from the same run: every row of the one is
+// a row of the other.
+func TestReadmeQuotesBenchMd(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile(filepath.Join("..", "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bench, err := os.ReadFile(filepath.Join("..", "docs", "bench.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok1 := strings.Cut(string(readme), readmeBegin+"\n")
+	table, _, ok2 := strings.Cut(rest, readmeEnd)
+	if !ok1 || !ok2 {
+		t.Fatalf("README.md has no performance table between %s and %s", readmeBegin, readmeEnd)
+	}
+	rows := 0
+	for row := range strings.SplitSeq(table, "\n") {
+		if !strings.HasPrefix(row, "| ") || strings.HasPrefix(row, "| contender |") {
+			continue
+		}
+		rows++
+		if !strings.Contains(string(bench), "\n"+row+"\n") {
+			t.Fatalf("README.md's performance row %q is not in docs/bench.md: both come from one run of make bench (rerun it, or copy the rows)", row)
+		}
+	}
+	if rows != len(readmeIDs) {
+		t.Fatalf("README.md's performance table has %d rows, want %d (readmeIDs)", rows, len(readmeIDs))
 	}
 }
