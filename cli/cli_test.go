@@ -170,7 +170,7 @@ func TestCommand(t *testing.T) {
 	r = run(t, dsn, nil, append(s, "migrate", "up", "--json")...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
-	require.Len(t, st.Migrations, 1)
+	require.Len(t, st.Migrations, 1, "the one rolled back, applied again")
 }
 
 func TestCommandExitCodes(t *testing.T) {
@@ -179,8 +179,12 @@ func TestCommandExitCodes(t *testing.T) {
 	dsn := testdb.DSN(t)
 	down := "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=5"
 	const unknownNope = `txlimit: unknown limit "nope": give its config in --config FILE, or with --rate and --period (no limit is configured: no --config given)` + "\n"
-	notMigrated := `txlimit: not migrated: run "txlimit migrate up --schema ` + schema + `" (on the same database), or pass --schema with the schema txlimit ` +
-		`was migrated into (search_path "` + schema + `": relation "txlimit_state" does not exist, SQLSTATE 42P01)` + "\n"
+	notMigratedBy := func(missing string) string {
+		return `txlimit: not migrated: run "txlimit migrate up --schema ` + schema + `" (on the same database), or pass --schema with the schema txlimit ` +
+			`was migrated into (search_path "` + schema + `": ` + missing + `)` + "\n"
+	}
+	notMigrated := notMigratedBy(`relation "txlimit_state" does not exist, SQLSTATE 42P01`)
+	noClock := notMigratedBy(`function txlimit_clock does not exist, SQLSTATE 42883`) // what a decision reads first
 	cases := []struct {
 		name   string
 		dsn    string
@@ -213,15 +217,15 @@ func TestCommandExitCodes(t *testing.T) {
 		{"database down: migrate", down, []string{"migrate", "status"}, cli.ExitDatabase, "connect"},
 		{"database down: reset", down, []string{"reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, "connect"},
 		{"database down: names", down, []string{"names"}, cli.ExitDatabase, "connect"},
-		{"not migrated: inspect", dsn, []string{"--schema", schema, "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: inspect", dsn, []string{"--schema", schema, "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, noClock},
 		{"not migrated: reset", dsn, []string{"--schema", schema, "reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
-		{"not migrated: prune NAME", dsn, []string{"--schema", schema, "prune", "a", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: prune NAME", dsn, []string{"--schema", schema, "prune", "a", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, noClock},
 		{"not migrated: prune", dsn, []string{"--schema", schema, "prune"}, cli.ExitDatabase, notMigrated},
 		{"not migrated: names", dsn, []string{"--schema", schema, "names"}, cli.ExitDatabase, notMigrated},
 		{"no schema: inspect", dsn, []string{"--schema", "txlimit_no_such_schema", "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase,
 			`txlimit: not migrated: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" (on the same database), ` +
 				`or pass --schema with the schema txlimit was migrated into (no schema of search_path "txlimit_no_such_schema" exists: ` +
-				`relation "txlimit_state" does not exist, SQLSTATE 42P01)` + "\n"},
+				`function txlimit_clock does not exist, SQLSTATE 42883)` + "\n"},
 		{"no schema: migrate up", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "up"}, cli.ExitDatabase,
 			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" ` +
 				`to create it, or pass --schema with an existing schema` + "\n"},
@@ -401,7 +405,13 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 	require.NoError(t, err)
 	_, err = lim.Limit(ctx, pool, "century", "user-42", nil)
 	require.NoError(t, err)
-	what := `migrate down rolls back 00001_txlimit_state.sql in schema "` + schema + `": it drops txlimit_state, the state of every limit (1 row of 1 limit)`
+	// The last two migrations hold the functions; the first one the table.
+	for _, m := range []string{"00003_txlimit_decide.sql", "00002_txlimit_rules.sql"} {
+		r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
+		require.Equal(t, cli.ExitOK, r.code, r.stderr)
+		require.Equal(t, "down  "+m+"\n", r.stdout)
+	}
+	what := `migrate down rolls back 00001_txlimit_table.sql in schema "` + schema + `": it drops txlimit_state, the state of every limit (1 row of 1 limit)`
 	down := append(s, "migrate", "down")
 	steps := []struct {
 		stdin          io.Reader
@@ -416,9 +426,12 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 		{stdin: tty{strings.NewReader("")}, args: down, code: cli.ExitUsage,
 			stderr: what + ".\nType yes to roll back: txlimit: migrate down not confirmed: nothing was rolled back\n"},
 		{stdin: tty{strings.NewReader("yes\n")}, args: down, code: cli.ExitOK,
-			stdout: "down  00001_txlimit_state.sql\n", stderr: what + ".\nType yes to roll back: "},
-		{stdin: strings.NewReader(""), args: append(s, "migrate", "up"), code: cli.ExitOK, stdout: "up    00001_txlimit_state.sql\n"},
-		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00001_txlimit_state.sql\n"},
+			stdout: "down  00001_txlimit_table.sql\n", stderr: what + ".\nType yes to roll back: "},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "up"), code: cli.ExitOK,
+			stdout: "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n"},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00003_txlimit_decide.sql\n"},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00002_txlimit_rules.sql\n"},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00001_txlimit_table.sql\n"},
 		{stdin: strings.NewReader(""), args: down, code: cli.ExitOK, stdout: "nothing to roll back\n"}, // asks nothing
 	}
 	for i, st := range steps {
@@ -452,7 +465,7 @@ func TestCommandMigrateUpCreateSchema(t *testing.T) {
 		` --create-schema" to create it, or pass --schema with an existing schema`+"\n", r.stderr)
 	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.Equal(t, "up    00001_txlimit_state.sql\n", r.stdout)
+	require.Equal(t, "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n", r.stdout)
 	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "up to date\n", r.stdout)

@@ -257,13 +257,13 @@ func checkCount(op string, n float64) error {
 type spec struct {
 	name, key string
 	cfg       Config
-	kind      int16
 	shards    int
 	rate      float64 // per shard
 	capacity  float64 // per shard
 	maxRes    float64 // per shard; +Inf means unbounded
 	periodUs  int64
-	anchorUs  int64 // fixed window grid phase in [0, periodUs)
+	stepUs    int64 // the refill step: 1 for a token bucket, periodUs for a fixed window
+	anchorUs  int64 // fixed window grid phase in [0, periodUs); 0 for a token bucket
 }
 
 func newSpec(name, key string, cfg Config) spec {
@@ -272,14 +272,15 @@ func newSpec(name, key string, cfg Config) spec {
 		name:     name,
 		key:      key,
 		cfg:      cfg,
-		kind:     int16(cfg.Kind),
 		shards:   n,
 		rate:     cfg.Rate / float64(n),
 		capacity: cfg.capacity() / float64(n),
 		maxRes:   allowance(cfg.MaxReserved, n),
 		periodUs: cfg.Period.Microseconds(),
+		stepUs:   1,
 	}
 	if cfg.Kind == FixedWindow {
+		s.stepUs = s.periodUs
 		s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs)
 	}
 	return s

@@ -16,6 +16,8 @@ type rowID struct {
 	shard     int32
 }
 
+// compareRows is the global lock order: name, key, shard, names and keys compared as bytes (the
+// order of the table's primary key, whose text columns are COLLATE "C").
 func compareRows(a, b rowID) int {
 	if c := cmp.Compare(a.name, b.name); c != 0 {
 		return c
@@ -26,16 +28,16 @@ func compareRows(a, b rowID) int {
 	return cmp.Compare(a.shard, b.shard)
 }
 
-// decideCalls decides calls in list order, in one statement (one call of the database function
-// txlimit_decide; a list of one request is sent as scalars, see decideSingle), and returns one
-// outcome per call. Each call is an all-or-nothing group; a call sees the effect of the calls
-// granted before it in the list. An error returned alone (a database error) fails every call:
-// nothing of the list was granted.
+// decideCalls decides calls in list order, in one statement, and returns one outcome per call.
+// Each call is an all-or-nothing group; a call sees the effect of the calls granted before it in
+// the list. A list of one request is sent as scalars (DecideOne), any other as parallel arrays
+// (Decide); both are the same road (migrations/00003_txlimit_decide.sql). An error returned alone
+// (a database error) fails every call: nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
 	var got []dbsqlc.DecideRow
 	var err error
 	if len(calls) == 1 && len(calls[0].specs) == 1 {
-		got, err = l.decideSingle(ctx, db, calls[0])
+		got, err = l.decideOne(ctx, db, calls[0])
 	} else {
 		got, err = l.decideList(ctx, db, calls)
 	}
@@ -45,26 +47,22 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 	return l.outcomes(ctx, calls, got), nil
 }
 
-// The one candidate shard of an unsharded request, and its row number in a list of one request:
-// shared by every call, so never modified.
-var (
-	unshardedRow = []int32{0}
-	firstRow     = []int32{1}
-)
+// unshardedCandidates is the one candidate shard of an unsharded request: shared, never modified.
+var unshardedCandidates = []int32{0}
 
-// candidates returns whether request s of call c steers (a single Limit on a sharded limit) and
-// its candidate shards, the two random picks first: every shard in a random order when it steers,
-// the two picks when sharded otherwise, shard 0 when unsharded.
-func (l *Limiter) candidates(c *call, s *spec) (bool, []int32) {
-	steer := c.single && !c.dry && s.shards >= 2
+// candidates returns the candidate shards of request s of call c: shard 0 when unsharded; the two
+// random picks when sharded; and, for a lone Limit on a sharded limit (which steers away from
+// shards other transactions are deciding on under a snapshot isolation level, see txlimit_pick),
+// further candidates after the two picks.
+func (l *Limiter) candidates(c *call, s *spec, lone bool) []int32 {
 	if s.shards < 2 {
-		return false, unshardedRow
+		return unshardedCandidates
 	}
 	a, b := l.pick(s.shards)
-	if steer {
-		return true, shardCandidates(s.shards, a, b)
+	if lone && !c.dry {
+		return shardCandidates(s.shards, a, b)
 	}
-	return false, []int32{int32(a), int32(b)}
+	return []int32{int32(a), int32(b)}
 }
 
 // allow returns how far below zero request i of call c may take one shard: 0 without Reserve.
@@ -75,28 +73,18 @@ func (c *call) allow(i int) float64 {
 	return 0
 }
 
-// decideSingle decides a list of one request: the same call of txlimit_decide as decideList's,
-// its rows (the candidate shards of one name and key) sent as shard numbers.
-func (l *Limiter) decideSingle(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
+// decideOne decides a list of one request, sent as scalars.
+func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
 	s := &c.specs[0]
-	steer, cands := l.candidates(c, s)
-	// The rows in lock order: one name and key, so by shard; each candidate's row number from 1.
-	rowShard, candRow := unshardedRow, firstRow
+	cands := l.candidates(c, s, true)
+	var lockKey int64
 	if len(cands) > 1 {
-		rowShard = slices.Sorted(slices.Values(cands))
-		candRow = make([]int32, len(cands))
-		for i, sh := range cands {
-			j, _ := slices.BinarySearch(rowShard, sh)
-			candRow[i] = int32(j + 1)
-		}
+		lockKey = shardLockBase(s.name, s.key)
 	}
-	// The advisory locks of the rows derive from it: steering tries those of shards, and a call on
-	// an unsharded row held by another transaction may queue on the row's (docs/spec.md §7).
-	base := shardLockBase(s.name, s.key)
-	d, err := dbsqlc.New().DecideSingle(ctx, db, dbsqlc.DecideSingleParams{
-		Now: l.clock(), Count: c.counts[0], Allow: c.allow(0), Dry: c.dry, Steer: steer, Kind: s.kind,
-		Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs, LockBase: base,
-		CandShard: cands, CandRow: candRow, RowShard: rowShard, Name: s.name, Key: s.key,
+	d, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
+		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
+		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+		Shards: cands, LockKey: lockKey,
 	})
 	if err != nil {
 		return nil, err
@@ -104,66 +92,64 @@ func (l *Limiter) decideSingle(ctx context.Context, db Executor, c *call) ([]dbs
 	return []dbsqlc.DecideRow{dbsqlc.DecideRow(d)}, nil
 }
 
-// decideList decides any list: one request per element of each array, the rows numbered in the
-// global lock order.
+// decideList decides any list: one request per element of each array, its candidate rows given by
+// their numbers in the global lock order. A request is marked fast when it is a call of one
+// request alone on its row (no other request of the list uses that row) and not a Check: the
+// engine first decides those in one UPDATE.
 func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([]dbsqlc.DecideRow, error) {
 	var p dbsqlc.DecideParams
-	p.Now = l.clock()
+	p.NowUs = l.clock()
 	n := 0
 	for _, c := range calls {
 		n += len(c.specs)
 	}
 	p.Grp, p.Count, p.Allow = make([]int32, 0, n), make([]float64, 0, n), make([]float64, 0, n)
-	p.Dry, p.Steer, p.Kind = make([]bool, 0, n), make([]bool, 0, n), make([]int16, 0, n)
+	p.Dry, p.Fast, p.StepUs = make([]bool, 0, n), make([]bool, 0, n), make([]int64, 0, n)
 	p.Rate, p.PeriodUs, p.Cap = make([]float64, 0, n), make([]int64, 0, n), make([]float64, 0, n)
-	p.AnchorUs, p.LockBase = make([]int64, 0, n), make([]int64, 0, n)
-	p.CandOff, p.CandN = make([]int32, 0, n), make([]int32, 0, n)
-	p.CandShard, p.CandRow = make([]int32, 0, n), make([]int32, 0, n)
+	p.AnchorUs, p.RowA, p.RowB = make([]int64, 0, n), make([]int32, 0, n), make([]int32, 0, n)
 	rows := make(map[rowID]int32, n) // row -> index in rowList, renumbered in global order below
 	rowList := make([]rowID, 0, n)
-	bulk := make([]bool, 0, n)
-	row := func(id rowID, steer bool) int32 {
+	uses := make([]int32, 0, n) // how many requests use each row
+	row := func(id rowID) int32 {
 		i, ok := rows[id]
 		if !ok {
 			i = int32(len(rowList))
 			rows[id] = i
 			rowList = append(rowList, id)
-			bulk = append(bulk, false)
+			uses = append(uses, 0)
 		}
-		if !steer {
-			bulk[i] = true
-		}
+		uses[i]++
 		return i
 	}
-	// A call is a group. Groups are numbered 0, 1, 2, ... without gaps, as txlimit_decide requires
-	// (it tells a list of lone requests by its last group's number), even were a call empty.
+	// A call is a group, groups numbered 0, 1, 2, ... in list order.
 	g := int32(-1)
 	for _, c := range calls {
 		if len(c.specs) > 0 {
 			g++
 		}
-		for i, s := range c.specs {
-			steer, cands := l.candidates(c, &c.specs[i])
+		for i := range c.specs {
+			s := &c.specs[i]
+			cands := l.candidates(c, s, false)
 			p.Grp = append(p.Grp, g)
 			p.Count = append(p.Count, c.counts[i])
 			p.Allow = append(p.Allow, c.allow(i))
 			p.Dry = append(p.Dry, c.dry)
-			p.Steer = append(p.Steer, steer)
-			p.Kind = append(p.Kind, s.kind)
+			p.StepUs = append(p.StepUs, s.stepUs)
 			p.Rate = append(p.Rate, s.rate)
 			p.PeriodUs = append(p.PeriodUs, s.periodUs)
 			p.Cap = append(p.Cap, s.capacity)
 			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
-			p.LockBase = append(p.LockBase, shardLockBase(s.name, s.key))
-			p.CandOff = append(p.CandOff, int32(len(p.CandShard)+1))
-			p.CandN = append(p.CandN, int32(len(cands)))
-			for _, sh := range cands {
-				p.CandShard = append(p.CandShard, sh)
-				p.CandRow = append(p.CandRow, row(rowID{s.name, s.key, sh}, steer))
+			p.RowA = append(p.RowA, row(rowID{s.name, s.key, cands[0]}))
+			b := int32(-1)
+			if len(cands) > 1 {
+				b = row(rowID{s.name, s.key, cands[1]})
 			}
+			p.RowB = append(p.RowB, b)
+			p.Fast = append(p.Fast, len(c.specs) == 1 && !c.dry && len(cands) == 1)
 		}
 	}
-	// Rows are numbered (from 1) in the global lock order: name, key, shard, as bytes.
+	// Rows are numbered (from 1) in the global lock order; a request stays fast only when it is
+	// the one user of its row.
 	order := make([]int32, len(rowList))
 	for i := range order {
 		order[i] = int32(i)
@@ -171,18 +157,22 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 	slices.SortFunc(order, func(a, b int32) int { return compareRows(rowList[a], rowList[b]) })
 	number := make([]int32, len(rowList))
 	m := len(rowList)
-	p.RowName, p.RowKey = make([]string, 0, m), make([]string, 0, m)
-	p.RowShard, p.RowBulk = make([]int32, 0, m), make([]bool, 0, m)
+	p.RowName, p.RowKey, p.RowShard = make([]string, 0, m), make([]string, 0, m), make([]int32, 0, m)
 	for pos, i := range order {
 		number[i] = int32(pos + 1)
 		id := rowList[i]
 		p.RowName = append(p.RowName, id.name)
 		p.RowKey = append(p.RowKey, id.key)
 		p.RowShard = append(p.RowShard, id.shard)
-		p.RowBulk = append(p.RowBulk, bulk[i])
 	}
-	for i, r := range p.CandRow {
-		p.CandRow[i] = number[r]
+	for i, r := range p.RowA {
+		p.Fast[i] = p.Fast[i] && uses[r] == 1
+		p.RowA[i] = number[r]
+		if p.RowB[i] >= 0 {
+			p.RowB[i] = number[p.RowB[i]]
+		} else {
+			p.RowB[i] = 0
+		}
 	}
 
 	got, err := dbsqlc.New().Decide(ctx, db, p)

@@ -327,11 +327,13 @@ func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []R
 	return res, nil
 }
 
-func (l *Limiter) clock() pgtype.Timestamptz {
+// clock is the instant a statement decides at, as sent to the database: LimiterConfig.Now in
+// microseconds since the Unix epoch, or NULL for the database's own clock (docs/spec.md §2).
+func (l *Limiter) clock() pgtype.Int8 {
 	if l.now == nil {
-		return pgtype.Timestamptz{}
+		return pgtype.Int8{}
 	}
-	return pgtype.Timestamptz{Time: l.now(), Valid: true}
+	return pgtype.Int8{Int64: l.now().UnixMicro(), Valid: true}
 }
 
 // resolve validates name and key and finds the config.

@@ -316,17 +316,19 @@ func (m modelLimit) firstGrant(count, allow float64, two bool, a, b modelRow, fr
 	if ch == 2 || ch == 3 {
 		eb = left(1, ch, la, lb, count)
 	}
+	// The estimate: the deficit refilled Rate per Period in whole steps (1µs for a token bucket, a
+	// Period for a fixed window) from the start of the step holding from.
 	est := -min(ea, eb) - allow
-	if !m.fixed {
-		est = math.Ceil(float64(est*float64(m.periodUs)) / m.rate)
-	} else {
-		ref := a
-		if ch == 2 {
-			ref = b
-		}
-		_, ts := m.level(ref, from)
-		est = float64(ts-from) + float64(math.Ceil(est/m.rate)*float64(m.periodUs))
+	stepUs := int64(1)
+	if m.fixed {
+		stepUs = m.periodUs
 	}
+	ref := a
+	if ch == 2 {
+		ref = b
+	}
+	_, ts := m.level(ref, from)
+	est = float64(ts-from) + float64(math.Ceil(float64(est*float64(m.periodUs/stepUs))/m.rate)*float64(stepUs))
 	hi := from + int64(min(max(est, 1), float64(modelMaxWait)))
 	lo := from
 	step := max(hi-lo, 1)

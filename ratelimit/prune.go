@@ -44,10 +44,9 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 		afterShard int32 = -1
 	)
 	for {
-		now := l.clock()
 		rows, err := q.PruneCandidates(ctx, db, dbsqlc.PruneCandidatesParams{
-			Now: now, Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
-			Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
+			NowUs: l.clock(), Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
 		})
 		if err != nil {
 			return deleted, dbError(ctx, db, op, err)
@@ -55,18 +54,15 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 		if len(rows) == 0 {
 			return deleted, nil
 		}
+		// The rows are deleted where txlimit_prunable holds: full at the clock the list was read at
+		// and on the key's grid of steps, which starts at the key's anchor (as in every decision).
 		del := dbsqlc.PruneDeleteParams{
-			Now: now, Name: name, Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
+			NowUs: rows[0].NowUs, Name: name, StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 		}
 		for _, r := range rows {
-			if s.cfg.Kind == FixedWindow {
-				phase := windowPhase(name, r.Key, s.cfg.Start, s.periodUs)
-				if ((r.TsUs-phase)%s.periodUs+s.periodUs)%s.periodUs != 0 {
-					continue // off the grid (Period or Start changed): deleting would move its windows
-				}
-			}
 			del.Keys = append(del.Keys, r.Key)
 			del.ShardList = append(del.ShardList, r.Shard)
+			del.Anchors = append(del.Anchors, newSpec(name, r.Key, s.cfg).anchorUs)
 		}
 		if len(del.Keys) > 0 {
 			n, err := q.PruneDelete(ctx, db, del)

@@ -68,8 +68,10 @@ func TestSetupErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	const (
-		decide = "function txlimit_decide does not exist" // without its 20 argument types
-		state  = `relation "txlimit_state" does not exist`
+		decideOne = "function txlimit_decide_one_v1 does not exist" // without its argument types
+		decide    = "function txlimit_decide_v1 does not exist"
+		clock     = "function txlimit_clock does not exist"
+		state     = `relation "txlimit_state" does not exist`
 	)
 	calls := []struct {
 		op   string
@@ -77,17 +79,17 @@ func TestSetupErrors(t *testing.T) {
 		// missing and code are what Postgres did not find, as the message says it, and its SQLSTATE.
 		missing, code string
 	}{
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decide, "42883"},
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decide, "42883"},
-		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decide, "42883"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideOne, "42883"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decideOne, "42883"},
+		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decideOne, "42883"},
 		{"LimitMany", func(db ratelimit.Executor) error {
 			_, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
 			return err
 		}, decide, "42883"},
-		{"Credit", func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }, state, "42P01"},
-		{"State", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }, state, "42P01"},
+		{"Credit", func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }, clock, "42883"},
+		{"State", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }, clock, "42883"},
 		{"Reset", func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "a", "k") }, state, "42P01"},
-		{"Prune", func(db ratelimit.Executor) error { _, err := lim.Prune(ctx, db, "a", nil); return err }, state, "42P01"},
+		{"Prune", func(db ratelimit.Executor) error { _, err := lim.Prune(ctx, db, "a", nil); return err }, clock, "42883"},
 		{"CheckSchema", func(db ratelimit.Executor) error { return ratelimit.CheckSchema(ctx, db) }, `relation "txlimit_goose_version" does not exist`, "42P01"},
 	}
 
@@ -108,7 +110,7 @@ func TestSetupErrors(t *testing.T) {
 		err = calls[0].call(tx)
 		requireSetupError(t, "in a transaction", err, "Limit", "", "42883",
 			"ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: "+
-				"function txlimit_decide does not exist in this connection's search_path (SQLSTATE 42883; "+
+				"function txlimit_decide_one_v1 does not exist in this connection's search_path (SQLSTATE 42883; "+
 				"the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; see docs/deploy.md)")
 	})
 
@@ -117,7 +119,7 @@ func TestSetupErrors(t *testing.T) {
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
 		pool := testdb.PoolOn(t, other+", public")
-		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42883", missingIn("Limit", decide, "42883", other+", public"))
+		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42883", missingIn("Limit", decideOne, "42883", other+", public"))
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01",
 			missingIn("CheckSchema", `relation "txlimit_goose_version" does not exist`, "42P01", other+", public"))
 	})
@@ -159,7 +161,7 @@ func TestSetupErrors(t *testing.T) {
 		if !errors.As(err, &pgErr) {
 			t.Fatalf("sharded Limit on a schema behind: %v; want a Postgres error", err)
 		}
-		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", decide, "42883", schema))
+		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", decideOne, "42883", schema))
 	})
 
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {

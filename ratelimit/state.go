@@ -42,8 +42,8 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 		return State{}, err
 	}
 	rows, err := dbsqlc.New().Levels(ctx, db, dbsqlc.LevelsParams{
-		Now: l.clock(), Name: name, Key: key,
-		Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
+		NowUs: l.clock(), Name: name, Key: key,
+		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	})
 	if err != nil {
 		return State{}, dbError(ctx, db, op, err)
@@ -58,8 +58,8 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 			continue
 		}
 		st.Shards[row.Shard.Int32] = row.Level
-		if row.Ts.Time.After(st.TS) {
-			st.TS = row.Ts.Time.UTC()
+		if ts := usTime(row.TsUs.Int64); ts.After(st.TS) {
+			st.TS = ts
 		}
 	}
 	for _, v := range st.Shards {
@@ -114,8 +114,8 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 		return CreditResult{}, err
 	}
 	rows, err := dbsqlc.New().Credit(ctx, db, dbsqlc.CreditParams{
-		Now: l.clock(), Name: name, Key: key, Shards: int32(s.shards), Count: count,
-		Kind: s.kind, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
+		NowUs: l.clock(), Name: name, Key: key, Shards: int32(s.shards), Count: count,
+		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	})
 	if err != nil {
 		return CreditResult{}, dbError(ctx, db, op, err)

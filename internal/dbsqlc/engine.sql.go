@@ -20,41 +20,36 @@ SELECT d.ok::boolean AS ok,
        d.shard_b::integer AS shard_b,
        d.charged::integer AS charged,
        d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us
-FROM txlimit_decide(
-    $1::timestamptz,
+       d.now_us::bigint AS now_us,
+       d.ts_us::bigint AS ts_us
+FROM txlimit_decide_v1(
+    $1::bigint,
     $2::integer[], $3::double precision[], $4::double precision[],
-    $5::boolean[], $6::boolean[], $7::smallint[],
+    $5::boolean[], $6::boolean[], $7::bigint[],
     $8::double precision[], $9::bigint[], $10::double precision[],
-    $11::bigint[], $12::bigint[],
-    $13::integer[], $14::integer[], $15::integer[],
-    $16::integer[],
-    $17::text[], $18::text[], $19::integer[],
-    $20::boolean[]
+    $11::bigint[], $12::integer[], $13::integer[],
+    $14::text[], $15::text[], $16::integer[],
+    0
 ) d
 `
 
 type DecideParams struct {
-	Now       pgtype.Timestamptz
-	Grp       []int32
-	Count     []float64
-	Allow     []float64
-	Dry       []bool
-	Steer     []bool
-	Kind      []int16
-	Rate      []float64
-	PeriodUs  []int64
-	Cap       []float64
-	AnchorUs  []int64
-	LockBase  []int64
-	CandOff   []int32
-	CandN     []int32
-	CandShard []int32
-	CandRow   []int32
-	RowName   []string
-	RowKey    []string
-	RowShard  []int32
-	RowBulk   []bool
+	NowUs    pgtype.Int8
+	Grp      []int32
+	Count    []float64
+	Allow    []float64
+	Dry      []bool
+	Fast     []bool
+	StepUs   []int64
+	Rate     []float64
+	PeriodUs []int64
+	Cap      []float64
+	AnchorUs []int64
+	RowA     []int32
+	RowB     []int32
+	RowName  []string
+	RowKey   []string
+	RowShard []int32
 }
 
 type DecideRow struct {
@@ -67,32 +62,29 @@ type DecideRow struct {
 	Charged   int32
 	RetryAtUs int64
 	NowUs     int64
+	TsUs      int64
 }
 
-// Decide decides a list of requests in one statement: a call of txlimit_decide (migrations/), which
-// documents its arguments, steps and output. One row per request, in list order.
+// Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
+// documents its arguments and output. One row per request, in list order.
 func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]DecideRow, error) {
 	rows, err := db.Query(ctx, decide,
-		arg.Now,
+		arg.NowUs,
 		arg.Grp,
 		arg.Count,
 		arg.Allow,
 		arg.Dry,
-		arg.Steer,
-		arg.Kind,
+		arg.Fast,
+		arg.StepUs,
 		arg.Rate,
 		arg.PeriodUs,
 		arg.Cap,
 		arg.AnchorUs,
-		arg.LockBase,
-		arg.CandOff,
-		arg.CandN,
-		arg.CandShard,
-		arg.CandRow,
+		arg.RowA,
+		arg.RowB,
 		arg.RowName,
 		arg.RowKey,
 		arg.RowShard,
-		arg.RowBulk,
 	)
 	if err != nil {
 		return nil, err
@@ -111,6 +103,7 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 			&i.Charged,
 			&i.RetryAtUs,
 			&i.NowUs,
+			&i.TsUs,
 		); err != nil {
 			return nil, err
 		}
@@ -122,7 +115,7 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 	return items, nil
 }
 
-const decideSingle = `-- name: DecideSingle :one
+const decideOne = `-- name: DecideOne :one
 SELECT d.ok::boolean AS ok,
        d.reserved::boolean AS reserved,
        d.busy::boolean AS busy,
@@ -131,42 +124,34 @@ SELECT d.ok::boolean AS ok,
        d.shard_b::integer AS shard_b,
        d.charged::integer AS charged,
        d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us
-FROM txlimit_decide(
-    $1::timestamptz,
-    '{0}'::integer[], ARRAY[$2::double precision], ARRAY[$3::double precision],
-    ARRAY[$4::boolean], ARRAY[$5::boolean], ARRAY[$6::smallint],
-    ARRAY[$7::double precision], ARRAY[$8::bigint], ARRAY[$9::double precision],
-    ARRAY[$10::bigint], ARRAY[$11::bigint],
-    '{1}'::integer[], ARRAY[cardinality($12::integer[])], $12::integer[],
-    $13::integer[],
-    array_fill($14::text, ARRAY[cardinality($15::integer[])]),
-    array_fill($16::text, ARRAY[cardinality($15::integer[])]),
-    $15::integer[],
-    array_fill(NOT $5::boolean, ARRAY[cardinality($15::integer[])])
+       d.now_us::bigint AS now_us,
+       d.ts_us::bigint AS ts_us
+FROM txlimit_decide_one_v1(
+    $1::bigint, $2::text, $3::text,
+    $4::double precision, $5::double precision, $6::boolean,
+    $7::bigint, $8::double precision, $9::bigint,
+    $10::double precision, $11::bigint,
+    $12::integer[], $13::bigint
 ) d
 `
 
-type DecideSingleParams struct {
-	Now       pgtype.Timestamptz
-	Count     float64
-	Allow     float64
-	Dry       bool
-	Steer     bool
-	Kind      int16
-	Rate      float64
-	PeriodUs  int64
-	Cap       float64
-	AnchorUs  int64
-	LockBase  int64
-	CandShard []int32
-	CandRow   []int32
-	Name      string
-	RowShard  []int32
-	Key       string
+type DecideOneParams struct {
+	NowUs    pgtype.Int8
+	Name     string
+	Key      string
+	Count    float64
+	Allow    float64
+	Dry      bool
+	StepUs   int64
+	Rate     float64
+	PeriodUs int64
+	Cap      float64
+	AnchorUs int64
+	Shards   []int32
+	LockKey  int64
 }
 
-type DecideSingleRow struct {
+type DecideOneRow struct {
 	Ok        bool
 	Reserved  bool
 	Busy      bool
@@ -176,34 +161,29 @@ type DecideSingleRow struct {
 	Charged   int32
 	RetryAtUs int64
 	NowUs     int64
+	TsUs      int64
 }
 
-// DecideSingle is Decide for a list of one request (a Limit, LimitN, Check or CheckN, a
-// one-request LimitMany or CheckMany, a Batcher's batch of one: the most common call): the same
-// call of txlimit_decide, its arrays built here from scalars, the candidate shards (cand_shard, in
-// the order they are tried), each candidate's row number (cand_row) and the rows' shards in lock
-// order (row_shard). Every row has the request's name and key, and is read before the decision
-// unless the request steers. This costs the client less to send than nineteen arrays.
-func (q *Queries) DecideSingle(ctx context.Context, db DBTX, arg DecideSingleParams) (DecideSingleRow, error) {
-	row := db.QueryRow(ctx, decideSingle,
-		arg.Now,
+// DecideOne decides a list of one request (a Limit, LimitN, Check or CheckN, a one-request
+// LimitMany or CheckMany, a Batcher's batch of one): txlimit_decide_one_v1 (migrations/), which
+// documents its arguments and output.
+func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (DecideOneRow, error) {
+	row := db.QueryRow(ctx, decideOne,
+		arg.NowUs,
+		arg.Name,
+		arg.Key,
 		arg.Count,
 		arg.Allow,
 		arg.Dry,
-		arg.Steer,
-		arg.Kind,
+		arg.StepUs,
 		arg.Rate,
 		arg.PeriodUs,
 		arg.Cap,
 		arg.AnchorUs,
-		arg.LockBase,
-		arg.CandShard,
-		arg.CandRow,
-		arg.Name,
-		arg.RowShard,
-		arg.Key,
+		arg.Shards,
+		arg.LockKey,
 	)
-	var i DecideSingleRow
+	var i DecideOneRow
 	err := row.Scan(
 		&i.Ok,
 		&i.Reserved,
@@ -214,6 +194,7 @@ func (q *Queries) DecideSingle(ctx context.Context, db DBTX, arg DecideSinglePar
 		&i.Charged,
 		&i.RetryAtUs,
 		&i.NowUs,
+		&i.TsUs,
 	)
 	return i, err
 }

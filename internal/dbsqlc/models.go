@@ -20,5 +20,6 @@ type TxlimitState struct {
 	Key   string
 	Shard int32
 	Value float64
-	Ts    pgtype.Timestamptz
+	// microseconds since the Unix epoch (to_timestamp(ts / 1e6) shows it as a time)
+	Ts int64
 }

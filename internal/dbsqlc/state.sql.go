@@ -13,10 +13,10 @@ import (
 
 const credit = `-- name: Credit :many
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce($1::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT txlimit_clock($1::bigint) AS now_us
 ),
 lk AS MATERIALIZED (
-    SELECT s.shard, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+    SELECT s.shard, s.value, s.ts
     FROM txlimit_state s
     WHERE s.name = $2::text AND s.key = $3::text
       AND s.shard < $4::integer
@@ -25,13 +25,13 @@ lk AS MATERIALIZED (
 ),
 ev AS MATERIALIZED (
     SELECT l.shard,
-           txlimit_level($5::smallint, l.value, l.ts_us, k.now_us, $6::double precision,
+           txlimit_level(l.value, l.ts, k.now_us, $5::double precision, $6::bigint,
                          $7::bigint, $8::double precision) AS lv,
-           txlimit_next_ts($5::smallint, l.ts_us, k.now_us, $7::bigint) AS ts_us
+           txlimit_next_ts(l.ts, k.now_us, $7::bigint) AS ts
     FROM lk l CROSS JOIN clock k
 ),
 give AS MATERIALIZED (
-    SELECT e.shard, e.lv, e.ts_us,
+    SELECT e.shard, e.lv, e.ts,
            least(e.lv + greatest($9::double precision - coalesce(sum($8::double precision - e.lv)
                      OVER (ORDER BY e.lv, e.shard ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0), 0),
                  $8::double precision) AS after
@@ -39,7 +39,7 @@ give AS MATERIALIZED (
 ),
 upd AS (
     UPDATE txlimit_state s
-    SET value = g.after, ts = 'epoch'::timestamptz + g.ts_us * interval '1 microsecond'
+    SET value = g.after, ts = g.ts
     FROM give g
     WHERE s.name = $2::text AND s.key = $3::text AND s.shard = g.shard
       AND g.after > g.lv
@@ -55,13 +55,13 @@ ORDER BY g.shard
 `
 
 type CreditParams struct {
-	Now      pgtype.Timestamptz
+	NowUs    pgtype.Int8
 	Name     string
 	Key      string
 	Shards   int32
-	Kind     int16
 	Rate     float64
 	PeriodUs int64
+	StepUs   int64
 	Cap      float64
 	Count    float64
 }
@@ -81,13 +81,13 @@ type CreditRow struct {
 // and after, or a single row with shard -1 (carrying the clock) when there is none.
 func (q *Queries) Credit(ctx context.Context, db DBTX, arg CreditParams) ([]CreditRow, error) {
 	rows, err := db.Query(ctx, credit,
-		arg.Now,
+		arg.NowUs,
 		arg.Name,
 		arg.Key,
 		arg.Shards,
-		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
+		arg.StepUs,
 		arg.Cap,
 		arg.Count,
 	)
@@ -117,14 +117,13 @@ func (q *Queries) Credit(ctx context.Context, db DBTX, arg CreditParams) ([]Cred
 
 const levels = `-- name: Levels :many
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce($7::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT txlimit_clock($7::bigint) AS now_us
 )
 SELECT s.shard,
        s.value,
-       s.ts,
-       coalesce(txlimit_level($1::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
-                              k.now_us, $2::double precision, $3::bigint,
-                              $4::double precision), 0)::double precision AS level,
+       s.ts AS ts_us,
+       coalesce(txlimit_level(s.value, s.ts, k.now_us, $1::double precision, $2::bigint,
+                              $3::bigint, $4::double precision), 0)::double precision AS level,
        k.now_us::bigint AS now_us
 FROM clock k
 LEFT JOIN txlimit_state s ON s.name = $5::text AND s.key = $6::text
@@ -132,19 +131,19 @@ ORDER BY s.shard
 `
 
 type LevelsParams struct {
-	Kind     int16
 	Rate     float64
 	PeriodUs int64
+	StepUs   int64
 	Cap      float64
 	Name     string
 	Key      string
-	Now      pgtype.Timestamptz
+	NowUs    pgtype.Int8
 }
 
 type LevelsRow struct {
 	Shard pgtype.Int4
 	Value pgtype.Float8
-	Ts    pgtype.Timestamptz
+	TsUs  pgtype.Int8
 	Level float64
 	NowUs int64
 }
@@ -154,13 +153,13 @@ type LevelsRow struct {
 // clock; a row with a NULL shard means there are no rows.
 func (q *Queries) Levels(ctx context.Context, db DBTX, arg LevelsParams) ([]LevelsRow, error) {
 	rows, err := db.Query(ctx, levels,
-		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
+		arg.StepUs,
 		arg.Cap,
 		arg.Name,
 		arg.Key,
-		arg.Now,
+		arg.NowUs,
 	)
 	if err != nil {
 		return nil, err
@@ -172,7 +171,7 @@ func (q *Queries) Levels(ctx context.Context, db DBTX, arg LevelsParams) ([]Leve
 		if err := rows.Scan(
 			&i.Shard,
 			&i.Value,
-			&i.Ts,
+			&i.TsUs,
 			&i.Level,
 			&i.NowUs,
 		); err != nil {
@@ -188,16 +187,15 @@ func (q *Queries) Levels(ctx context.Context, db DBTX, arg LevelsParams) ([]Leve
 
 const pruneCandidates = `-- name: PruneCandidates :many
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce($10::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT txlimit_clock($10::bigint) AS now_us
 )
-SELECT s.key, s.shard, (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+SELECT s.key, s.shard, k.now_us::bigint AS now_us
 FROM txlimit_state s CROSS JOIN clock k
 WHERE s.name = $1::text
   AND (s.key, s.shard) > ($2::text, $3::integer)
   AND s.shard < $4::integer
-  AND txlimit_level($5::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
-                    $6::double precision, $7::bigint,
-                    $8::double precision) >= $8::double precision
+  AND txlimit_level(s.value, s.ts, k.now_us, $5::double precision, $6::bigint,
+                    $7::bigint, $8::double precision) >= $8::double precision
 ORDER BY s.key, s.shard
 LIMIT $9::integer
 `
@@ -207,35 +205,35 @@ type PruneCandidatesParams struct {
 	AfterKey   string
 	AfterShard int32
 	Shards     int32
-	Kind       int16
 	Rate       float64
 	PeriodUs   int64
+	StepUs     int64
 	Cap        float64
 	Batch      int32
-	Now        pgtype.Timestamptz
+	NowUs      pgtype.Int8
 }
 
 type PruneCandidatesRow struct {
 	Key   string
 	Shard int32
-	TsUs  int64
+	NowUs int64
 }
 
 // PruneCandidates lists, in key order after (after_key, after_shard), up to batch rows of a limit's
-// configured shards that are full at the clock: they evaluate as a missing row would. Fixed-window
-// rows must also lie on their key's window grid, which the caller checks.
+// configured shards that are full at the clock. Whether each evaluates exactly as a missing row
+// (txlimit_prunable, which also needs the key's window grid) is decided by PruneDelete.
 func (q *Queries) PruneCandidates(ctx context.Context, db DBTX, arg PruneCandidatesParams) ([]PruneCandidatesRow, error) {
 	rows, err := db.Query(ctx, pruneCandidates,
 		arg.Name,
 		arg.AfterKey,
 		arg.AfterShard,
 		arg.Shards,
-		arg.Kind,
 		arg.Rate,
 		arg.PeriodUs,
+		arg.StepUs,
 		arg.Cap,
 		arg.Batch,
-		arg.Now,
+		arg.NowUs,
 	)
 	if err != nil {
 		return nil, err
@@ -244,7 +242,7 @@ func (q *Queries) PruneCandidates(ctx context.Context, db DBTX, arg PruneCandida
 	var items []PruneCandidatesRow
 	for rows.Next() {
 		var i PruneCandidatesRow
-		if err := rows.Scan(&i.Key, &i.Shard, &i.TsUs); err != nil {
+		if err := rows.Scan(&i.Key, &i.Shard, &i.NowUs); err != nil {
 			return nil, err
 		}
 		items = append(items, i)
@@ -256,45 +254,41 @@ func (q *Queries) PruneCandidates(ctx context.Context, db DBTX, arg PruneCandida
 }
 
 const pruneDelete = `-- name: PruneDelete :execrows
-WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce($6::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
-),
-doomed AS (
-    SELECT d.key, ($7::integer[])[d.i] AS shard
-    FROM unnest($8::text[]) WITH ORDINALITY AS d(key, i)
-)
 DELETE FROM txlimit_state s
-USING clock k, doomed d
-WHERE s.name = $1::text AND s.key = d.key AND s.shard = d.shard
-  AND txlimit_level($2::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
-                    $3::double precision, $4::bigint,
-                    $5::double precision) >= $5::double precision
+USING unnest($1::text[]) WITH ORDINALITY AS d(key, i)
+WHERE s.name = $2::text AND s.key = d.key AND s.shard = ($3::integer[])[d.i]
+  AND txlimit_prunable(s.value, s.ts, $4::bigint, $5::double precision,
+                       $6::bigint, $7::bigint, $8::double precision,
+                       ($9::bigint[])[d.i])
 `
 
 type PruneDeleteParams struct {
+	Keys      []string
 	Name      string
-	Kind      int16
+	ShardList []int32
+	NowUs     int64
 	Rate      float64
 	PeriodUs  int64
+	StepUs    int64
 	Cap       float64
-	Now       pgtype.Timestamptz
-	ShardList []int32
-	Keys      []string
+	Anchors   []int64
 }
 
-// PruneDelete deletes the listed rows (keys[i], shards[i]) of a limit that are still full at the
-// clock. Under concurrency DELETE re-checks the latest version of each row, so a row charged
-// since it was listed stays.
+// PruneDelete deletes the listed rows (keys[i], shards[i], the key's window grid starting at
+// anchors[i]) of a limit that evaluate exactly as missing rows at the clock (txlimit_prunable).
+// Under concurrency DELETE re-checks the latest version of each row, so a row charged since it was
+// listed stays.
 func (q *Queries) PruneDelete(ctx context.Context, db DBTX, arg PruneDeleteParams) (int64, error) {
 	result, err := db.Exec(ctx, pruneDelete,
+		arg.Keys,
 		arg.Name,
-		arg.Kind,
+		arg.ShardList,
+		arg.NowUs,
 		arg.Rate,
 		arg.PeriodUs,
+		arg.StepUs,
 		arg.Cap,
-		arg.Now,
-		arg.ShardList,
-		arg.Keys,
+		arg.Anchors,
 	)
 	if err != nil {
 		return 0, err

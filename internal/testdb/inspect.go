@@ -96,31 +96,31 @@ func lockRow(tb testing.TB, tx pgx.Tx, strength, name, key string, shard int) {
 	}
 }
 
-// queueLock is the advisory lock key on which the decision function queues calls for a held row
-// (base: the hash of the limit's name and key the package computes), in this schema.
-const queueLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint # 524288)"
-
-// QueueWaiters returns how many backends are waiting for the queue lock of one state row.
-func QueueWaiters(tb testing.TB, db Querier, base int64, shard int) int {
+// TupleLockWaiters returns how many backends are waiting for the tuple lock of a row of this
+// schema's txlimit_state: where Postgres queues the second and later writers of a row that
+// another transaction holds (the first waits for that transaction itself).
+func TupleLockWaiters(tb testing.TB, db Querier) int {
 	tb.Helper()
 	var n int
 	err := db.QueryRow(context.Background(),
-		`SELECT count(*) FROM pg_locks
-		 WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
-		   AND ((classid::bigint << 32) | objid::bigint) = `+queueLock,
-		base, shard).Scan(&n)
+		`SELECT count(*) FROM pg_locks WHERE locktype = 'tuple' AND NOT granted AND relation = 'txlimit_state'::regclass`).Scan(&n)
 	if err != nil {
-		tb.Fatalf("testdb: queue waiters: %v", err)
+		tb.Fatalf("testdb: tuple lock waiters: %v", err)
 	}
 	return n
 }
 
-// HoldQueue takes, in tx, the queue lock of one state row, as a call queued for that row holds it.
-func HoldQueue(tb testing.TB, tx pgx.Tx, base int64, shard int) {
+// RowsWrittenByFirstCommand returns how many rows of limit name the first command of tx wrote
+// (system column cmin 0): a decision that wrote its rows in its first statement.
+func RowsWrittenByFirstCommand(tb testing.TB, tx pgx.Tx, name string) int {
 	tb.Helper()
-	if _, err := tx.Exec(context.Background(), "SELECT pg_advisory_xact_lock"+queueLock, base, shard); err != nil {
-		tb.Fatalf("testdb: hold queue: %v", err)
+	var n int
+	err := tx.QueryRow(context.Background(),
+		`SELECT count(*) FROM txlimit_state WHERE name = $1 AND xmin = pg_current_xact_id()::xid AND cmin::text = '0'`, name).Scan(&n)
+	if err != nil {
+		tb.Fatalf("testdb: rows written by the first command: %v", err)
 	}
+	return n
 }
 
 // BlockedBy returns how many backends are waiting for a lock that the backend pid holds.

@@ -5,10 +5,10 @@
 -- nothing, so a credit never creates a row. Returns every existing shard row with its level before
 -- and after, or a single row with shard -1 (carrying the clock) when there is none.
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS now_us
 ),
 lk AS MATERIALIZED (
-    SELECT s.shard, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+    SELECT s.shard, s.value, s.ts
     FROM txlimit_state s
     WHERE s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text
       AND s.shard < sqlc.arg('shards')::integer
@@ -17,13 +17,13 @@ lk AS MATERIALIZED (
 ),
 ev AS MATERIALIZED (
     SELECT l.shard,
-           txlimit_level(sqlc.arg('kind')::smallint, l.value, l.ts_us, k.now_us, sqlc.arg('rate')::double precision,
-                         sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision) AS lv,
-           txlimit_next_ts(sqlc.arg('kind')::smallint, l.ts_us, k.now_us, sqlc.arg('period_us')::bigint) AS ts_us
+           txlimit_level(l.value, l.ts, k.now_us, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
+                         sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision) AS lv,
+           txlimit_next_ts(l.ts, k.now_us, sqlc.arg('step_us')::bigint) AS ts
     FROM lk l CROSS JOIN clock k
 ),
 give AS MATERIALIZED (
-    SELECT e.shard, e.lv, e.ts_us,
+    SELECT e.shard, e.lv, e.ts,
            least(e.lv + greatest(sqlc.arg('count')::double precision - coalesce(sum(sqlc.arg('cap')::double precision - e.lv)
                      OVER (ORDER BY e.lv, e.shard ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0), 0),
                  sqlc.arg('cap')::double precision) AS after
@@ -31,7 +31,7 @@ give AS MATERIALIZED (
 ),
 upd AS (
     UPDATE txlimit_state s
-    SET value = g.after, ts = 'epoch'::timestamptz + g.ts_us * interval '1 microsecond'
+    SET value = g.after, ts = g.ts
     FROM give g
     WHERE s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = g.shard
       AND g.after > g.lv
@@ -50,14 +50,13 @@ ORDER BY g.shard;
 -- stored value and ts and the tokens it holds now. It always returns at least one row, carrying the
 -- clock; a row with a NULL shard means there are no rows.
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS now_us
 )
 SELECT s.shard,
        s.value,
-       s.ts,
-       coalesce(txlimit_level(sqlc.arg('kind')::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint,
-                              k.now_us, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
-                              sqlc.arg('cap')::double precision), 0)::double precision AS level,
+       s.ts AS ts_us,
+       coalesce(txlimit_level(s.value, s.ts, k.now_us, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
+                              sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision), 0)::double precision AS level,
        k.now_us::bigint AS now_us
 FROM clock k
 LEFT JOIN txlimit_state s ON s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text
@@ -69,36 +68,29 @@ DELETE FROM txlimit_state WHERE name = sqlc.arg('name')::text AND key = sqlc.arg
 
 -- name: PruneCandidates :many
 -- PruneCandidates lists, in key order after (after_key, after_shard), up to batch rows of a limit's
--- configured shards that are full at the clock: they evaluate as a missing row would. Fixed-window
--- rows must also lie on their key's window grid, which the caller checks.
+-- configured shards that are full at the clock. Whether each evaluates exactly as a missing row
+-- (txlimit_prunable, which also needs the key's window grid) is decided by PruneDelete.
 WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
+    SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS now_us
 )
-SELECT s.key, s.shard, (extract(epoch FROM s.ts) * 1000000)::bigint AS ts_us
+SELECT s.key, s.shard, k.now_us::bigint AS now_us
 FROM txlimit_state s CROSS JOIN clock k
 WHERE s.name = sqlc.arg('name')::text
   AND (s.key, s.shard) > (sqlc.arg('after_key')::text, sqlc.arg('after_shard')::integer)
   AND s.shard < sqlc.arg('shards')::integer
-  AND txlimit_level(sqlc.arg('kind')::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
-                    sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
-                    sqlc.arg('cap')::double precision) >= sqlc.arg('cap')::double precision
+  AND txlimit_level(s.value, s.ts, k.now_us, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
+                    sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision) >= sqlc.arg('cap')::double precision
 ORDER BY s.key, s.shard
 LIMIT sqlc.arg('batch')::integer;
 
 -- name: PruneDelete :execrows
--- PruneDelete deletes the listed rows (keys[i], shards[i]) of a limit that are still full at the
--- clock. Under concurrency DELETE re-checks the latest version of each row, so a row charged
--- since it was listed stays.
-WITH clock AS MATERIALIZED (
-    SELECT (extract(epoch FROM coalesce(sqlc.narg('now')::timestamptz, clock_timestamp())) * 1000000)::bigint AS now_us
-),
-doomed AS (
-    SELECT d.key, (sqlc.arg('shard_list')::integer[])[d.i] AS shard
-    FROM unnest(sqlc.arg('keys')::text[]) WITH ORDINALITY AS d(key, i)
-)
+-- PruneDelete deletes the listed rows (keys[i], shards[i], the key's window grid starting at
+-- anchors[i]) of a limit that evaluate exactly as missing rows at the clock (txlimit_prunable).
+-- Under concurrency DELETE re-checks the latest version of each row, so a row charged since it was
+-- listed stays.
 DELETE FROM txlimit_state s
-USING clock k, doomed d
-WHERE s.name = sqlc.arg('name')::text AND s.key = d.key AND s.shard = d.shard
-  AND txlimit_level(sqlc.arg('kind')::smallint, s.value, (extract(epoch FROM s.ts) * 1000000)::bigint, k.now_us,
-                    sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
-                    sqlc.arg('cap')::double precision) >= sqlc.arg('cap')::double precision;
+USING unnest(sqlc.arg('keys')::text[]) WITH ORDINALITY AS d(key, i)
+WHERE s.name = sqlc.arg('name')::text AND s.key = d.key AND s.shard = (sqlc.arg('shard_list')::integer[])[d.i]
+  AND txlimit_prunable(s.value, s.ts, sqlc.arg('now_us')::bigint, sqlc.arg('rate')::double precision,
+                       sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision,
+                       (sqlc.arg('anchors')::bigint[])[d.i]);
