@@ -110,15 +110,45 @@ AS $$
 $$;
 -- +goose StatementEnd
 
+-- txlimit_grants_one: whether a request for count (allowance allow) on the one row (va, ta) is
+-- granted at t_us: the test txlimit_retry_at makes, for one row.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_grants_one(rate double precision, period_us bigint, step_us bigint, cap double precision,
+                                   count double precision, allow double precision, va double precision, ta bigint,
+                                   t_us bigint)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(va, ta, t_us, rate, period_us, step_us, cap), 0, count),
+                           0, allow)
+$$;
+-- +goose StatementEnd
+
+-- txlimit_estimate: the real-arithmetic instant at which a row short of deficit tokens at from_us
+-- (its ts ts_us) has them: the refill, Rate per Period in whole steps, from the start of the step
+-- holding from_us; at least 1 µs and at most 2^61 µs after from_us. txlimit_retry_at starts its
+-- search there.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_estimate(rate double precision, period_us bigint, step_us bigint, deficit double precision,
+                                 ts_us bigint, from_us bigint)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT from_us + least(greatest((txlimit_next_ts(ts_us, from_us, step_us) - from_us)::double precision
+                                    + ceil(deficit * (period_us / step_us)::double precision / rate) * step_us::double precision,
+                                    1), 2305843009213693952::double precision)::bigint
+$$;
+-- +goose StatementEnd
+
 -- txlimit_retry_at: the first microsecond t >= from_us at which a request for count (allowance
 -- allow) on the rows (va, ta) and, when two, (vb, tb) is granted by the rules above; with count 0
 -- and allow 0 on one row, when that row is out of debt. One microsecond earlier the same request is
 -- refused, so the answer is exact. The search tests the real-arithmetic estimate first (usually the
--- answer: granted there, refused a microsecond before), and only when float8 rounding or a cap
--- puts the answer elsewhere gallops and bisects, ending within about 130 tests for any input. The
--- wait is bounded: t is at most from_us + 2^61 µs (about 73,000 years,
--- ratelimit.MaxRetryWaitMicros); a request not granted by then returns that bound. This is the
--- only place a RetryAt is computed.
+-- answer: granted there, refused a microsecond before; for one row before anything else), and only
+-- when float8 rounding or a cap puts the answer elsewhere gallops and bisects, ending within about
+-- 130 tests for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
+-- years, ratelimit.MaxRetryWaitMicros); a request not granted by then returns that bound. This is
+-- the only place a RetryAt is computed.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_retry_at(rate double precision, period_us bigint, step_us bigint, cap double precision,
                                  count double precision, allow double precision, two boolean,
@@ -136,7 +166,17 @@ DECLARE
     lv_a double precision; lv_b double precision := 0; ch integer; end_a double precision; end_b double precision;
     granted boolean;
 BEGIN
-    -- One loop with one test, so that PL/pgSQL prepares the rules' expressions once.
+    -- One row: usually the estimate is the answer (granted there, refused a microsecond earlier).
+    IF NOT two THEN
+        hi := txlimit_estimate(rate, period_us, step_us,
+                               -txlimit_left(0, 1, txlimit_level(va, ta, from_us, rate, period_us, step_us, cap), 0, count)
+                               - allow, ta, from_us);
+        IF txlimit_grants_one(rate, period_us, step_us, cap, count, allow, va, ta, hi)
+           AND NOT txlimit_grants_one(rate, period_us, step_us, cap, count, allow, va, ta, hi - 1) THEN
+            RETURN hi;
+        END IF;
+    END IF;
+    -- Else one loop with one test, so that PL/pgSQL prepares the rules' expressions once.
     LOOP
         -- The test: whether the request is granted at t.
         lv_a := txlimit_level(va, ta, t, rate, period_us, step_us, cap);
@@ -151,13 +191,10 @@ BEGIN
             IF granted THEN
                 RETURN from_us;
             END IF;
-            -- The estimate: the emptiest charged row's deficit, refilled Rate per Period in whole
-            -- steps from the start of the step holding from_us.
-            hi := from_us + least(greatest(
-                      (txlimit_next_ts(CASE WHEN ch = 2 THEN tb ELSE ta END, from_us, step_us) - from_us)::double precision
-                      + ceil((-least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow)
-                             * (period_us / step_us)::double precision / rate) * step_us::double precision,
-                      1), max_wait::double precision)::bigint;
+            -- The estimate: when the emptiest charged row has its deficit.
+            hi := txlimit_estimate(rate, period_us, step_us,
+                                   -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
+                                   CASE WHEN ch = 2 THEN tb ELSE ta END, from_us);
             stride := greatest(hi - lo, 1);
             phase := 1; t := hi;
         ELSIF phase = 1 THEN
@@ -200,6 +237,9 @@ $$;
 -- +goose Down
 DROP FUNCTION txlimit_retry_at(double precision, bigint, bigint, double precision, double precision,
                                double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_estimate(double precision, bigint, bigint, double precision, bigint, bigint);
+DROP FUNCTION txlimit_grants_one(double precision, bigint, bigint, double precision, double precision, double precision,
+                                 double precision, bigint, bigint);
 DROP FUNCTION txlimit_prunable(double precision, bigint, bigint, double precision, bigint, bigint, double precision, bigint);
 DROP FUNCTION txlimit_granted(integer, double precision, double precision, double precision);
 DROP FUNCTION txlimit_left(integer, integer, double precision, double precision, double precision);

@@ -310,11 +310,11 @@ func TestDenialWritesNothing(t *testing.T) {
 	require.False(t, found, "a denied LimitMany created a row")
 }
 
-// docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls that find their row held by
-// another transaction queue for it the way any UPDATE does: the first waits for the holder, the
-// others for the row's tuple lock behind it; when the holder commits, each is decided in turn on
-// the latest row.
-func TestHeldRowQueuesOnItsTupleLock(t *testing.T) {
+// docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls on the pool queue on the row's
+// advisory lock, so that of the calls that find their row held by another transaction only the
+// first waits for the row itself; when the holder commits, each is decided in turn on the latest
+// row.
+func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"l": {Rate: 10, Period: time.Hour}})
 	ctx, pool, lim := b.ctx, b.pool, b.lim
@@ -337,9 +337,10 @@ func TestHeldRowQueuesOnItsTupleLock(t *testing.T) {
 			results <- r
 		}()
 	}
+	base := ratelimit.ShardLockBase("l", "k")
 	require.Eventually(t, func() bool {
-		return testdb.BlockedBy(t, pool, pid) == 1 && testdb.TupleLockWaiters(t, pool) == 2
-	}, 5*time.Second, 10*time.Millisecond, "one call waits for the holder, two for the row's tuple lock")
+		return testdb.BlockedBy(t, pool, pid) == 1 && testdb.QueueWaiters(t, pool, base, 0) == 2
+	}, 5*time.Second, 10*time.Millisecond, "one call waits for the row, two for its advisory lock")
 
 	require.NoError(t, holder.Commit(ctx))
 	levels := []float64{}
@@ -350,25 +351,61 @@ func TestHeldRowQueuesOnItsTupleLock(t *testing.T) {
 	}
 	require.ElementsMatch(t, []float64{8, 7, 6}, levels, "decided one after another")
 
-	// Those that waited locked the row's latest version before writing it, which leaves their
-	// lock's trace on the version they wrote; a call with nobody else around writes the row in
-	// one UPDATE, which leaves none.
+	// Those calls locked the row before writing it, which leaves their lock's trace on the row;
+	// the next lone call, with nobody else around, writes it in one statement again (which leaves
+	// none).
 	r, err := lim.Limit(ctx, pool, "l", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 5.0, r.Value)
-	require.Zero(t, testdb.RowLocker(t, pool, "l", "k", 0), "the call locked the row before writing it")
+	require.Zero(t, testdb.RowLocker(t, pool, "l", "k", 0), "the call took the locking road")
+
+	// A transaction that already holds a row waits on the row itself, as any SQL does: it does not
+	// queue on the advisory lock (where it could close a deadlock with what it holds), even when a
+	// call on the pool is queued there first.
+	holder, err = pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	testdb.LockRow(t, holder, "l", "k", 0)
+	pid = holder.Conn().PgConn().PID()
+	decide := func(db ratelimit.Executor) {
+		r, err := lim.Limit(ctx, db, "l", "k", nil)
+		if err != nil {
+			t.Error(err)
+		}
+		results <- r
+	}
+	go decide(pool) // holds the advisory lock, waits for the row
+	require.Eventually(t, func() bool { return testdb.BlockedBy(t, pool, pid) == 1 }, 5*time.Second, 10*time.Millisecond)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = lim.Limit(ctx, tx, "l", "other", nil) // tx now holds a row
+	require.NoError(t, err)
+	txPID := tx.Conn().PgConn().PID()
+	go decide(tx)
+	require.Eventually(t, func() bool { return testdb.LockWait(t, pool, txPID) != "" }, 5*time.Second, 10*time.Millisecond)
+	require.NotEqual(t, "advisory", testdb.LockWait(t, pool, txPID), "a transaction holding a row queued on the advisory lock")
+	require.NoError(t, holder.Commit(ctx))
+	levels = levels[:0]
+	for range 2 {
+		r := <-results
+		require.True(t, r.OK)
+		levels = append(levels, r.Value)
+	}
+	require.ElementsMatch(t, []float64{4, 3}, levels)
+	require.NoError(t, tx.Commit(ctx))
 
 	// A FOR KEY SHARE lock (a foreign key referencing the row) does not stop a write of value and
-	// ts.
+	// ts, whichever road the call takes.
 	sharer, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer sharer.Rollback(ctx)
 	testdb.KeyShareRow(t, sharer, "l", "k", 0)
-	quick, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	r, err = lim.Limit(quick, pool, "l", "k", nil)
+	quick2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel2()
+	r, err = lim.Limit(quick2, pool, "l", "k", nil)
 	require.NoError(t, err, "the call waited for a key-share lock")
-	require.Equal(t, 4.0, r.Value)
+	require.Equal(t, 2.0, r.Value)
 }
 
 // docs/spec.md §7: inside a transaction the limit commits or rolls back with the caller's work.

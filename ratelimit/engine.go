@@ -77,19 +77,33 @@ func (c *call) allow(i int) float64 {
 func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
 	s := &c.specs[0]
 	cands := l.candidates(c, s, true)
-	var lockKey int64
-	if len(cands) > 1 {
-		lockKey = shardLockBase(s.name, s.key)
-	}
-	d, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
+	a, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
 		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
-		Shards: cands, LockKey: lockKey,
+		Shards: cands, LockKey: shardLockBase(s.name, s.key),
 	})
 	if err != nil {
 		return nil, err
 	}
-	return []dbsqlc.DecideRow{dbsqlc.DecideRow(d)}, nil
+	d, err := unpack(a)
+	if err != nil {
+		return nil, err
+	}
+	return []dbsqlc.DecideRow{d}, nil
+}
+
+// unpack reads the answer txlimit_decide_one_v1 returns, the eight numbers of txlimit_pack_v1:
+// flags (1 ok, 2 reserved, 4 busy), the 64 bits of level_sum's float8, shard_a, shard_b,
+// charged, retry_at_us, now_us, ts_us.
+func unpack(a []int64) (dbsqlc.DecideRow, error) {
+	if len(a) != 8 {
+		return dbsqlc.DecideRow{}, fmt.Errorf("decision returned %d numbers, want 8", len(a))
+	}
+	return dbsqlc.DecideRow{
+		I: 1, Ok: a[0]&1 != 0, Reserved: a[0]&2 != 0, Busy: a[0]&4 != 0,
+		LevelSum: math.Float64frombits(uint64(a[1])), ShardA: int32(a[2]), ShardB: int32(a[3]),
+		Charged: int32(a[4]), RetryAtUs: a[5], NowUs: a[6], TsUs: a[7],
+	}, nil
 }
 
 // decideList decides any list: one request per element of each array, its candidate rows given by
@@ -175,12 +189,20 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		}
 	}
 
-	got, err := dbsqlc.New().Decide(ctx, db, p)
+	answers, err := dbsqlc.New().Decide(ctx, db, p)
 	if err != nil {
 		return nil, err
 	}
-	if len(got) != len(p.Grp) {
-		return nil, fmt.Errorf("decision returned %d rows for %d requests", len(got), len(p.Grp))
+	// One answer per request, in no particular order: each names its place in the list.
+	got := make([]dbsqlc.DecideRow, len(p.Grp))
+	for _, d := range answers {
+		if d.I < 1 || int(d.I) > len(got) || got[d.I-1].I != 0 {
+			return nil, fmt.Errorf("decision returned request %d twice or out of range (%d requests)", d.I, len(got))
+		}
+		got[d.I-1] = d
+	}
+	if len(answers) != len(got) {
+		return nil, fmt.Errorf("decision returned %d rows for %d requests", len(answers), len(got))
 	}
 	return got, nil
 }
@@ -197,7 +219,7 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []dbsqlc.Deci
 			k++
 			if d.Busy {
 				l.obs.busy(ctx, s.name)
-				busy = &BusyError{Name: s.name, Key: s.key, Candidates: min(s.shards, maxCandidates)}
+				busy = &BusyError{Name: s.name, Key: s.key, Candidates: min(s.shards, maxCandidates), first: d.ShardA}
 			}
 			r := Result{
 				Name: s.name, Key: s.key, Config: s.effective(),

@@ -146,6 +146,8 @@ type BusyError struct {
 	Name, Key string
 	// Candidates is how many shards the call tried.
 	Candidates int
+
+	first int32 // the call's first candidate shard, which InSerializableTx waits for
 }
 
 // Error names the limit and how many shards were tried.

@@ -920,7 +920,7 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	_, err = e.lim.Limit(e.ctx, tx, "s", "k", nil)
 	var busy *ratelimit.BusyError
 	require.ErrorAs(t, err, &busy)
-	require.Equal(t, ratelimit.BusyError{Name: "s", Key: "k", Candidates: 2}, *busy)
+	require.Equal(t, [3]any{"s", "k", 2}, [3]any{busy.Name, busy.Key, busy.Candidates})
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, "40001", pgErr.Code)

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
 
 // TxBeginner starts transactions: a *pgxpool.Pool or *pgx.Conn.
@@ -37,6 +39,11 @@ type TxOpts struct {
 // do all its database work through tx. Any other error is returned at once. When attempts run out
 // it returns a *RetriesExhaustedError wrapping the last cause. A nil db or fn is an *ArgumentError,
 // returned before any transaction is begun.
+//
+// A *BusyError (every candidate shard of a sharded limit taken by other transactions) is not a
+// failed attempt: when db can run a statement of its own (a *pgxpool.Pool or *pgx.Conn), the
+// retry waits, outside any transaction, until one of those transactions ends, then runs fn again
+// at once; it costs no attempt, up to 100 such waits (then it counts as a failure like any other).
 func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	const op = "InSerializableTx"
 	if db == nil {
@@ -66,10 +73,22 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 	}
 	ceiling := o.MinBackoff
 	var last error
+	waits := 0
 	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
 		last = runTx(ctx, db, fn)
 		if last == nil || !IsRetryable(last) {
 			return last
+		}
+		var busy *BusyError
+		if waiter, ok := db.(Executor); ok && waits < maxBusyWaits && errors.As(last, &busy) {
+			waits++
+			attempt--
+			if err := dbsqlc.New().WaitForShard(ctx, waiter, dbsqlc.WaitForShardParams{
+				LockKey: shardLockBase(busy.Name, busy.Key), Shard: int64(busy.first),
+			}); err != nil {
+				return errors.Join(err, last)
+			}
+			continue
 		}
 		if attempt == o.MaxAttempts {
 			break
@@ -87,6 +106,10 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 	obs.exhausted(ctx, o.MaxAttempts, last)
 	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last}
 }
+
+// maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without
+// counting the attempt.
+const maxBusyWaits = 100
 
 func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})

@@ -12,7 +12,8 @@ import (
 )
 
 const decide = `-- name: Decide :many
-SELECT d.ok::boolean AS ok,
+SELECT d.i::integer AS i,
+       d.ok::boolean AS ok,
        d.reserved::boolean AS reserved,
        d.busy::boolean AS busy,
        d.level_sum::double precision AS level_sum,
@@ -53,6 +54,7 @@ type DecideParams struct {
 }
 
 type DecideRow struct {
+	I         int32
 	Ok        bool
 	Reserved  bool
 	Busy      bool
@@ -66,7 +68,8 @@ type DecideRow struct {
 }
 
 // Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
-// documents its arguments and output. One row per request, in list order.
+// documents its arguments and output (txlimit_answer_v1). One row per request, in no particular
+// order: i is the request's place in the list, from 1.
 func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]DecideRow, error) {
 	rows, err := db.Query(ctx, decide,
 		arg.NowUs,
@@ -94,6 +97,7 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 	for rows.Next() {
 		var i DecideRow
 		if err := rows.Scan(
+			&i.I,
 			&i.Ok,
 			&i.Reserved,
 			&i.Busy,
@@ -116,23 +120,13 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 }
 
 const decideOne = `-- name: DecideOne :one
-SELECT d.ok::boolean AS ok,
-       d.reserved::boolean AS reserved,
-       d.busy::boolean AS busy,
-       d.level_sum::double precision AS level_sum,
-       d.shard_a::integer AS shard_a,
-       d.shard_b::integer AS shard_b,
-       d.charged::integer AS charged,
-       d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us,
-       d.ts_us::bigint AS ts_us
-FROM txlimit_decide_one_v1(
+SELECT txlimit_decide_one_v1(
     $1::bigint, $2::text, $3::text,
     $4::double precision, $5::double precision, $6::boolean,
     $7::bigint, $8::double precision, $9::bigint,
     $10::double precision, $11::bigint,
     $12::integer[], $13::bigint
-) d
+)::bigint[] AS answer
 `
 
 type DecideOneParams struct {
@@ -151,23 +145,10 @@ type DecideOneParams struct {
 	LockKey  int64
 }
 
-type DecideOneRow struct {
-	Ok        bool
-	Reserved  bool
-	Busy      bool
-	LevelSum  float64
-	ShardA    int32
-	ShardB    int32
-	Charged   int32
-	RetryAtUs int64
-	NowUs     int64
-	TsUs      int64
-}
-
 // DecideOne decides a list of one request (a Limit, LimitN, Check or CheckN, a one-request
 // LimitMany or CheckMany, a Batcher's batch of one): txlimit_decide_one_v1 (migrations/), which
-// documents its arguments and output.
-func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (DecideOneRow, error) {
+// documents its arguments; its answer is the eight numbers of txlimit_pack_v1.
+func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) ([]int64, error) {
 	row := db.QueryRow(ctx, decideOne,
 		arg.NowUs,
 		arg.Name,
@@ -183,18 +164,25 @@ func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (
 		arg.Shards,
 		arg.LockKey,
 	)
-	var i DecideOneRow
-	err := row.Scan(
-		&i.Ok,
-		&i.Reserved,
-		&i.Busy,
-		&i.LevelSum,
-		&i.ShardA,
-		&i.ShardB,
-		&i.Charged,
-		&i.RetryAtUs,
-		&i.NowUs,
-		&i.TsUs,
-	)
-	return i, err
+	var answer []int64
+	err := row.Scan(&answer)
+	return answer, err
+}
+
+const waitForShard = `-- name: WaitForShard :exec
+SELECT pg_advisory_xact_lock($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
+                             # $2::bigint)
+`
+
+type WaitForShardParams struct {
+	LockKey int64
+	Shard   int64
+}
+
+// WaitForShard waits, in a statement of its own, until no transaction is deciding on the given
+// shard of a sharded limit (the advisory lock txlimit_steer tries; lock_key is the hash of name and
+// key), and lets go of it at once: what InSerializableTx does after a busy call before it retries.
+func (q *Queries) WaitForShard(ctx context.Context, db DBTX, arg WaitForShardParams) error {
+	_, err := db.Exec(ctx, waitForShard, arg.LockKey, arg.Shard)
+	return err
 }

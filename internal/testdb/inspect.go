@@ -96,16 +96,21 @@ func lockRow(tb testing.TB, tx pgx.Tx, strength, name, key string, shard int) {
 	}
 }
 
-// TupleLockWaiters returns how many backends are waiting for the tuple lock of a row of this
-// schema's txlimit_state: where Postgres queues the second and later writers of a row that
-// another transaction holds (the first waits for that transaction itself).
-func TupleLockWaiters(tb testing.TB, db Querier) int {
+// queueLock is the advisory lock key on which the decision queues lone calls on the pool for a row
+// (base: the hash of the limit's name and key the package computes), in this schema.
+const queueLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint # 524288)"
+
+// QueueWaiters returns how many backends are waiting for the queue lock of one state row.
+func QueueWaiters(tb testing.TB, db Querier, base int64, shard int) int {
 	tb.Helper()
 	var n int
 	err := db.QueryRow(context.Background(),
-		`SELECT count(*) FROM pg_locks WHERE locktype = 'tuple' AND NOT granted AND relation = 'txlimit_state'::regclass`).Scan(&n)
+		`SELECT count(*) FROM pg_locks
+		 WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+		   AND ((classid::bigint << 32) | objid::bigint) = `+queueLock,
+		base, shard).Scan(&n)
 	if err != nil {
-		tb.Fatalf("testdb: tuple lock waiters: %v", err)
+		tb.Fatalf("testdb: queue waiters: %v", err)
 	}
 	return n
 }
