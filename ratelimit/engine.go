@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"time"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
@@ -229,6 +230,9 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []dbsqlc.Deci
 			if d.RetryAtUs != 0 {
 				r.RetryAt = usTime(d.RetryAtUs)
 			}
+			if r.OK && (d.Charged == 1 || d.Charged == 2) && d.TsUs != 0 {
+				r.TS = usTime(d.TsUs)
+			}
 			if r.OK {
 				if d.Charged == 1 || d.Charged == 3 {
 					r.Shards = append(r.Shards, int(d.ShardA))
@@ -247,7 +251,7 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []dbsqlc.Deci
 		for i := range res.Results {
 			r := &res.Results[i]
 			if !res.OK && !c.dry {
-				r.Shards = nil // nothing was consumed
+				r.Shards, r.TS = nil, time.Time{} // nothing was consumed
 			}
 			// Granted: act when the last reservation is due. Denied: retry when the last denial clears.
 			if (res.OK || !r.OK) && r.RetryAt.After(res.RetryAt) {

@@ -124,6 +124,12 @@ type Result struct {
 	// Shards > 1 it covers only the shards this call looked at; Limiter.State gives the exact total.
 	Value float64
 
+	// TS is the ts (docs/spec.md §1) the one row a grant charged was left with: Time for a token
+	// bucket, the start of the current window for a fixed window (unless the row's ts was later).
+	// With Value it is the row's state after the call, from which package scheduler follows a
+	// reservation's debt. Zero when denied or when two shards were charged.
+	TS time.Time
+
 	// Shards lists the shard rows that were charged ([0] for an unsharded limit); empty when denied.
 	Shards []int
 
