@@ -1,0 +1,85 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
+)
+
+// Row is the state of one row of a limit (docs/spec.md §1): its value and ts, e.g. as a grant left
+// it (Result.Value and Result.TS of an unsharded limit).
+type Row struct {
+	// Name and Key identify the limit.
+	Name, Key string
+	// Config, when set, is used instead of the limit registered under the name, as
+	// LimitOpts.Config. Defaults to nil: the registered config.
+	Config *Config
+	// Value is the row's value: tokens, negative while reservations are owed.
+	Value float64
+	// TS is the row's ts. Required.
+	TS time.Time
+}
+
+// OutOfDebtAt returns, for each row, the first microsecond at or after from at which the row,
+// refilled by its limit's rules, holds >= 0 tokens (from itself when it does already): for the row
+// a reservation left (Result.Value, Result.TS), its Result.RetryAt; with tokens credited since
+// added to Value, when those credits make it due. It is computed by the SQL that computes every
+// RetryAt (txlimit_retry_at), on each config resolved as a decision resolves it, so it is as exact
+// and as bounded (at most from plus MaxRetryWaitMicros). A sharded limit's numbers are per shard,
+// so a Row there stands for one shard's row. The rows are evaluated in one statement and the
+// answers come in their order; nothing is locked or written.
+//
+// from defaults, when zero, to the time a decision reads: LimiterConfig.Now when set, else the
+// database's clock. Bad input (a name, key or config a call would refuse, a Value that is not
+// finite, a zero TS) is an error matching ErrInvalid, with no SQL run.
+func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, rows []Row) ([]time.Time, error) {
+	const op = "OutOfDebtAt"
+	if err := checkExecutor(op, db); err != nil {
+		return nil, err
+	}
+	if len(rows) == 0 {
+		return nil, nil
+	}
+	p := dbsqlc.OutOfDebtAtParams{NowUs: l.clock()}
+	if !from.IsZero() {
+		p.NowUs = pgtype.Int8{Int64: from.UnixMicro(), Valid: true}
+	}
+	for i, r := range rows {
+		s, err := l.resolve(op, r.Name, r.Key, r.Config)
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case math.IsNaN(r.Value) || math.IsInf(r.Value, 0):
+			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].Value", i), Reason: fmt.Sprintf("must be finite, got %g", r.Value)}
+		case r.TS.IsZero():
+			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].TS", i), Reason: "is zero: pass the row's ts (Result.TS)"}
+		}
+		p.Rates = append(p.Rates, s.rate)
+		p.PeriodUs = append(p.PeriodUs, s.periodUs)
+		p.StepUs = append(p.StepUs, s.stepUs)
+		p.Caps = append(p.Caps, s.capacity)
+		p.Values = append(p.Values, r.Value)
+		p.TsUs = append(p.TsUs, r.TS.UnixMicro())
+	}
+	got, err := dbsqlc.New().OutOfDebtAt(ctx, db, p)
+	if err != nil {
+		return nil, dbError(ctx, db, op, err)
+	}
+	if len(got) != len(rows) {
+		return nil, fmt.Errorf("ratelimit: %s: got %d answers for %d rows", op, len(got), len(rows))
+	}
+	out := make([]time.Time, len(rows))
+	for i, g := range got {
+		if int(g.I) != i+1 {
+			return nil, fmt.Errorf("ratelimit: %s: answer %d is for row %d", op, i+1, g.I)
+		}
+		out[i] = usTime(g.RetryAtUs)
+	}
+	return out, nil
+}

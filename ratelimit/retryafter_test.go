@@ -1,0 +1,106 @@
+package ratelimit_test
+
+import (
+	"errors"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// TestOutOfDebtAt: a row's state (value, ts) is out of debt at the RetryAt of the reservation that
+// left it there (docs/spec.md §3, §4), and tokens credited since, added to its value, bring that
+// instant forward: exact numbers, several rows in one call, answers in their order.
+func TestOutOfDebtAt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"tok":  {Rate: 10, Period: time.Second, MaxReserved: 100},
+		"win":  {Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: t0, MaxReserved: 100},
+		"hot":  {Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 100},
+		"odd":  {Rate: 3, Period: 7 * time.Second, MaxReserved: 100},
+		"oddw": {Kind: ratelimit.FixedWindow, Rate: 0.7, Period: 3 * time.Second, Start: t0.Add(time.Second), MaxReserved: 100},
+	})
+	inline := ratelimit.Config{Rate: 1, Period: time.Minute}
+	s := time.Second
+	steps := []struct {
+		from time.Time // zero: the Limiter's clock, t0
+		rows []ratelimit.Row
+		want []time.Time
+	}{
+		// 10/s bucket at −5: 500 ms; credited 2 at the same instant, 300 ms; credited 5, at once.
+		{rows: []ratelimit.Row{{Name: "tok", Value: -5, TS: t0}, {Name: "tok", Value: -3, TS: t0}, {Name: "tok", Value: 0, TS: t0}},
+			want: []time.Time{t0.Add(500 * ms), t0.Add(300 * ms), t0}},
+		// Searched from later: still 500 ms; past it, from itself.
+		{from: t0.Add(400 * ms), rows: []ratelimit.Row{{Name: "tok", Value: -5, TS: t0}}, want: []time.Time{t0.Add(500 * ms)}},
+		{from: t0.Add(600 * ms), rows: []ratelimit.Row{{Name: "tok", Value: -5, TS: t0}}, want: []time.Time{t0.Add(600 * ms)}},
+		// A fixed window of 5 per 10 s at −3 (credited 1: −2) is out of debt at the next window
+		// start; at −8, two windows; −8 credited 3 is −5, one window.
+		{from: t0.Add(4 * s), rows: []ratelimit.Row{{Name: "win", Value: -2, TS: t0}, {Name: "win", Value: -8, TS: t0}, {Name: "win", Value: -5, TS: t0}},
+			want: []time.Time{t0.Add(10 * s), t0.Add(20 * s), t0.Add(10 * s)}},
+		// Sharded: a row is one shard's, refilled at Rate/Shards (5/s).
+		{rows: []ratelimit.Row{{Name: "hot", Value: -5, TS: t0}}, want: []time.Time{t0.Add(s)}},
+		// An inline config, for a name that is not registered, and a key.
+		{rows: []ratelimit.Row{{Name: "adhoc", Key: "u1", Config: &inline, Value: -0.5, TS: t0}}, want: []time.Time{t0.Add(30 * s)}},
+	}
+	for i, st := range steps {
+		got, err := b.lim.OutOfDebtAt(b.ctx, b.pool, st.from, st.rows)
+		require.NoError(t, err, "step %d", i)
+		require.Equal(t, st.want, got, "step %d: got … want …", i)
+	}
+
+	// For the row a reservation left (Result.Value, Result.TS), the answer is its RetryAt, to the
+	// microsecond, also where float8 rounding decides it.
+	for i, r := range []struct {
+		name  string
+		at    time.Time
+		count float64
+	}{
+		{"tok", t0, 12}, {"tok", t0.Add(123 * time.Microsecond), 1.1}, {"odd", t0.Add(s), 4.3}, {"odd", t0.Add(2 * s), 0.1},
+		{"win", t0.Add(3 * s), 9}, {"oddw", t0.Add(5 * s), 2.2}, {"oddw", t0.Add(11 * s), 0.3},
+	} {
+		b.clock.Set(r.at)
+		res, err := b.lim.LimitN(b.ctx, b.pool, r.name, "k", r.count, &ratelimit.LimitOpts{Reserve: true})
+		require.NoError(t, err)
+		require.True(t, res.Reserved, "reservation %d", i)
+		got, err := b.lim.OutOfDebtAt(b.ctx, b.pool, time.Time{}, []ratelimit.Row{{Name: r.name, Key: "k", Value: res.Value, TS: res.TS}})
+		require.NoError(t, err)
+		require.Equal(t, res.RetryAt, got[0], "reservation %d: got … want the reservation's RetryAt", i)
+	}
+}
+
+// TestOutOfDebtAtBadInput: bad input is an ErrInvalid error naming what is wrong, with no SQL run
+// (the pool is closed); no rows is no answer.
+func TestOutOfDebtAtBadInput(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tok": {Rate: 10, Period: time.Second}})
+	closed, err := pgxpool.New(b.ctx, b.pool.Config().ConnString())
+	require.NoError(t, err)
+	closed.Close()
+	got, err := b.lim.OutOfDebtAt(b.ctx, closed, time.Time{}, nil)
+	require.NoError(t, err)
+	require.Empty(t, got)
+	var unknown *ratelimit.UnknownLimitError
+	_, err = b.lim.OutOfDebtAt(b.ctx, closed, time.Time{}, []ratelimit.Row{{Name: "nope", Value: -1, TS: t0}})
+	require.ErrorAs(t, err, &unknown)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	for _, c := range []struct {
+		db   ratelimit.Executor
+		row  ratelimit.Row
+		want string
+	}{
+		{nil, ratelimit.Row{Name: "tok", Value: -1, TS: t0}, "db"},
+		{closed, ratelimit.Row{Name: "tok", Value: math.NaN(), TS: t0}, "rows[1].Value"},
+		{closed, ratelimit.Row{Name: "tok", Value: math.Inf(-1), TS: t0}, "rows[1].Value"},
+		{closed, ratelimit.Row{Name: "tok", Value: -1}, "rows[1].TS"},
+	} {
+		_, err := b.lim.OutOfDebtAt(b.ctx, c.db, time.Time{}, []ratelimit.Row{{Name: "tok", Value: -1, TS: t0}, c.row})
+		var arg *ratelimit.ArgumentError
+		require.True(t, errors.As(err, &arg), "%v: got %v", c.want, err)
+		require.Equal(t, c.want, arg.Arg)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	}
+}
