@@ -269,6 +269,60 @@ func pullForwardModel(t *testing.T, c conn, seed uint64) {
 	t.Logf("%d jobs, %d pulled forward", len(js), moved)
 }
 
+// TestPullForwardRecordsRow: a waiting job records, per limit, its RetryAt and the row its
+// reservation left (value, ts); a credit out of an earlier reservation is added to that row and the
+// RetryAt follows it, also a fixed window's credit too small to move the job by a window (recorded,
+// so that the next credit adds to it). A sharded limit is recorded as fixed, with no row.
+func TestPullForwardRecordsRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{
+		"tok": {Rate: 10, Period: time.Second, MaxReserved: 1000},
+		"win": {Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: t0, MaxReserved: 1000},
+		"hot": {Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 1000},
+	}, now: frozen(t0)})
+	reserved := func(id int64) string {
+		return string(metadataValue(t, jobRow(t, b, id).Metadata, scheduler.ReservedKey))
+	}
+	cancel := func(id int64, moved int) {
+		t.Helper()
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			res, err := b.sched.CancelTx(ctx, tx, id)
+			require.NoError(t, err)
+			require.Equal(t, moved, res.PulledForward)
+			return nil
+		}))
+	}
+
+	reserve(t, b, "tok", "k", 10) // runs now
+	ja := reserve(t, b, "tok", "k", 5)
+	jb := reserve(t, b, "tok", "k", 5)
+	require.JSONEq(t, `{"limits":[{"name":"tok","key":"k","count":5,"retry_at":"2024-01-01T12:00:01Z",
+		"row":{"value":-10,"ts":"2024-01-01T12:00:00Z"}}]}`, reserved(jb.Job.ID))
+	cancel(ja.Job.ID, 1)
+	require.JSONEq(t, `{"limits":[{"name":"tok","key":"k","count":5,"retry_at":"2024-01-01T12:00:00.5Z",
+		"row":{"value":-5,"ts":"2024-01-01T12:00:00Z"}}]}`, reserved(jb.Job.ID))
+	require.Equal(t, t0.Add(500*time.Millisecond), jobRow(t, b, jb.Job.ID).ScheduledAt.UTC())
+
+	reserve(t, b, "win", "k", 5) // runs now: the window of t0 is empty
+	jc := reserve(t, b, "win", "k", 0.25)
+	jd := reserve(t, b, "win", "k", 0.25)
+	je := reserve(t, b, "win", "k", 10) // −10.5: three windows
+	require.JSONEq(t, `{"limits":[{"name":"win","key":"k","count":10,"retry_at":"2024-01-01T12:00:30Z",
+		"row":{"value":-10.5,"ts":"2024-01-01T12:00:00Z"}}]}`, reserved(je.Job.ID))
+	cancel(jc.Job.ID, 0) // −10.25: still three windows, but recorded
+	require.JSONEq(t, `{"limits":[{"name":"win","key":"k","count":10,"retry_at":"2024-01-01T12:00:30Z",
+		"row":{"value":-10.25,"ts":"2024-01-01T12:00:00Z"}}]}`, reserved(je.Job.ID))
+	cancel(jd.Job.ID, 1) // −10.25 + 0.25 = −10: two windows
+	require.JSONEq(t, `{"limits":[{"name":"win","key":"k","count":10,"retry_at":"2024-01-01T12:00:20Z",
+		"row":{"value":-10,"ts":"2024-01-01T12:00:00Z"}}]}`, reserved(je.Job.ID))
+	require.Equal(t, t0.Add(20*time.Second), jobRow(t, b, je.Job.ID).ScheduledAt.UTC())
+
+	reserve(t, b, "hot", "k", 10)
+	jf := reserve(t, b, "hot", "k", 4) // both shards at −2, 5/s each
+	require.JSONEq(t, `{"limits":[{"name":"hot","key":"k","count":4,"retry_at":"2024-01-01T12:00:00.4Z","fixed":true}]}`, reserved(jf.Job.ID))
+}
+
 // TestPullForwardShardedKeepsTime: a credit to a sharded limit does not move the jobs waiting on it
 // (it goes to the emptiest shards, not necessarily theirs): they keep their time, never earlier.
 func TestPullForwardShardedKeepsTime(t *testing.T) {

@@ -269,11 +269,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 	reserved := false
 	for i, res := range results {
 		reserved = reserved || res.Reserved
-		cfg, err := s.limiter.Lookup(credits[i].name, credits[i].key, credits[i].config)
-		if err != nil {
-			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
-		}
-		rec.Limits = append(rec.Limits, newReservedLimit(res, credits[i].count, cfg, credits[i].config))
+		rec.Limits = append(rec.Limits, newReservedLimit(res, credits[i].count, credits[i].config))
 	}
 	if reserved {
 		r.RetryAt = retryAt
