@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"syscall"
@@ -63,6 +64,7 @@ func main() {
 	cell := flag.Duration("cell", 0, "override the duration of each throughput cell")
 	lanes := flag.Int("lanes", 0, "BatcherConfig.Lanes of every Batcher of the run (0: the default)")
 	readmePath := flag.String("readme", filepath.Join("..", "README.md"), "README whose performance table (between <!-- bench:begin --> and <!-- bench:end -->) to rewrite; \"\" for none, and none by default when -md is given")
+	cpuProfile := flag.String("cpuprofile", "", "write a Go CPU profile of the whole run (this process only) to the file")
 	flag.Parse()
 	given := map[string]bool{}
 	flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
@@ -77,6 +79,17 @@ func main() {
 	if *cell > 0 {
 		mode.Cell = *cell
 		mode.Name += fmt.Sprintf(", cells of %s", *cell)
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench: -cpuprofile:", err)
+			os.Exit(2)
+		}
+		defer pprof.StopCPUProfile()
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

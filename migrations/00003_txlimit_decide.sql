@@ -28,19 +28,36 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_pack_v1: one answer (see txlimit_answer_v1) as the eight numbers txlimit_decide_one_v1
--- returns: flags (1 ok, 2 reserved, 4 busy), level_sum as the 64 bits of its float8, shard_a,
--- shard_b, charged, retry_at_us, now_us, ts_us. (An array of numbers costs Postgres less to return
--- than a row.)
+-- txlimit_pack_v1: one answer (see txlimit_answer_v1) as the 48 bytes txlimit_decide_one_v1
+-- returns, each number in network byte order: flags (int4: 1 ok, 2 reserved, 4 busy), level_sum
+-- (float8), shard_a, shard_b, charged (int4 each), retry_at_us, now_us, ts_us (int8 each). (Bytes
+-- cost Postgres and the client less to pass than a row or an array.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_pack_v1(ok boolean, reserved boolean, busy boolean, level_sum double precision, shard_a integer,
                                 shard_b integer, charged integer, retry_at_us bigint, now_us bigint, ts_us bigint)
-RETURNS bigint[]
+RETURNS bytea
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT ARRAY[(ok::integer + 2 * reserved::integer + 4 * busy::integer)::bigint,
-                 ('x' || encode(float8send(level_sum), 'hex'))::bit(64)::bigint,
-                 shard_a, shard_b, charged, retry_at_us, now_us, ts_us]
+    SELECT int4send(ok::integer + 2 * reserved::integer + 4 * busy::integer) || float8send(level_sum)
+           || int4send(shard_a) || int4send(shard_b) || int4send(charged) || int8send(retry_at_us)
+           || int8send(now_us) || int8send(ts_us)
+$$;
+-- +goose StatementEnd
+
+-- txlimit_written_v1: the answer (txlimit_pack_v1) to a request granted by charging one row,
+-- written to (v, ts_us) at t_us: granted when v >= 0, else reserved until the row is out of debt;
+-- level_sum adds other_level, what the other pick of a sharded limit holds (0 when unsharded,
+-- other_shard -1).
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_written_v1(v double precision, ts_us bigint, t_us bigint, shard integer, other_shard integer,
+                                   other_level double precision, rate double precision, period_us bigint, step_us bigint,
+                                   cap double precision)
+RETURNS bytea
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT txlimit_pack_v1(v >= 0, v < 0, false, v + other_level, shard, other_shard, 1,
+                           CASE WHEN v < 0 THEN txlimit_retry_at(rate, period_us, step_us, cap, 0, 0, false, v, ts_us,
+                                                                 NULL, NULL, t_us) ELSE 0 END, t_us, ts_us)
 $$;
 -- +goose StatementEnd
 
@@ -394,7 +411,7 @@ CREATE FUNCTION txlimit_decide_one_v1(
     p_now_us bigint, p_name text, p_key text, p_count double precision, p_allow double precision, p_dry boolean,
     p_step_us bigint, p_rate double precision, p_period_us bigint, p_cap double precision, p_anchor_us bigint,
     p_shards integer[], p_lock_key bigint)
-RETURNS bigint[]
+RETURNS bytea
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
 AS $$
@@ -405,20 +422,9 @@ DECLARE
     v double precision; vts bigint; -- the row as the UPDATE left it
     va double precision; ta bigint; fa boolean; lv_a double precision; -- the rows as read: the plan
     vb double precision; tb bigint; fb boolean; lv_b double precision;
-    ans bigint[];
+    ans bytea;
 BEGIN
-    IF p_shards[2] IS NULL AND NOT p_dry THEN
-        sh := p_shards[1];
-        -- A call of its own on the pool (READ COMMITTED, no transaction ID yet: it holds no lock)
-        -- first queues on the row's advisory lock (p_lock_key XOR the table's OID shifted left 20
-        -- bits XOR the shard XOR bit 19, never a key steering takes): of the calls waiting for one
-        -- row, one at a time goes on to the UPDATE, which then finds the row as committed.
-        IF pg_current_xact_id_if_assigned() IS NULL AND current_setting('transaction_isolation') = 'read committed'
-           AND pg_advisory_xact_lock(p_lock_key # ('txlimit_state'::regclass::oid::bigint << 20) # sh::bigint # 524288)
-               IS NULL THEN -- (never: the lock is taken in the condition, which costs less than a statement)
-            NULL;
-        END IF;
-    ELSIF p_shards[2] IS NOT NULL AND NOT p_dry THEN
+    IF p_shards[2] IS NOT NULL AND NOT p_dry THEN
         two := current_setting('transaction_isolation') = 'read committed';
         pos := txlimit_steer(p_name, p_key, p_shards, p_lock_key, NOT two);
         a := p_shards[1]; b := p_shards[2]; lv_b := 0; got := false;
@@ -491,10 +497,8 @@ BEGIN
         RETURNING s.value, s.ts INTO v, vts;
     END IF;
     IF v IS NOT NULL THEN
-        RETURN txlimit_pack_v1(v >= 0, v < 0, false, v + CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END,
-            sh, CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END, 1,
-            CASE WHEN v < 0 THEN txlimit_retry_at(p_rate, p_period_us, p_step_us, p_cap, 0, 0, false, v, vts,
-                                                  NULL, NULL, t) ELSE 0 END, t, vts);
+        RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN sh = a THEN b ELSE a END,
+                                  CASE WHEN sh = a THEN lv_b ELSE lv_a END, p_rate, p_period_us, p_step_us, p_cap);
     END IF;
     IF p_shards[2] IS NULL THEN
         a := p_shards[1];
@@ -549,6 +553,8 @@ DROP FUNCTION txlimit_answers(bigint, double precision[], double precision[], bi
 DROP TYPE txlimit_answer_v1;
 DROP FUNCTION txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
 DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
+DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, double precision,
+                                 bigint, bigint, double precision);
 DROP FUNCTION txlimit_pack_v1(boolean, boolean, boolean, double precision, integer, integer, integer, bigint, bigint,
                               bigint);
 DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);

@@ -62,10 +62,11 @@ func TestDownAndUpAgain(t *testing.T) {
 		"table txlimit_state", "table " + migrations.VersionTable, "table " + migrations.LockTable,
 		// 00002: the rules
 		"function txlimit_clock", "function txlimit_level", "function txlimit_next_ts", "function txlimit_charge",
-		"function txlimit_left", "function txlimit_granted", "function txlimit_prunable", "function txlimit_retry_at",
+		"function txlimit_left", "function txlimit_granted", "function txlimit_prunable", "function txlimit_grants_one",
+		"function txlimit_estimate", "function txlimit_retry_at",
 		// 00003: the decision
-		"function txlimit_stale", "function txlimit_pick", "function txlimit_fold", "function txlimit_lock_row",
-		"function txlimit_results", "function txlimit_decide_v1", "function txlimit_decide_one_v1",
+		"function txlimit_stale", "function txlimit_pack_v1", "function txlimit_written_v1", "function txlimit_steer",
+		"function txlimit_lock_row", "function txlimit_answers", "function txlimit_decide_v1", "function txlimit_decide_one_v1",
 	} {
 		if !slices.Contains(full, want) {
 			t.Errorf("after Up: no %s in %v", want, full)

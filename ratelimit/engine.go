@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"cmp"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"slices"
@@ -77,11 +78,14 @@ func (c *call) allow(i int) float64 {
 // decideOne decides a list of one request, sent as scalars.
 func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
 	s := &c.specs[0]
-	cands := l.candidates(c, s, true)
+	var shards []int32 // nil when unsharded: the row is shard 0
+	if s.shards >= 2 {
+		shards = l.candidates(c, s, true)
+	}
 	a, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
 		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
-		Shards: cands, LockKey: shardLockBase(s.name, s.key),
+		Shard: 0, Shards: shards, LockKey: shardLockBase(s.name, s.key),
 	})
 	if err != nil {
 		return nil, err
@@ -93,17 +97,20 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc
 	return []dbsqlc.DecideRow{d}, nil
 }
 
-// unpack reads the answer txlimit_decide_one_v1 returns, the eight numbers of txlimit_pack_v1:
-// flags (1 ok, 2 reserved, 4 busy), the 64 bits of level_sum's float8, shard_a, shard_b,
-// charged, retry_at_us, now_us, ts_us.
-func unpack(a []int64) (dbsqlc.DecideRow, error) {
-	if len(a) != 8 {
-		return dbsqlc.DecideRow{}, fmt.Errorf("decision returned %d numbers, want 8", len(a))
+// unpack reads the answer of a list of one, the 48 bytes of txlimit_pack_v1, numbers in network
+// byte order: flags (int4: 1 ok, 2 reserved, 4 busy), level_sum (float8), shard_a, shard_b,
+// charged (int4), retry_at_us, now_us, ts_us (int8).
+func unpack(a []byte) (dbsqlc.DecideRow, error) {
+	if len(a) != 48 {
+		return dbsqlc.DecideRow{}, fmt.Errorf("decision returned %d bytes, want 48", len(a))
 	}
+	be := binary.BigEndian
+	flags := be.Uint32(a[0:])
 	return dbsqlc.DecideRow{
-		I: 1, Ok: a[0]&1 != 0, Reserved: a[0]&2 != 0, Busy: a[0]&4 != 0,
-		LevelSum: math.Float64frombits(uint64(a[1])), ShardA: int32(a[2]), ShardB: int32(a[3]),
-		Charged: int32(a[4]), RetryAtUs: a[5], NowUs: a[6], TsUs: a[7],
+		I: 1, Ok: flags&1 != 0, Reserved: flags&2 != 0, Busy: flags&4 != 0,
+		LevelSum: math.Float64frombits(be.Uint64(a[4:])), ShardA: int32(be.Uint32(a[12:])),
+		ShardB: int32(be.Uint32(a[16:])), Charged: int32(be.Uint32(a[20:])), RetryAtUs: int64(be.Uint64(a[24:])),
+		NowUs: int64(be.Uint64(a[32:])), TsUs: int64(be.Uint64(a[40:])),
 	}, nil
 }
 

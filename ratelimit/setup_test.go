@@ -68,7 +68,10 @@ func TestSetupErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	const (
-		decideOne = "function txlimit_decide_one_v1 does not exist" // without its argument types
+		// A list of one is a statement on txlimit_state (the first migration) whose first function
+		// of the last migration is txlimit_written_v1.
+		decideOne = `relation "txlimit_state" does not exist`
+		written   = "function txlimit_written_v1 does not exist"
 		decide    = "function txlimit_decide_v1 does not exist"
 		clock     = "function txlimit_clock does not exist"
 		state     = `relation "txlimit_state" does not exist`
@@ -79,9 +82,9 @@ func TestSetupErrors(t *testing.T) {
 		// missing and code are what Postgres did not find, as the message says it, and its SQLSTATE.
 		missing, code string
 	}{
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideOne, "42883"},
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decideOne, "42883"},
-		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decideOne, "42883"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideOne, "42P01"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decideOne, "42P01"},
+		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decideOne, "42P01"},
 		{"LimitMany", func(db ratelimit.Executor) error {
 			_, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
 			return err
@@ -108,9 +111,9 @@ func TestSetupErrors(t *testing.T) {
 		}
 		defer tx.Rollback(ctx)
 		err = calls[0].call(tx)
-		requireSetupError(t, "in a transaction", err, "Limit", "", "42883",
+		requireSetupError(t, "in a transaction", err, "Limit", "", "42P01",
 			"ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: "+
-				"function txlimit_decide_one_v1 does not exist in this connection's search_path (SQLSTATE 42883; "+
+				"relation \"txlimit_state\" does not exist in this connection's search_path (SQLSTATE 42P01; "+
 				"the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; see docs/deploy.md)")
 	})
 
@@ -119,7 +122,7 @@ func TestSetupErrors(t *testing.T) {
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
 		pool := testdb.PoolOn(t, other+", public")
-		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42883", missingIn("Limit", decideOne, "42883", other+", public"))
+		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42P01", missingIn("Limit", decideOne, "42P01", other+", public"))
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01",
 			missingIn("CheckSchema", `relation "txlimit_goose_version" does not exist`, "42P01", other+", public"))
 	})
@@ -161,7 +164,7 @@ func TestSetupErrors(t *testing.T) {
 		if !errors.As(err, &pgErr) {
 			t.Fatalf("sharded Limit on a schema behind: %v; want a Postgres error", err)
 		}
-		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", decideOne, "42883", schema))
+		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", written, "42883", schema))
 	})
 
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {

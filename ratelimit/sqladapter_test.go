@@ -202,8 +202,8 @@ func TestSQLAdapterErrors(t *testing.T) {
 			_, err := lim.Limit(ctx, ratelimit.SQL(db), "msg", "u1", nil)
 			var pgErr *pgconn.PgError
 			require.ErrorAs(t, err, &pgErr)
-			require.Equal(t, "42883", pgErr.Code) // undefined_function: txlimit_decide
-			require.Contains(t, err.Error(), "txlimit_decide")
+			require.Equal(t, "42P01", pgErr.Code) // undefined_table
+			require.Contains(t, err.Error(), `relation "txlimit_state" does not exist`)
 			require.False(t, ratelimit.IsRetryable(err))
 
 			var n int

@@ -88,8 +88,9 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 }
 
 // The smallest table there is: one row, analyzed, where a planner left to itself would scan. A
-// SERIALIZABLE decision still probes the primary key (every statement the decision function
-// runs, read from auto_explain) and holds no relation-level predicate lock.
+// SERIALIZABLE decision still probes the primary key (every statement the decision runs, read
+// from auto_explain: a scan of the table may be planned only where it never runs) and holds no
+// relation-level predicate lock.
 func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t, nil)
@@ -123,10 +124,13 @@ func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 			require.NoError(t, tx.Rollback(ctx))
 			probes := 0
 			for _, p := range got {
-				require.NotContains(t, p, "Seq Scan", "a sequential scan:\n%s", p)
-				require.NotContains(t, p, "Bitmap", "a bitmap scan:\n%s", p)
-				if strings.Contains(p, "txlimit_state_pkey") {
-					probes++
+				for _, line := range strings.Split(p, "\n") {
+					if strings.Contains(line, "Seq Scan on txlimit_state") || strings.Contains(line, "Bitmap") {
+						require.Contains(t, line, "(never executed)", "a scan of the table ran:\n%s", p)
+					}
+					if strings.Contains(line, "txlimit_state_pkey") && !strings.Contains(line, "(never executed)") {
+						probes++
+					}
 				}
 			}
 			require.Positive(t, probes, "no primary-key probe among the plans:\n%s", strings.Join(got, "\n"))

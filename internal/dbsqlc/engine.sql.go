@@ -120,13 +120,36 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 }
 
 const decideOne = `-- name: DecideOne :one
-SELECT txlimit_decide_one_v1(
-    $1::bigint, $2::text, $3::text,
-    $4::double precision, $5::double precision, $6::boolean,
-    $7::bigint, $8::double precision, $9::bigint,
-    $10::double precision, $11::bigint,
-    $12::integer[], $13::bigint
-)::bigint[] AS answer
+WITH u AS (
+    UPDATE txlimit_state s
+    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
+                                                 $9::bigint, $7::bigint,
+                                                 $10::double precision), 0, $4::double precision),
+        ts = txlimit_next_ts(s.ts, c.t, $7::bigint)
+    FROM (SELECT txlimit_clock($1::bigint) AS t OFFSET 0) c
+    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT $6::boolean
+      AND $12::integer[] IS NULL
+      AND s.name = $2::text AND s.key = $3::text AND s.shard = $13::integer
+      AND (pg_current_xact_id_if_assigned() IS NOT NULL
+           OR pg_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
+                                    # $13::integer::bigint # 524288) IS NOT NULL)
+      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
+                                                              $9::bigint, $7::bigint,
+                                                              $10::double precision),
+                                          0, $4::double precision),
+                          0, $5::double precision)
+    RETURNING txlimit_written_v1(s.value, s.ts, c.t, $13::integer, -1, 0, $8::double precision,
+                                 $9::bigint, $7::bigint,
+                                 $10::double precision) AS answer
+)
+SELECT coalesce((SELECT u.answer FROM u),
+                txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
+                                      $4::double precision, $5::double precision,
+                                      $6::boolean, $7::bigint,
+                                      $8::double precision, $9::bigint,
+                                      $10::double precision, $11::bigint,
+                                      coalesce($12::integer[], ARRAY[$13::integer]),
+                                      $14::bigint))::bytea AS answer
 `
 
 type DecideOneParams struct {
@@ -142,13 +165,25 @@ type DecideOneParams struct {
 	Cap      float64
 	AnchorUs int64
 	Shards   []int32
+	Shard    int32
 	LockKey  int64
 }
 
 // DecideOne decides a list of one request (a Limit, LimitN, Check or CheckN, a one-request
-// LimitMany or CheckMany, a Batcher's batch of one): txlimit_decide_one_v1 (migrations/), which
-// documents its arguments; its answer is the eight numbers of txlimit_pack_v1.
-func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) ([]int64, error) {
+// LimitMany or CheckMany, a Batcher's batch of one); its answer is the 48 bytes of
+// txlimit_pack_v1 (migrations/00003_txlimit_decide.sql). shard is the row of an unsharded limit
+// (shards NULL); shards, for a sharded one, its candidate shards (see txlimit_decide_one_v1).
+// Under READ COMMITTED a Limit or LimitN on an unsharded limit is decided here by one UPDATE of
+// its row whose condition is the grant rule: Postgres evaluates it on the latest version of the
+// row, which the UPDATE holds, so the request is decided on the row it has locked. A call of its
+// own (no transaction ID yet) first queues on the row's advisory lock (lock_key XOR the table's
+// OID shifted left 20 bits XOR the shard XOR bit 19), so that of the calls waiting for one row one
+// at a time goes on to the row. Anything that UPDATE does not write (a refusal, a missing row, a
+// Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
+// table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
+// isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
+// UPDATE reads nothing.
+func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) ([]byte, error) {
 	row := db.QueryRow(ctx, decideOne,
 		arg.NowUs,
 		arg.Name,
@@ -162,9 +197,10 @@ func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (
 		arg.Cap,
 		arg.AnchorUs,
 		arg.Shards,
+		arg.Shard,
 		arg.LockKey,
 	)
-	var answer []int64
+	var answer []byte
 	err := row.Scan(&answer)
 	return answer, err
 }

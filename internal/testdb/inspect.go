@@ -175,8 +175,9 @@ func Conn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) *pgx.Conn {
 
 // PlanConn opens a single connection like Conn that records the plan of every statement it runs,
 // nested ones included (the statements inside a PL/pgSQL function), through Postgres's
-// auto_explain module (a superuser may load it in a session). plans returns the plans recorded so
-// far, as text, and forgets them.
+// auto_explain module (a superuser may load it in a session), with the rows each node returned
+// ("(never executed)" for a node that did not run). plans returns the plans recorded so far, as
+// text, and forgets them.
 func PlanConn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) (conn *pgx.Conn, plans func() []string) {
 	tb.Helper()
 	var mu sync.Mutex
@@ -197,6 +198,8 @@ func PlanConn(tb testing.TB, pool interface{ Config() *pgxpool.Config }) (conn *
 		"SET auto_explain.log_min_duration = 0",
 		"SET auto_explain.log_nested_statements = on",
 		"SET auto_explain.log_level = notice",
+		"SET auto_explain.log_analyze = on",
+		"SET auto_explain.log_timing = off",
 	} {
 		if _, err := conn.Exec(context.Background(), q); err != nil {
 			tb.Fatalf("testdb: %s: %v", q, err)
