@@ -25,7 +25,7 @@ help: ## Show the targets and what they do.
 
 .PHONY: demo
 demo: ## Run the examples one after the other: demo, llmbudget, httpserver (each in a schema of its own; finds or starts a Postgres, see README).
-	$(GO) run ./internal/cmd/withdb -- bash -c '$(GO) run ./examples/demo && echo && $(GO) run ./examples/llmbudget && echo && $(GO) run ./examples/httpserver -demo'
+	$(GO) run ./internal/cmd/withdb -- $(GO) run ./examples/demo -- $(GO) run ./examples/llmbudget -- $(GO) run ./examples/httpserver -demo
 
 .PHONY: test
 test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).

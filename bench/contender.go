@@ -115,6 +115,8 @@ type Env struct {
 	Pool *pgxpool.Pool
 	// PGTrips counts the statements sent through Pool (BEGIN and COMMIT included).
 	PGTrips *pgCounter
+	// PGFrom says where the Postgres came from and which it is (devdb.DB.String), for the report.
+	PGFrom string
 	// Redis is nil when Redis is not reachable; RedisErr then says why.
 	Redis    *redis.Client
 	RedisErr error

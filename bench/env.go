@@ -12,11 +12,13 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/txlimit/txlimit/migrations"
+	"github.com/txlimit/txlimit/internal/devdb"
 )
 
-// DefaultDSN is the Postgres used when neither BENCH_DATABASE_URL nor TEST_DATABASE_URL is set.
-const DefaultDSN = "postgres://postgres@localhost:5432/test?sslmode=disable"
+// EnvURL is the environment variable that names the bench's Postgres; TEST_DATABASE_URL is read
+// after it. Defaults to unset: then the Postgres is found or started as the tests' is (package
+// internal/devdb).
+const EnvURL = "BENCH_DATABASE_URL"
 
 // DefaultRedis is the Redis address used when BENCH_REDIS_ADDR is not set.
 const DefaultRedis = "127.0.0.1:6379"
@@ -24,16 +26,6 @@ const DefaultRedis = "127.0.0.1:6379"
 // MaxConns bounds the Postgres pool: the most callers of any scenario. Postgres has
 // max_connections = 100 on the reference machine and other people use it too.
 const MaxConns = 64
-
-// dsn returns the Postgres connection string and the variable it came from.
-func dsn() (string, string) {
-	for _, v := range []string{"BENCH_DATABASE_URL", "TEST_DATABASE_URL"} {
-		if u := os.Getenv(v); u != "" {
-			return u, v
-		}
-	}
-	return DefaultDSN, "default"
-}
 
 // pgCounter is a pgx QueryTracer that counts statements: one per round trip, since the bench
 // sends no batches.
@@ -79,57 +71,38 @@ type EnvOpts struct {
 	NoRedis bool
 }
 
-// OpenEnv creates and migrates the schema, opens the pool and, when it answers, Redis. The returned
-// close function drops the schema, deletes the run's Redis keys and closes everything.
+// OpenEnv finds or starts a Postgres, creates and migrates the schema, opens the pool and, when it
+// answers, Redis. The returned close function drops the schema, deletes the run's Redis keys, closes
+// everything and stops a Postgres it started.
 func OpenEnv(ctx context.Context, opts EnvOpts) (*Env, func(), error) {
-	url, _ := dsn()
-	admin, err := pgx.Connect(ctx, url)
+	db, err := devdb.Find(ctx, EnvURL, devdb.EnvTestURL)
 	if err != nil {
-		return nil, nil, fmt.Errorf("bench: connect to Postgres (set BENCH_DATABASE_URL or TEST_DATABASE_URL, else %s is used): %w", DefaultDSN, err)
+		return nil, nil, fmt.Errorf("bench: %w", err)
 	}
-	schema := pgx.Identifier{opts.Schema}.Sanitize()
+	env := &Env{PGTrips: &pgCounter{}, RedisTrips: &redisCounter{}, Limits: benchLimits, PGFrom: db.String()}
 	// A schema left by an interrupted run is replaced.
-	if _, err := admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
-		admin.Close(ctx)
-		return nil, nil, fmt.Errorf("bench: drop old schema: %w", err)
+	pool, closePool, err := devdb.OpenSchema(ctx, db.URL, opts.Schema, &devdb.SchemaOpts{
+		Configure: func(cfg *pgxpool.Config) {
+			cfg.ConnConfig.Tracer = env.PGTrips
+			cfg.MaxConns = MaxConns
+		},
+	})
+	if err != nil {
+		_ = db.Stop()
+		return nil, nil, fmt.Errorf("bench: %w", err)
 	}
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-		admin.Close(ctx)
-		return nil, nil, fmt.Errorf("bench: create schema: %w", err)
-	}
-	env := &Env{PGTrips: &pgCounter{}, RedisTrips: &redisCounter{}, Limits: benchLimits}
+	env.Pool = pool
 	closeAll := func() {
-		c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if env.Pool != nil {
-			env.Pool.Close()
-		}
 		if env.Redis != nil {
+			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			deleteRedisKeys(c, env.Redis, env.RedisPrefix)
+			cancel()
 			_ = env.Redis.Close()
 		}
-		if _, err := admin.Exec(c, "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
-			fmt.Fprintf(os.Stderr, "bench: drop schema %s: %v\n", opts.Schema, err)
+		if err := closePool(); err != nil {
+			fmt.Fprintf(os.Stderr, "bench: %v\n", err)
 		}
-		admin.Close(c)
-	}
-
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		closeAll()
-		return nil, nil, fmt.Errorf("bench: parse DSN: %w", err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = opts.Schema
-	cfg.ConnConfig.Tracer = env.PGTrips
-	cfg.MaxConns = MaxConns
-	env.Pool, err = pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		closeAll()
-		return nil, nil, fmt.Errorf("bench: open pool: %w", err)
-	}
-	if err := migrations.Up(ctx, env.Pool); err != nil {
-		closeAll()
-		return nil, nil, fmt.Errorf("bench: migrate schema %s: %w", opts.Schema, err)
+		_ = db.Stop()
 	}
 
 	if opts.NoRedis {

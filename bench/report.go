@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/txlimit/txlimit/internal/devdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -39,9 +40,8 @@ func machine(ctx context.Context, env *Env) []string {
 	if err != nil {
 		lines = append(lines, "PostgreSQL: "+err.Error())
 	} else {
-		_, src := dsn()
-		lines = append(lines, fmt.Sprintf("PostgreSQL %s (synchronous_commit=%s, fsync=%s, max_connections=%s; DSN from %s), pool of %d",
-			ver, syncCommit, fsync, maxConns, src, MaxConns))
+		lines = append(lines, fmt.Sprintf("PostgreSQL %s (synchronous_commit=%s, fsync=%s, max_connections=%s; %s), pool of %d",
+			ver, syncCommit, fsync, maxConns, env.PGFrom, MaxConns))
 	}
 	if env.Redis == nil {
 		lines = append(lines, fmt.Sprintf("Redis: not used (%v)", env.RedisErr))
@@ -232,7 +232,7 @@ func (rep *Report) Markdown() string {
 	}
 
 	w("\n## How to read and rerun\n\n")
-	w("- `make bench` (quick) or `make bench-full` from the repository root; `cd bench && go run . -h` lists flags (`-contenders`, `-cell`). Postgres from BENCH_DATABASE_URL, else TEST_DATABASE_URL, else `%s`; Redis from BENCH_REDIS_ADDR, else `%s` (skipped when it does not answer). The run creates schema `txlimit_bench`, migrates it with `migrations.Up` and drops it at the end.\n", DefaultDSN, DefaultRedis)
+	w("- `make bench` (quick) or `make bench-full` from the repository root; `cd bench && go run . -h` lists flags (`-contenders`, `-cell`). Postgres from BENCH_DATABASE_URL, else TEST_DATABASE_URL, else `%s` when it answers, else a container or a private throwaway cluster, as for the tests; Redis from BENCH_REDIS_ADDR, else `%s` (skipped when it does not answer). The run creates schema `txlimit_bench`, migrates it with `migrations.Up` and drops it at the end.\n", devdb.LocalURL, DefaultRedis)
 	w("- Hot key: every caller uses one key. Per user: caller i uses key i. Each cell uses fresh keys. Each caller makes one untimed decision first (rows created, statements prepared, connections opened).\n")
 	w("- Figures from a shared or busy machine move by tens of percent between runs; compare rows of one run, not runs.\n")
 	w("- `cd bench && go test ./...` runs the over-grant test briefly for every txlimit contender and fails if any grants more than the bound.\n")

@@ -2,9 +2,10 @@
 // transaction that also writes a business row, a rollback that gives the tokens back, a
 // reservation with its retryAt, and two limits taken together. It prints what happened and exits 0.
 //
-// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
-// schema of its own, created with its migrations and dropped at the end, so it can be run again
-// and again (db.go). It imports only public packages, so it can be copied into an application.
+// It connects to DATABASE_URL and migrates the first schema of its search_path, as an application
+// does at start-up: make demo sets DATABASE_URL to a fresh schema, dropped at the end (by hand,
+// name an empty one: …?search_path=demo). It imports only public packages, so it can be copied into
+// an application.
 package main
 
 import (
@@ -12,10 +13,13 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -27,11 +31,18 @@ func main() {
 
 func run(ctx context.Context) error {
 	fmt.Println("# demo: limits decided inside the transactions that write")
-	pool, done, err := openDB(ctx, "txlimit_demo_", 0)
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		return errors.New("DATABASE_URL is not set: set it to a Postgres URL, or run make demo, which finds or starts a Postgres")
+	}
+	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		return err
 	}
-	defer done()
+	defer pool.Close()
+	if err := migrations.Up(ctx, pool); err != nil {
+		return err
+	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE messages (id bigserial PRIMARY KEY, user_id text NOT NULL, body text NOT NULL)"); err != nil {
 		return err
 	}

@@ -13,9 +13,10 @@
 // HTTP client, prints the statuses, header fields and bodies, and a few metric lines, and stops.
 // Without it, it serves on -addr until interrupted.
 //
-// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
-// schema of its own, created with its migrations and dropped at the end (db.go). It imports only
-// public packages, so it can be copied into an application.
+// It connects to DATABASE_URL and migrates the first schema of its search_path, as an application
+// does at start-up: make demo sets DATABASE_URL to a fresh schema, dropped at the end (by hand,
+// name an empty one: …?search_path=httpserver). It imports only public packages, so it can be
+// copied into an application.
 package main
 
 import (
@@ -43,6 +44,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/txlimit/txlimit/httplimit"
+	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -66,11 +68,18 @@ func main() {
 
 func run(ctx context.Context, addr string, demo bool) error {
 	fmt.Println("# httpserver: an HTTP API limited per client IP and per user, and in a handler's transaction")
-	pool, done, err := openDB(ctx, "txlimit_httpserver_", 0)
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		return errors.New("DATABASE_URL is not set: set it to a Postgres URL, or run make demo, which finds or starts a Postgres")
+	}
+	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		return err
 	}
-	defer done()
+	defer pool.Close()
+	if err := migrations.Up(ctx, pool); err != nil {
+		return err
+	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE messages (id bigserial PRIMARY KEY, user_id text NOT NULL, body text NOT NULL)"); err != nil {
 		return err
 	}

@@ -15,9 +15,10 @@
 // program prints a timeline of requests, model calls and the budget, then checks that the calls
 // started no faster than the budget allowed, and exits 0.
 //
-// It connects to DATABASE_URL (make demo sets it: it finds or starts a Postgres) and works in a
-// schema of its own, created with its migrations and dropped at the end, so it can be run again and
-// again (db.go). It imports only public packages, so it can be copied into an application.
+// It connects to DATABASE_URL and migrates the first schema of its search_path, as an application
+// does at start-up: make demo sets DATABASE_URL to a fresh schema, dropped at the end (by hand,
+// name an empty one: …?search_path=llmbudget). It imports only public packages, so it can be copied
+// into an application.
 //
 // With -no-pull-forward it settles with scheduler.Settlement.Settle instead, which credits the
 // unused tokens without moving the waiting jobs (and is not exactly-once), and cancels with River's
@@ -33,6 +34,7 @@ import (
 	"log"
 	"log/slog"
 	"math"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -44,6 +46,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
+	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -156,12 +159,23 @@ func main() {
 
 func run(ctx context.Context) error {
 	fmt.Println("# llmbudget: LLM calls kept within a tokens-per-minute budget, reserved and scheduled with River")
-	// A schema of our own, dropped at the end.
-	pool, done, err := openDB(ctx, "txlimit_llmbudget_", 16)
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		return errors.New("DATABASE_URL is not set: set it to a Postgres URL, or run make demo, which finds or starts a Postgres")
+	}
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return err
 	}
-	defer done()
+	cfg.MaxConns = 16 // the queue's 10 workers, River's own connections and the requests
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := migrations.Up(ctx, pool); err != nil {
+		return err
+	}
 	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
 		return err
 	}

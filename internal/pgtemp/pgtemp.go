@@ -270,14 +270,3 @@ func freePort() (int, error) {
 
 // Wait is how long Start may take at most; callers put it on their context.
 const Wait = 2 * time.Minute
-
-// Ways is the closing part of the message given when no database is found: the three ways to
-// provide one. envURL is the variable the program reads (TEST_DATABASE_URL for the tests,
-// DATABASE_URL for the examples).
-func Ways(envURL string) string {
-	return "Any one of these three makes it work:\n" +
-		"  1. set " + envURL + " to the postgres:// URL of a database where schemas may be created;\n" +
-		"  2. run `docker compose up -d` in the repository (a Postgres on localhost:5432, user postgres, database test);\n" +
-		"  3. install the Postgres server (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql):\n" +
-		"     with initdb and pg_ctl on $PATH or under /usr/lib/postgresql/*/bin, a private throwaway cluster is started and removed afterwards."
-}

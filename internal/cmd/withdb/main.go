@@ -1,53 +1,101 @@
-// Command withdb runs a command with DATABASE_URL naming a Postgres, so that the examples need
-// nothing but DATABASE_URL and `make demo` still works on a bare machine. It uses, in order:
-// DATABASE_URL when set; TEST_DATABASE_URL; the local default (internal/scratch.DefaultURL, or
-// $TXLIMIT_LOCAL_URL) when it answers; else a private throwaway cluster (internal/pgtemp) when the
-// Postgres server is installed, stopped and removed when the command ends (or, if withdb dies
-// first, by the cluster's watchdog). When none is found it names the three ways to provide one.
+// Command withdb runs commands, one after the other, each with DATABASE_URL naming a fresh schema
+// of its own on a Postgres, so that the examples need nothing but DATABASE_URL and `make demo`
+// still works on a bare machine. The Postgres is found or started by package internal/devdb:
+// DATABASE_URL when set, else TEST_DATABASE_URL, else the local default, else a container or a
+// private throwaway cluster, which is stopped and removed when withdb ends. When none is found it
+// names the three ways to provide one.
 //
-//	go run ./internal/cmd/withdb -- go run ./examples/llmbudget
+// Each command's schema is created empty before it starts, named in DATABASE_URL's search_path,
+// and dropped when it ends, so a command can be run again and again without leftovers. Commands are
+// separated by "--"; withdb stops at the first that fails, and exits with its status.
+//
+//	go run ./internal/cmd/withdb -- go run ./examples/demo -- go run ./examples/llmbudget
 package main
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"os/signal"
+	"slices"
+	"strings"
 	"syscall"
-	"time"
 
-	"github.com/jackc/pgx/v5"
-
-	"github.com/txlimit/txlimit/internal/pgtemp"
-	"github.com/txlimit/txlimit/internal/scratch"
+	"github.com/txlimit/txlimit/internal/devdb"
 )
 
 func main() {
-	args := os.Args[1:]
-	if len(args) > 0 && args[0] == "--" {
-		args = args[1:]
+	var cmds [][]string
+	for args := os.Args[1:]; len(args) > 0; {
+		i := slices.Index(args, "--")
+		if i < 0 {
+			i = len(args)
+		}
+		if i > 0 {
+			cmds = append(cmds, args[:i])
+		}
+		args = args[min(i+1, len(args)):]
 	}
-	if len(args) == 0 {
-		fmt.Fprintln(os.Stderr, "usage: withdb [--] command [args...]")
+	if len(cmds) == 0 {
+		fmt.Fprintln(os.Stderr, "usage: withdb [--] command [args...] [-- command [args...]]...")
 		os.Exit(2)
 	}
-	os.Exit(run(args))
+	os.Exit(run(cmds))
 }
 
-func run(args []string) int {
+func run(cmds [][]string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	url, cleanup, err := find(ctx)
+	db, err := devdb.Find(ctx, "DATABASE_URL", devdb.EnvTestURL)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "withdb:", err)
 		return 1
 	}
-	defer cleanup()
+	defer func() { _ = db.Stop() }()
+	for i, args := range cmds {
+		if ctx.Err() != nil {
+			return 1 // interrupted: the commands left are not started
+		}
+		if i > 0 {
+			fmt.Println()
+		}
+		if code := runOne(ctx, db, args); code != 0 {
+			return code
+		}
+	}
+	return 0
+}
+
+// runOne runs one command with DATABASE_URL naming a fresh schema on db, and says on stderr which
+// database and schema (never a password).
+func runOne(ctx context.Context, db *devdb.DB, args []string) int {
+	schema := devdb.SchemaName("txlimit_withdb_")
+	dsn, err := withSearchPath(db.URL, schema)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "withdb:", err)
+		return 1
+	}
+	drop, err := devdb.CreateSchema(ctx, db.URL, schema)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "withdb: %s: %v\n", db, err)
+		return 1
+	}
+	defer func() {
+		if err := drop(); err != nil {
+			fmt.Fprintln(os.Stderr, "withdb:", err)
+		}
+	}()
+	found := db.String()
+	if db.From != "DATABASE_URL" {
+		found = "no DATABASE_URL; " + found
+	}
+	fmt.Fprintf(os.Stderr, "(withdb: %s; schema %s, dropped at the end)\n", found, schema)
 	cmd := exec.Command(args[0], args[1:]...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
-	cmd.Env = append(os.Environ(), "DATABASE_URL="+url)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+dsn)
 	if err := cmd.Run(); err != nil {
 		var exit *exec.ExitError
 		if errors.As(err, &exit) {
@@ -59,41 +107,21 @@ func run(args []string) int {
 	return 0
 }
 
-// find returns the URL of a Postgres and what to do when the command has ended, and says on
-// stderr which it found (host, port and database: never a password).
-func find(ctx context.Context) (string, func(), error) {
-	for _, env := range []string{"DATABASE_URL", "TEST_DATABASE_URL"} {
-		if v := os.Getenv(env); v != "" {
-			fmt.Fprintf(os.Stderr, "(withdb: the database of %s, %s)\n", env, describe(v))
-			return v, func() {}, nil
-		}
+// withSearchPath returns the connection string dsn with its search_path set to schema (a plain
+// identifier), through the options parameter ("-c search_path=schema"), which libpq, pgx and
+// lib/pq all pass to the server: added to a postgres:// URL's options, or as a key=value string's
+// last keyword (it replaces an options keyword before it).
+func withSearchPath(dsn, schema string) (string, error) {
+	opt := "-csearch_path=" + schema
+	if !strings.HasPrefix(dsn, "postgres://") && !strings.HasPrefix(dsn, "postgresql://") {
+		return dsn + " options=" + opt, nil
 	}
-	local := scratch.DefaultURL
-	if v := os.Getenv(scratch.EnvLocalURL); v != "" {
-		local = v
-	}
-	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	conn, localErr := pgx.Connect(pctx, local)
-	cancel()
-	if localErr == nil {
-		_ = conn.Close(ctx)
-		fmt.Fprintf(os.Stderr, "(withdb: no DATABASE_URL; the Postgres answering on %s)\n", describe(local))
-		return local, func() {}, nil
-	}
-	c, err := pgtemp.Start(ctx)
+	u, err := url.Parse(dsn)
 	if err != nil {
-		return "", nil, fmt.Errorf("no Postgres found. Tried, in order:\n  - DATABASE_URL and TEST_DATABASE_URL: not set\n  - %s: %v\n  - %v\n%s",
-			local, localErr, err, pgtemp.Ways("DATABASE_URL"))
+		return "", fmt.Errorf("the database URL does not parse: %w", err)
 	}
-	fmt.Fprintf(os.Stderr, "(withdb: no DATABASE_URL and nothing on %s: a private throwaway Postgres, %s)\n", describe(local), describe(c.URL))
-	return c.URL, func() { _ = c.Stop() }, nil
-}
-
-// describe names the database of url by host, port and database name, without user or password.
-func describe(url string) string {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		return "an unparsable URL"
-	}
-	return fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
+	q := u.Query()
+	q.Set("options", strings.TrimSpace(q.Get("options")+" "+opt))
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20") // libpq reads no "+" as a space
+	return u.String(), nil
 }
