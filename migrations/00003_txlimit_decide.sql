@@ -424,7 +424,14 @@ DECLARE
     vb double precision; tb bigint; fb boolean; lv_b double precision;
     ans bytea;
 BEGIN
-    IF p_shards[2] IS NOT NULL AND NOT p_dry THEN
+    IF p_shards[2] IS NULL AND NOT p_dry THEN
+        -- Under READ COMMITTED, DecideOne's UPDATE of the row ran already and did not write it.
+        -- Under the other levels it did not run: the UPDATE below does its work, here where this
+        -- function's planner settings keep it on the primary key.
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            sh := p_shards[1];
+        END IF;
+    ELSIF p_shards[2] IS NOT NULL AND NOT p_dry THEN
         two := current_setting('transaction_isolation') = 'read committed';
         pos := txlimit_steer(p_name, p_key, p_shards, p_lock_key, NOT two);
         a := p_shards[1]; b := p_shards[2]; lv_b := 0; got := false;
@@ -497,8 +504,9 @@ BEGIN
         RETURNING s.value, s.ts INTO v, vts;
     END IF;
     IF v IS NOT NULL THEN
-        RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN sh = a THEN b ELSE a END,
-                                  CASE WHEN sh = a THEN lv_b ELSE lv_a END, p_rate, p_period_us, p_step_us, p_cap);
+        RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END,
+                                  CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END,
+                                  p_rate, p_period_us, p_step_us, p_cap);
     END IF;
     IF p_shards[2] IS NULL THEN
         a := p_shards[1];
