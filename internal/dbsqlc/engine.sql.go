@@ -149,7 +149,10 @@ SELECT coalesce((SELECT u.answer FROM u),
                                       $8::double precision, $9::bigint,
                                       $10::double precision, $11::bigint,
                                       coalesce($12::integer[], ARRAY[$13::integer]),
-                                      $14::bigint))::bytea AS answer
+                                      $14::bigint,
+                                      CASE WHEN current_setting('transaction_isolation') = 'read committed'
+                                                AND NOT $6::boolean AND $12::integer[] IS NULL
+                                           THEN $13::integer END))::bytea AS answer
 `
 
 type DecideOneParams struct {

@@ -42,7 +42,10 @@ SELECT coalesce((SELECT u.answer FROM u),
                                       sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
                                       sqlc.arg('cap')::double precision, sqlc.arg('anchor_us')::bigint,
                                       coalesce(sqlc.narg('shards')::integer[], ARRAY[sqlc.arg('shard')::integer]),
-                                      sqlc.arg('lock_key')::bigint))::bytea AS answer;
+                                      sqlc.arg('lock_key')::bigint,
+                                      CASE WHEN current_setting('transaction_isolation') = 'read committed'
+                                                AND NOT sqlc.arg('dry')::boolean AND sqlc.narg('shards')::integer[] IS NULL
+                                           THEN sqlc.arg('shard')::integer END))::bytea AS answer;
 
 -- name: Decide :many
 -- Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
