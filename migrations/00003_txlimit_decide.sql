@@ -28,10 +28,15 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $$
 $$;
 -- +goose StatementEnd
 
--- txlimit_pack_v1: one answer (see txlimit_answer_v1) as the 48 bytes txlimit_decide_one_v1
--- returns, each number in network byte order: flags (int4: 1 ok, 2 reserved, 4 busy), level_sum
--- (float8), shard_a, shard_b, charged (int4 each), retry_at_us, now_us, ts_us (int8 each). (Bytes
--- cost Postgres and the client less to pass than a row or an array.)
+-- txlimit_pack_v1: the answer to one request as 48 bytes, each number in network byte order: flags
+-- (int4: 1 ok, granted now; 2 reserved, granted below zero; 4 busy, a lone sharded request under a
+-- snapshot isolation level whose candidate shards were all taken: nothing read or written),
+-- level_sum (float8: the tokens of the rows looked at, after the charge when granted, before it
+-- when not), shard_a, shard_b (-1 when unsharded), charged (1: a, 2: b, 3: both) (int4 each),
+-- retry_at_us (0 when granted now; for a reservation when its debt is paid, for a refusal when the
+-- same request is granted: see txlimit_retry_at), now_us (the clock reading), ts_us (a grant
+-- charging one row: the ts it left) (int8 each). (Bytes cost Postgres and the client less to pass
+-- than a row or an array.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_pack_v1(ok boolean, reserved boolean, busy boolean, level_sum double precision, shard_a integer,
                                 shard_b integer, charged integer, retry_at_us bigint, now_us bigint, ts_us bigint)
@@ -146,17 +151,10 @@ END
 $$;
 -- +goose StatementEnd
 
--- txlimit_answer_v1: the answer to one request: i (its place in the list, from 1), ok (granted
--- now), reserved (granted below zero), busy (a lone sharded request under a snapshot isolation
--- level whose candidate shards were all taken: nothing read or written), level_sum (the tokens of
--- the rows looked at: after the charge when granted, before it when not), shard_a and shard_b (-1
--- when unsharded), charged (1: a, 2: b, 3: both), retry_at_us (0 when granted now; for a
--- reservation when its debt is paid, for a refusal when the same request is granted: see
--- txlimit_retry_at), now_us (the clock reading), ts_us (a grant charging one row: the ts it left).
+-- txlimit_answer_v1: the answer to request i of a list (its place, from 1), as txlimit_pack_v1's
+-- bytes.
 -- +goose StatementBegin
-CREATE TYPE txlimit_answer_v1 AS (
-    i integer, ok boolean, reserved boolean, busy boolean, level_sum double precision, shard_a integer,
-    shard_b integer, charged integer, retry_at_us bigint, now_us bigint, ts_us bigint);
+CREATE TYPE txlimit_answer_v1 AS (i integer, answer bytea);
 -- +goose StatementEnd
 
 -- txlimit_answers: step 5 of a list: the answer to each request, from the rows it was
@@ -194,22 +192,24 @@ BEGIN
         SELECT d.*, txlimit_retry_at(d.rate, d.per, d.step, d.cap, d.cnt, d.alw, d.two, d.va, d.ta, d.vb, d.tb, t) AS at
         FROM (SELECT DISTINCT rate, per, step, cap, cnt, alw, two, va, ta, vb, tb FROM q WHERE NOT ok AND NOT now) d
     )
-    SELECT e.i, e.ok AND g.now_ok, e.ok AND NOT g.now_ok, false,
-           CASE WHEN e.w THEN e.va WHEN e.ok THEN e.ea + CASE WHEN e.two THEN e.eb ELSE 0 END ELSE e.lva + e.lvb END,
-           p_row_shard[p_row_a[e.i]], CASE WHEN e.two THEN p_row_shard[p_row_b[e.i]] ELSE -1 END, e.ch,
-           CASE WHEN e.now THEN t
-                WHEN NOT e.ok THEN (SELECT r.at FROM refusal r
-                                    WHERE (r.rate, r.per, r.step, r.cap, r.cnt, r.alw, r.two, r.va, r.ta)
-                                          = (e.rate, e.per, e.step, e.cap, e.cnt, e.alw, e.two, e.va, e.ta)
-                                      AND r.vb IS NOT DISTINCT FROM e.vb AND r.tb IS NOT DISTINCT FROM e.tb)
-                WHEN g.now_ok THEN 0
-                WHEN e.w THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false, e.va, e.ta, NULL, NULL, t)
-                ELSE greatest(CASE WHEN e.ch <> 2 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
-                                                                       e.ea, e.na, NULL, NULL, t) END,
-                              CASE WHEN e.ch <> 1 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
-                                                                       e.eb, e.nb, NULL, NULL, t) END) END,
-           t, CASE WHEN e.w THEN e.ta WHEN e.ok AND e.ch = 1 THEN e.na WHEN e.ok AND e.ch = 2 THEN e.nb ELSE 0 END
-    FROM e, LATERAL (SELECT CASE WHEN e.w THEN e.va >= 0 ELSE txlimit_granted(e.ch, e.ea, e.eb, 0) END AS now_ok) g;
+    SELECT e.i, CASE WHEN e.w THEN txlimit_written_v1(e.va, e.ta, t, p_row_shard[p_row_a[e.i]], -1, 0, e.rate, e.per,
+                                                      e.step, e.cap)
+           ELSE txlimit_pack_v1(
+               e.ok AND g.now_ok, e.ok AND NOT g.now_ok, false,
+               CASE WHEN e.ok THEN e.ea + CASE WHEN e.two THEN e.eb ELSE 0 END ELSE e.lva + e.lvb END,
+               p_row_shard[p_row_a[e.i]], CASE WHEN e.two THEN p_row_shard[p_row_b[e.i]] ELSE -1 END, e.ch,
+               CASE WHEN e.now THEN t
+                    WHEN NOT e.ok THEN (SELECT r.at FROM refusal r
+                                        WHERE (r.rate, r.per, r.step, r.cap, r.cnt, r.alw, r.two, r.va, r.ta)
+                                              = (e.rate, e.per, e.step, e.cap, e.cnt, e.alw, e.two, e.va, e.ta)
+                                          AND r.vb IS NOT DISTINCT FROM e.vb AND r.tb IS NOT DISTINCT FROM e.tb)
+                    WHEN g.now_ok THEN 0
+                    ELSE greatest(CASE WHEN e.ch <> 2 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
+                                                                           e.ea, e.na, NULL, NULL, t) END,
+                                  CASE WHEN e.ch <> 1 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
+                                                                           e.eb, e.nb, NULL, NULL, t) END) END,
+               t, CASE WHEN e.ok AND e.ch = 1 THEN e.na WHEN e.ok AND e.ch = 2 THEN e.nb ELSE 0 END) END
+    FROM e, LATERAL (SELECT txlimit_granted(e.ch, e.ea, e.eb, 0) AS now_ok) g;
 END
 $$;
 -- +goose StatementEnd
@@ -265,20 +265,30 @@ BEGIN
             WHERE s.name = p_row_name[f.r] AND s.key = p_row_key[f.r] AND s.shard = p_row_shard[f.r]
               AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, f.rate, f.per, f.step, f.cap),
                                                   0, f.cnt), 0, f.alw)
-            RETURNING f.i, s.value, s.ts
-        ), x AS MATERIALIZED (
-            SELECT f.i, u.i IS NOT NULL AS w, coalesce(u.value, r.value) AS v, coalesce(u.ts, r.ts) AS ts,
-                   u.i IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t, f.rate, f.per,
-                                                                                              f.step, f.cap), 0, f.cnt),
-                                                          0, f.alw) AS decided
-            FROM f LEFT JOIN u ON u.i = f.i
-            LEFT JOIN LATERAL (SELECT s.value, s.ts FROM txlimit_state s
-                               WHERE u.i IS NULL AND s.name = p_row_name[f.r] AND s.key = p_row_key[f.r]
-                                 AND s.shard = p_row_shard[f.r] OFFSET 0) r ON true
+            RETURNING f.i::integer AS i, s.value, s.ts
         )
+        SELECT array_agg(u.i), array_agg(u.value), array_agg(u.ts) INTO f_i, f_v, f_ts FROM u;
+        IF cardinality(f_i) = n THEN -- every request is fast and granted: the answers are the writes
+            RETURN QUERY SELECT w.i, txlimit_written_v1(w.v, w.ts, t, p_row_shard[p_row_a[w.i]], -1, 0, p_rate[w.i],
+                                                        p_period_us[w.i], p_step_us[w.i], p_cap[w.i])
+                         FROM unnest(f_i, f_v, f_ts) AS w(i, v, ts);
+            RETURN;
+        END IF;
+        -- The others: a fast request not written is decided on its row as read now (the plan)
+        -- when that refuses it.
         SELECT array_agg(x.i), array_agg(x.w), array_agg(x.v), array_agg(x.ts), array_agg(x.decided), max(x.r)
         INTO f_i, q_w, q_va, q_ta, f_dec, e
-        FROM (SELECT x.*, p_row_a[x.i] AS r FROM x ORDER BY x.i) x;
+        FROM (SELECT v.i::integer AS i, w.i IS NOT NULL AS w, coalesce(w.v, r.value) AS v, coalesce(w.ts, r.ts) AS ts,
+                     w.i IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t,
+                         p_rate[v.i], p_period_us[v.i], p_step_us[v.i], p_cap[v.i]), 0, p_count[v.i]), 0, p_allow[v.i])
+                         AS decided,
+                     p_row_a[v.i] AS r
+              FROM unnest(p_fast) WITH ORDINALITY AS v(fast, i)
+              LEFT JOIN unnest(f_i, f_v, f_ts) AS w(i, v, ts) ON w.i = v.i
+              LEFT JOIN LATERAL (SELECT s.value, s.ts FROM txlimit_state s
+                                 WHERE w.i IS NULL AND s.name = p_row_name[p_row_a[v.i]] AND s.key = p_row_key[p_row_a[v.i]]
+                                   AND s.shard = p_row_shard[p_row_a[v.i]] OFFSET 0) r ON true
+              WHERE v.fast ORDER BY v.i) x;
         IF cardinality(f_i) = n THEN -- every request is fast
             q_ok := q_w; todo := array_fill(false, ARRAY[n]);
             IF f_dec @> '{false}'::boolean[] THEN
@@ -538,8 +548,7 @@ BEGIN
     IF b IS NULL AND p_shards[2] IS NOT NULL THEN -- a sharded Check: its two picks
         a := p_shards[1]; b := p_shards[2];
     END IF;
-    SELECT txlimit_pack_v1(d.ok, d.reserved, d.busy, d.level_sum, d.shard_a, d.shard_b, d.charged, d.retry_at_us,
-                           d.now_us, d.ts_us) INTO ans
+    SELECT d.answer INTO ans
     FROM txlimit_decide_v1(t, '{0}', ARRAY[p_count], ARRAY[p_allow], ARRAY[p_dry], '{f}', ARRAY[p_step_us],
                            ARRAY[p_rate], ARRAY[p_period_us], ARRAY[p_cap], ARRAY[p_anchor_us],
                            ARRAY[CASE WHEN b IS NULL OR a < b THEN 1 ELSE 2 END],

@@ -36,7 +36,7 @@ func compareRows(a, b rowID) int {
 // (Decide); both are the same road (migrations/00003_txlimit_decide.sql). An error returned alone
 // (a database error) fails every call: nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
-	var got []dbsqlc.DecideRow
+	var got []answer
 	var err error
 	if len(calls) == 1 && len(calls[0].specs) == 1 {
 		got, err = l.decideOne(ctx, db, calls[0])
@@ -76,7 +76,7 @@ func (c *call) allow(i int) float64 {
 }
 
 // decideOne decides a list of one request, sent as scalars.
-func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc.DecideRow, error) {
+func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer, error) {
 	s := &c.specs[0]
 	var shards []int32 // nil when unsharded: the row is shard 0
 	if s.shards >= 2 {
@@ -94,23 +94,33 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]dbsqlc
 	if err != nil {
 		return nil, err
 	}
-	return []dbsqlc.DecideRow{d}, nil
+	return []answer{d}, nil
 }
 
-// unpack reads the answer of a list of one, the 48 bytes of txlimit_pack_v1, numbers in network
-// byte order: flags (int4: 1 ok, 2 reserved, 4 busy), level_sum (float8), shard_a, shard_b,
-// charged (int4), retry_at_us, now_us, ts_us (int8).
-func unpack(a []byte) (dbsqlc.DecideRow, error) {
+// answer is the engine's answer to one request (txlimit_pack_v1 in migrations/00003_txlimit_decide.sql
+// says what each number means).
+type answer struct {
+	seen                    bool // set by unpack
+	ok, reserved, busy      bool
+	levelSum                float64
+	shardA, shardB, charged int32
+	retryAtUs, nowUs, tsUs  int64
+}
+
+// unpack reads one answer, the 48 bytes of txlimit_pack_v1, numbers in network byte order: flags
+// (int4: 1 ok, 2 reserved, 4 busy), level_sum (float8), shard_a, shard_b, charged (int4),
+// retry_at_us, now_us, ts_us (int8).
+func unpack(a []byte) (answer, error) {
 	if len(a) != 48 {
-		return dbsqlc.DecideRow{}, fmt.Errorf("decision returned %d bytes, want 48", len(a))
+		return answer{}, fmt.Errorf("decision returned %d bytes, want 48", len(a))
 	}
 	be := binary.BigEndian
 	flags := be.Uint32(a[0:])
-	return dbsqlc.DecideRow{
-		I: 1, Ok: flags&1 != 0, Reserved: flags&2 != 0, Busy: flags&4 != 0,
-		LevelSum: math.Float64frombits(be.Uint64(a[4:])), ShardA: int32(be.Uint32(a[12:])),
-		ShardB: int32(be.Uint32(a[16:])), Charged: int32(be.Uint32(a[20:])), RetryAtUs: int64(be.Uint64(a[24:])),
-		NowUs: int64(be.Uint64(a[32:])), TsUs: int64(be.Uint64(a[40:])),
+	return answer{
+		seen: true, ok: flags&1 != 0, reserved: flags&2 != 0, busy: flags&4 != 0,
+		levelSum: math.Float64frombits(be.Uint64(a[4:])), shardA: int32(be.Uint32(a[12:])),
+		shardB: int32(be.Uint32(a[16:])), charged: int32(be.Uint32(a[20:])), retryAtUs: int64(be.Uint64(a[24:])),
+		nowUs: int64(be.Uint64(a[32:])), tsUs: int64(be.Uint64(a[40:])),
 	}, nil
 }
 
@@ -118,7 +128,7 @@ func unpack(a []byte) (dbsqlc.DecideRow, error) {
 // their numbers in the global lock order. A request is marked fast when it is a call of one
 // request alone on its row (no other request of the list uses that row) and not a Check: the
 // engine first decides those in one UPDATE.
-func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([]dbsqlc.DecideRow, error) {
+func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([]answer, error) {
 	var p dbsqlc.DecideParams
 	p.NowUs = l.clock()
 	n := 0
@@ -202,12 +212,14 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		return nil, err
 	}
 	// One answer per request, in no particular order: each names its place in the list.
-	got := make([]dbsqlc.DecideRow, len(p.Grp))
+	got := make([]answer, len(p.Grp))
 	for _, d := range answers {
-		if d.I < 1 || int(d.I) > len(got) || got[d.I-1].I != 0 {
+		if d.I < 1 || int(d.I) > len(got) || got[d.I-1].seen {
 			return nil, fmt.Errorf("decision returned request %d twice or out of range (%d requests)", d.I, len(got))
 		}
-		got[d.I-1] = d
+		if got[d.I-1], err = unpack(d.Answer); err != nil {
+			return nil, err
+		}
 	}
 	if len(answers) != len(got) {
 		return nil, fmt.Errorf("decision returned %d rows for %d requests", len(answers), len(got))
@@ -216,7 +228,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 }
 
 // outcomes turns the engine's rows (one per request, in list order) into one outcome per call.
-func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []dbsqlc.DecideRow) []outcome {
+func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []answer) []outcome {
 	out := make([]outcome, len(calls))
 	k := 0
 	for g, c := range calls {
@@ -225,30 +237,30 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []dbsqlc.Deci
 		for i, s := range c.specs {
 			d := got[k]
 			k++
-			if d.Busy {
+			if d.busy {
 				l.obs.busy(ctx, s.name)
-				busy = &BusyError{Name: s.name, Key: s.key, Candidates: min(s.shards, maxCandidates), first: d.ShardA}
+				busy = &BusyError{Name: s.name, Key: s.key, Candidates: min(s.shards, maxCandidates), first: d.shardA}
 			}
 			r := Result{
 				Name: s.name, Key: s.key, Config: s.effective(),
-				OK: d.Ok || d.Reserved, Reserved: d.Reserved,
-				Value: d.LevelSum, Time: usTime(d.NowUs),
+				OK: d.ok || d.reserved, Reserved: d.reserved,
+				Value: d.levelSum, Time: usTime(d.nowUs),
 			}
-			if d.RetryAtUs != 0 {
-				r.RetryAt = usTime(d.RetryAtUs)
+			if d.retryAtUs != 0 {
+				r.RetryAt = usTime(d.retryAtUs)
 			}
-			if r.OK && (d.Charged == 1 || d.Charged == 2) && d.TsUs != 0 {
-				r.TS = usTime(d.TsUs)
+			if r.OK && (d.charged == 1 || d.charged == 2) && d.tsUs != 0 {
+				r.TS = usTime(d.tsUs)
 			}
 			if r.OK {
-				if d.Charged == 1 || d.Charged == 3 {
-					r.Shards = append(r.Shards, int(d.ShardA))
+				if d.charged == 1 || d.charged == 3 {
+					r.Shards = append(r.Shards, int(d.shardA))
 				}
-				if d.Charged == 2 || d.Charged == 3 {
-					r.Shards = append(r.Shards, int(d.ShardB))
+				if d.charged == 2 || d.charged == 3 {
+					r.Shards = append(r.Shards, int(d.shardB))
 				}
 			}
-			res.OK = res.OK && r.OK && !d.Busy
+			res.OK = res.OK && r.OK && !d.busy
 			res.Results[i] = r
 		}
 		if busy != nil {

@@ -12,17 +12,7 @@ import (
 )
 
 const decide = `-- name: Decide :many
-SELECT d.i::integer AS i,
-       d.ok::boolean AS ok,
-       d.reserved::boolean AS reserved,
-       d.busy::boolean AS busy,
-       d.level_sum::double precision AS level_sum,
-       d.shard_a::integer AS shard_a,
-       d.shard_b::integer AS shard_b,
-       d.charged::integer AS charged,
-       d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us,
-       d.ts_us::bigint AS ts_us
+SELECT d.i::integer AS i, d.answer::bytea AS answer
 FROM txlimit_decide_v1(
     $1::bigint,
     $2::integer[], $3::double precision[], $4::double precision[],
@@ -54,22 +44,13 @@ type DecideParams struct {
 }
 
 type DecideRow struct {
-	I         int32
-	Ok        bool
-	Reserved  bool
-	Busy      bool
-	LevelSum  float64
-	ShardA    int32
-	ShardB    int32
-	Charged   int32
-	RetryAtUs int64
-	NowUs     int64
-	TsUs      int64
+	I      int32
+	Answer []byte
 }
 
 // Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
-// documents its arguments and output (txlimit_answer_v1). One row per request, in no particular
-// order: i is the request's place in the list, from 1.
+// documents its arguments. One row per request, in no particular order: i is the request's place
+// in the list, from 1, answer the 48 bytes of txlimit_pack_v1.
 func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]DecideRow, error) {
 	rows, err := db.Query(ctx, decide,
 		arg.NowUs,
@@ -96,19 +77,7 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 	var items []DecideRow
 	for rows.Next() {
 		var i DecideRow
-		if err := rows.Scan(
-			&i.I,
-			&i.Ok,
-			&i.Reserved,
-			&i.Busy,
-			&i.LevelSum,
-			&i.ShardA,
-			&i.ShardB,
-			&i.Charged,
-			&i.RetryAtUs,
-			&i.NowUs,
-			&i.TsUs,
-		); err != nil {
+		if err := rows.Scan(&i.I, &i.Answer); err != nil {
 			return nil, err
 		}
 		items = append(items, i)

@@ -49,19 +49,9 @@ SELECT coalesce((SELECT u.answer FROM u),
 
 -- name: Decide :many
 -- Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
--- documents its arguments and output (txlimit_answer_v1). One row per request, in no particular
--- order: i is the request's place in the list, from 1.
-SELECT d.i::integer AS i,
-       d.ok::boolean AS ok,
-       d.reserved::boolean AS reserved,
-       d.busy::boolean AS busy,
-       d.level_sum::double precision AS level_sum,
-       d.shard_a::integer AS shard_a,
-       d.shard_b::integer AS shard_b,
-       d.charged::integer AS charged,
-       d.retry_at_us::bigint AS retry_at_us,
-       d.now_us::bigint AS now_us,
-       d.ts_us::bigint AS ts_us
+-- documents its arguments. One row per request, in no particular order: i is the request's place
+-- in the list, from 1, answer the 48 bytes of txlimit_pack_v1.
+SELECT d.i::integer AS i, d.answer::bytea AS answer
 FROM txlimit_decide_v1(
     sqlc.narg('now_us')::bigint,
     sqlc.arg('grp')::integer[], sqlc.arg('count')::double precision[], sqlc.arg('allow')::double precision[],
