@@ -190,7 +190,8 @@ BEGIN
                                      ELSE 0 END AS lvb) l
     ), refusal AS MATERIALIZED ( -- each distinct refusal, and when the same request is granted
         SELECT d.*, txlimit_retry_at(d.rate, d.per, d.step, d.cap, d.cnt, d.alw, d.two, d.va, d.ta, d.vb, d.tb, t) AS at
-        FROM (SELECT DISTINCT rate, per, step, cap, cnt, alw, two, va, ta, vb, tb FROM q WHERE NOT ok AND NOT now) d
+        FROM (SELECT DISTINCT rate, per, step, cap, cnt, alw, two, va, ta, coalesce(vb, 'NaN') AS vb, coalesce(tb, -1) AS tb
+              FROM q WHERE NOT ok AND NOT now) d
     )
     SELECT e.i, CASE WHEN e.w THEN txlimit_written_v1(e.va, e.ta, t, p_row_shard[p_row_a[e.i]], -1, 0, e.rate, e.per,
                                                       e.step, e.cap)
@@ -199,17 +200,17 @@ BEGIN
                CASE WHEN e.ok THEN e.ea + CASE WHEN e.two THEN e.eb ELSE 0 END ELSE e.lva + e.lvb END,
                p_row_shard[p_row_a[e.i]], CASE WHEN e.two THEN p_row_shard[p_row_b[e.i]] ELSE -1 END, e.ch,
                CASE WHEN e.now THEN t
-                    WHEN NOT e.ok THEN (SELECT r.at FROM refusal r
-                                        WHERE (r.rate, r.per, r.step, r.cap, r.cnt, r.alw, r.two, r.va, r.ta)
-                                              = (e.rate, e.per, e.step, e.cap, e.cnt, e.alw, e.two, e.va, e.ta)
-                                          AND r.vb IS NOT DISTINCT FROM e.vb AND r.tb IS NOT DISTINCT FROM e.tb)
+                    WHEN NOT e.ok THEN rf.at
                     WHEN g.now_ok THEN 0
                     ELSE greatest(CASE WHEN e.ch <> 2 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
                                                                            e.ea, e.na, NULL, NULL, t) END,
                                   CASE WHEN e.ch <> 1 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
                                                                            e.eb, e.nb, NULL, NULL, t) END) END,
                t, CASE WHEN e.ok AND e.ch = 1 THEN e.na WHEN e.ok AND e.ch = 2 THEN e.nb ELSE 0 END) END
-    FROM e, LATERAL (SELECT txlimit_granted(e.ch, e.ea, e.eb, 0) AS now_ok) g;
+    FROM e CROSS JOIN LATERAL (SELECT txlimit_granted(e.ch, e.ea, e.eb, 0) AS now_ok) g
+    LEFT JOIN refusal rf ON (rf.rate, rf.per, rf.step, rf.cap, rf.cnt, rf.alw, rf.two, rf.va, rf.ta, rf.vb, rf.tb)
+                            = (e.rate, e.per, e.step, e.cap, e.cnt, e.alw, e.two, e.va, e.ta, coalesce(e.vb, 'NaN'),
+                               coalesce(e.tb, -1));
 END
 $$;
 -- +goose StatementEnd
