@@ -30,9 +30,7 @@ $$;
 
 -- txlimit_pack_v1: the answer to one request as 48 bytes, each number in network byte order: flags
 -- (int4: 1 ok, granted now; 2 reserved, granted below zero; 4 busy, a lone sharded request under a
--- snapshot isolation level whose candidate shards were all taken: nothing read or written; 8
--- queued, under READ COMMITTED a request whose candidates were all taken, to be decided again in a
--- transaction that first waits for the advisory lock of shard_a: nothing read or written),
+-- snapshot isolation level whose candidate shards were all taken: nothing read or written),
 -- level_sum (float8: the tokens of the rows looked at, after the charge when granted, before it
 -- when not), shard_a, shard_b (-1 when unsharded), charged (1: a, 2: b, 3: both) (int4 each),
 -- retry_at_us (0 when granted now; for a reservation when its debt is paid, for a refusal when the
@@ -41,12 +39,11 @@ $$;
 -- than a row or an array.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_pack_v1(ok boolean, reserved boolean, busy boolean, level_sum double precision, shard_a integer,
-                                shard_b integer, charged integer, retry_at_us bigint, now_us bigint, ts_us bigint,
-                                queued boolean DEFAULT false)
+                                shard_b integer, charged integer, retry_at_us bigint, now_us bigint, ts_us bigint)
 RETURNS bytea
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT int4send(ok::integer + 2 * reserved::integer + 4 * busy::integer + 8 * queued::integer) || float8send(level_sum)
+    SELECT int4send(ok::integer + 2 * reserved::integer + 4 * busy::integer) || float8send(level_sum)
            || int4send(shard_a) || int4send(shard_b) || int4send(charged) || int8send(retry_at_us)
            || int8send(now_us) || int8send(ts_us)
 $$;
@@ -75,7 +72,8 @@ $$;
 -- advisory lock (p_lock_key XOR the table's OID shifted left 20 bits XOR the shard: only ever
 -- tried, held until the transaction ends) this transaction gets and, under REPEATABLE READ or
 -- SERIALIZABLE (p_snapshot), whose row is not stale (locking it from this snapshot could only
--- fail). When every candidate is taken the answer is 0, having read and written nothing.
+-- fail). When every candidate is taken, READ COMMITTED goes on with the first (and may wait for its
+-- row); under a snapshot the answer is 0: busy, having read and written nothing.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_steer(p_name text, p_key text, p_shards integer[], p_lock_key bigint, p_snapshot boolean)
 RETURNS integer
@@ -98,7 +96,7 @@ BEGIN
         END IF;
         RETURN j;
     END LOOP;
-    RETURN 0;
+    RETURN CASE WHEN p_snapshot THEN 0 ELSE 1 END;
 END
 $$;
 -- +goose StatementEnd
@@ -421,14 +419,11 @@ $$;
 -- meanwhile, a charge of both shards) is decided by txlimit_decide_v1. p_tried: the shard whose
 -- row DecideOne's UPDATE tried under READ COMMITTED (NULL when it tried none); that UPDATE may
 -- hold the row without having written it, so no other row is waited for out of order here.
--- p_wait: under READ COMMITTED, when every candidate is taken, go on with the first (the caller's
--- own transaction); else answer queued (a call on the pool, which waits in a transaction of its
--- own and calls again).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_decide_one_v1(
     p_now_us bigint, p_name text, p_key text, p_count double precision, p_allow double precision, p_dry boolean,
     p_step_us bigint, p_rate double precision, p_period_us bigint, p_cap double precision, p_anchor_us bigint,
-    p_shards integer[], p_lock_key bigint, p_tried integer, p_wait boolean)
+    p_shards integer[], p_lock_key bigint, p_tried integer)
 RETURNS bytea
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
@@ -453,10 +448,9 @@ BEGIN
         two := current_setting('transaction_isolation') = 'read committed';
         pos := txlimit_steer(p_name, p_key, p_shards, p_lock_key, NOT two);
         a := p_shards[1]; b := p_shards[2]; lv_b := 0; got := false;
-        IF pos = 0 AND (NOT two OR NOT p_wait) THEN -- busy, or queued
-            RETURN txlimit_pack_v1(false, false, NOT two, 0, p_shards[1], p_shards[2], 0, 0, t, 0, two);
+        IF pos = 0 THEN
+            RETURN txlimit_pack_v1(false, false, true, 0, p_shards[1], p_shards[2], 0, 0, t, 0);
         END IF;
-        pos := greatest(pos, 1); -- every candidate taken, READ COMMITTED: the first (its row may be waited for)
         a := p_shards[pos]; b := p_shards[pos % cardinality(p_shards) + 1];
         -- The plan: a read, and b too unless, under a snapshot, a alone holds count (a row read but
         -- not charged makes this transaction a reader of whoever charges it).
@@ -571,8 +565,7 @@ $$;
 
 -- +goose Down
 DROP FUNCTION txlimit_decide_one_v1(bigint, text, text, double precision, double precision, boolean, bigint,
-                                    double precision, bigint, double precision, bigint, integer[], bigint, integer,
-                                    boolean);
+                                    double precision, bigint, double precision, bigint, integer[], bigint, integer);
 DROP FUNCTION txlimit_decide_v1(bigint, integer[], double precision[], double precision[], boolean[], boolean[], bigint[],
                                 double precision[], bigint[], double precision[], bigint[], integer[], integer[], text[],
                                 text[], integer[], integer);
@@ -585,5 +578,5 @@ DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
 DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, double precision,
                                  bigint, bigint, double precision);
 DROP FUNCTION txlimit_pack_v1(boolean, boolean, boolean, double precision, integer, integer, integer, bigint, bigint,
-                              bigint, boolean);
+                              bigint);
 DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);

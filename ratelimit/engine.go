@@ -9,7 +9,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
 
@@ -76,81 +75,40 @@ func (c *call) allow(i int) float64 {
 	return 0
 }
 
-// decideOne decides a list of one request, sent as scalars. On a pool or a connection (a call of
-// its own), a request whose row or candidate shards other calls are deciding on is answered
-// queued: it then waits for the first candidate's advisory lock in a transaction of its own and
-// is decided again there, on the rows as the calls before it committed them.
+// decideOne decides a list of one request, sent as scalars.
 func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer, error) {
 	s := &c.specs[0]
 	var shards []int32 // nil when unsharded: the row is shard 0
 	if s.shards >= 2 {
 		shards = l.candidates(c, s, true)
 	}
-	p := dbsqlc.DecideOneParams{
+	a, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
 		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
 		Shard: 0, Shards: shards, LockKey: shardLockBase(s.name, s.key),
+	})
+	if err != nil {
+		return nil, err
 	}
-	begin, own := db.(txBeginner)
-	if _, inTx := db.(pgx.Tx); inTx {
-		own = false // a pgx.Tx begins savepoints: it is the caller's transaction, which waits for the row
-	}
-	p.Wait = !own
-	d, err := decideOneOn(ctx, db, p)
-	if err == nil && d.queued {
-		d, err = waitAndDecide(ctx, begin, p, d.shardA)
-	}
+	d, err := unpack(a)
 	if err != nil {
 		return nil, err
 	}
 	return []answer{d}, nil
 }
 
-// txBeginner is a pool or a connection (an Executor not inside a transaction), but also a pgx.Tx,
-// whose Begin starts a savepoint: decideOne tells them apart.
-type txBeginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
-func decideOneOn(ctx context.Context, db Executor, p dbsqlc.DecideOneParams) (answer, error) {
-	a, err := dbsqlc.New().DecideOne(ctx, db, p)
-	if err != nil {
-		return answer{}, err
-	}
-	return unpack(a)
-}
-
-// waitAndDecide decides p in a transaction of its own that first waits for the advisory lock of
-// shard (the queue of the row, or the first candidate shard), so that it finds the row committed.
-func waitAndDecide(ctx context.Context, db txBeginner, p dbsqlc.DecideOneParams, shard int32) (answer, error) {
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return answer{}, err
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	if err := dbsqlc.New().WaitForShard(ctx, tx, dbsqlc.WaitForShardParams{LockKey: p.LockKey, Shard: int64(shard)}); err != nil {
-		return answer{}, err
-	}
-	p.Wait = true
-	d, err := decideOneOn(ctx, tx, p)
-	if err != nil {
-		return answer{}, err
-	}
-	return d, tx.Commit(ctx)
-}
-
 // answer is the engine's answer to one request (txlimit_pack_v1 in migrations/00003_txlimit_decide.sql
 // says what each number means).
 type answer struct {
-	seen                       bool // set by unpack
-	ok, reserved, busy, queued bool
-	levelSum                   float64
-	shardA, shardB, charged    int32
-	retryAtUs, nowUs, tsUs     int64
+	seen                    bool // set by unpack
+	ok, reserved, busy      bool
+	levelSum                float64
+	shardA, shardB, charged int32
+	retryAtUs, nowUs, tsUs  int64
 }
 
 // unpack reads one answer, the 48 bytes of txlimit_pack_v1, numbers in network byte order: flags
-// (int4: 1 ok, 2 reserved, 4 busy, 8 queued), level_sum (float8), shard_a, shard_b, charged (int4),
+// (int4: 1 ok, 2 reserved, 4 busy), level_sum (float8), shard_a, shard_b, charged (int4),
 // retry_at_us, now_us, ts_us (int8).
 func unpack(a []byte) (answer, error) {
 	if len(a) != 48 {
@@ -159,7 +117,7 @@ func unpack(a []byte) (answer, error) {
 	be := binary.BigEndian
 	flags := be.Uint32(a[0:])
 	return answer{
-		seen: true, ok: flags&1 != 0, reserved: flags&2 != 0, busy: flags&4 != 0, queued: flags&8 != 0,
+		seen: true, ok: flags&1 != 0, reserved: flags&2 != 0, busy: flags&4 != 0,
 		levelSum: math.Float64frombits(be.Uint64(a[4:])), shardA: int32(be.Uint32(a[12:])),
 		shardB: int32(be.Uint32(a[16:])), charged: int32(be.Uint32(a[20:])), retryAtUs: int64(be.Uint64(a[24:])),
 		nowUs: int64(be.Uint64(a[32:])), tsUs: int64(be.Uint64(a[40:])),

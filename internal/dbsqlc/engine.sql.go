@@ -89,33 +89,42 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 }
 
 const decideOne = `-- name: DecideOne :one
-WITH q AS MATERIALIZED (
-    SELECT pg_current_xact_id_if_assigned() IS NOT NULL OR pg_try_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $1::integer::bigint)
-           OR ($15::boolean AND pg_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $1::integer::bigint) IS NOT NULL) AS go
-    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT $7::boolean AND $13::integer[] IS NULL
-), u AS (
+WITH u AS (
     UPDATE txlimit_state s
-    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $9::double precision, $10::bigint, $8::bigint, $11::double precision), 0, $5::double precision),
-        ts = txlimit_next_ts(s.ts, c.t, $8::bigint)
-    FROM (SELECT txlimit_clock($2::bigint) AS t OFFSET 0) c, q
-    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT $7::boolean AND $13::integer[] IS NULL AND q.go
-      AND s.name = $3::text AND s.key = $4::text AND s.shard = $1::integer
-      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $9::double precision, $10::bigint, $8::bigint, $11::double precision), 0, $5::double precision),
-                          0, $6::double precision)
-    RETURNING txlimit_written_v1(s.value, s.ts, c.t, $1::integer, -1, 0, $9::double precision, $10::bigint, $8::bigint, $11::double precision) AS answer
+    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
+                                                 $9::bigint, $7::bigint,
+                                                 $10::double precision), 0, $4::double precision),
+        ts = txlimit_next_ts(s.ts, c.t, $7::bigint)
+    FROM (SELECT txlimit_clock($1::bigint) AS t OFFSET 0) c
+    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT $6::boolean
+      AND $12::integer[] IS NULL
+      AND s.name = $2::text AND s.key = $3::text AND s.shard = $13::integer
+      AND (pg_current_xact_id_if_assigned() IS NOT NULL
+           OR pg_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
+                                    # $13::integer::bigint # 524288) IS NOT NULL)
+      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
+                                                              $9::bigint, $7::bigint,
+                                                              $10::double precision),
+                                          0, $4::double precision),
+                          0, $5::double precision)
+    RETURNING txlimit_written_v1(s.value, s.ts, c.t, $13::integer, -1, 0, $8::double precision,
+                                 $9::bigint, $7::bigint,
+                                 $10::double precision) AS answer
 )
 SELECT coalesce((SELECT u.answer FROM u),
-                CASE WHEN (SELECT NOT q.go FROM q)
-                     THEN txlimit_pack_v1(false, false, false, 0, $1::integer, -1, 0, 0, txlimit_clock($2::bigint), 0, true)
-                     ELSE txlimit_decide_one_v1($2::bigint, $3::text, $4::text, $5::double precision, $6::double precision, $7::boolean, $8::bigint, $9::double precision,
-                                                $10::bigint, $11::double precision, $12::bigint,
-                                                coalesce($13::integer[], ARRAY[$1::integer]), $14::bigint,
-                                                CASE WHEN (SELECT q.go FROM q) THEN $1::integer END, $15::boolean)
-                END)::bytea AS answer
+                txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
+                                      $4::double precision, $5::double precision,
+                                      $6::boolean, $7::bigint,
+                                      $8::double precision, $9::bigint,
+                                      $10::double precision, $11::bigint,
+                                      coalesce($12::integer[], ARRAY[$13::integer]),
+                                      $14::bigint,
+                                      CASE WHEN current_setting('transaction_isolation') = 'read committed'
+                                                AND NOT $6::boolean AND $12::integer[] IS NULL
+                                           THEN $13::integer END))::bytea AS answer
 `
 
 type DecideOneParams struct {
-	Shard    int32
 	NowUs    pgtype.Int8
 	Name     string
 	Key      string
@@ -128,30 +137,26 @@ type DecideOneParams struct {
 	Cap      float64
 	AnchorUs int64
 	Shards   []int32
+	Shard    int32
 	LockKey  int64
-	Wait     bool
 }
 
 // DecideOne decides a list of one request (a Limit, LimitN, Check or CheckN, a one-request
 // LimitMany or CheckMany, a Batcher's batch of one); its answer is the 48 bytes of
 // txlimit_pack_v1 (migrations/00003_txlimit_decide.sql). shard is the row of an unsharded limit
 // (shards NULL); shards, for a sharded one, its candidate shards (see txlimit_decide_one_v1).
-//
 // Under READ COMMITTED a Limit or LimitN on an unsharded limit is decided here by one UPDATE of
 // its row whose condition is the grant rule: Postgres evaluates it on the latest version of the
-// row, which the UPDATE holds, so the request is decided on the row it has locked. Before it, a
-// call that holds no row yet (no transaction ID) takes the row's advisory lock, its queue (q:
-// lock_key XOR the table's OID shifted left 20 bits XOR the shard, the key steering takes for a
-// shard): when another transaction holds it, with wait the call waits for it here, and without
-// (a call on the pool) answers queued, having read and written nothing, so that the caller waits
-// for the lock in a transaction of its own and then decides on the row as committed. Anything the
-// UPDATE does not write (a refusal, a missing row, a Check, a sharded limit, another isolation
-// level, where a plain statement's plan could scan the table) is decided by txlimit_decide_one_v1
-// in the same statement. The conditions on the isolation level are constants of the statement:
-// under REPEATABLE READ and SERIALIZABLE nothing here reads or locks.
+// row, which the UPDATE holds, so the request is decided on the row it has locked. A call of its
+// own (no transaction ID yet) first queues on the row's advisory lock (lock_key XOR the table's
+// OID shifted left 20 bits XOR the shard XOR bit 19), so that of the calls waiting for one row one
+// at a time goes on to the row. Anything that UPDATE does not write (a refusal, a missing row, a
+// Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
+// table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
+// isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
+// UPDATE reads nothing.
 func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) ([]byte, error) {
 	row := db.QueryRow(ctx, decideOne,
-		arg.Shard,
 		arg.NowUs,
 		arg.Name,
 		arg.Key,
@@ -164,8 +169,8 @@ func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (
 		arg.Cap,
 		arg.AnchorUs,
 		arg.Shards,
+		arg.Shard,
 		arg.LockKey,
-		arg.Wait,
 	)
 	var answer []byte
 	err := row.Scan(&answer)

@@ -98,7 +98,7 @@ func lockRow(tb testing.TB, tx pgx.Tx, strength, name, key string, shard int) {
 
 // queueLock is the advisory lock key on which the decision queues lone calls on the pool for a row
 // (base: the hash of the limit's name and key the package computes), in this schema.
-const queueLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint)"
+const queueLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint # 524288)"
 
 // QueueWaiters returns how many backends are waiting for the queue lock of one state row.
 func QueueWaiters(tb testing.TB, db Querier, base int64, shard int) int {

@@ -3,42 +3,49 @@
 -- LimitMany or CheckMany, a Batcher's batch of one); its answer is the 48 bytes of
 -- txlimit_pack_v1 (migrations/00003_txlimit_decide.sql). shard is the row of an unsharded limit
 -- (shards NULL); shards, for a sharded one, its candidate shards (see txlimit_decide_one_v1).
---
 -- Under READ COMMITTED a Limit or LimitN on an unsharded limit is decided here by one UPDATE of
 -- its row whose condition is the grant rule: Postgres evaluates it on the latest version of the
--- row, which the UPDATE holds, so the request is decided on the row it has locked. Before it, a
--- call that holds no row yet (no transaction ID) takes the row's advisory lock, its queue (q:
--- lock_key XOR the table's OID shifted left 20 bits XOR the shard, the key steering takes for a
--- shard): when another transaction holds it, with wait the call waits for it here, and without
--- (a call on the pool) answers queued, having read and written nothing, so that the caller waits
--- for the lock in a transaction of its own and then decides on the row as committed. Anything the
--- UPDATE does not write (a refusal, a missing row, a Check, a sharded limit, another isolation
--- level, where a plain statement's plan could scan the table) is decided by txlimit_decide_one_v1
--- in the same statement. The conditions on the isolation level are constants of the statement:
--- under REPEATABLE READ and SERIALIZABLE nothing here reads or locks.
-WITH q AS MATERIALIZED (
-    SELECT pg_current_xact_id_if_assigned() IS NOT NULL OR pg_try_advisory_xact_lock(sqlc.arg('lock_key')::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # sqlc.arg('shard')::integer::bigint)
-           OR (sqlc.arg('wait')::boolean AND pg_advisory_xact_lock(sqlc.arg('lock_key')::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # sqlc.arg('shard')::integer::bigint) IS NOT NULL) AS go
-    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT sqlc.arg('dry')::boolean AND sqlc.narg('shards')::integer[] IS NULL
-), u AS (
+-- row, which the UPDATE holds, so the request is decided on the row it has locked. A call of its
+-- own (no transaction ID yet) first queues on the row's advisory lock (lock_key XOR the table's
+-- OID shifted left 20 bits XOR the shard XOR bit 19), so that of the calls waiting for one row one
+-- at a time goes on to the row. Anything that UPDATE does not write (a refusal, a missing row, a
+-- Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
+-- table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
+-- isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
+-- UPDATE reads nothing.
+WITH u AS (
     UPDATE txlimit_state s
-    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision), 0, sqlc.arg('count')::double precision),
+    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision,
+                                                 sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint,
+                                                 sqlc.arg('cap')::double precision), 0, sqlc.arg('count')::double precision),
         ts = txlimit_next_ts(s.ts, c.t, sqlc.arg('step_us')::bigint)
-    FROM (SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS t OFFSET 0) c, q
-    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT sqlc.arg('dry')::boolean AND sqlc.narg('shards')::integer[] IS NULL AND q.go
+    FROM (SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS t OFFSET 0) c
+    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT sqlc.arg('dry')::boolean
+      AND sqlc.narg('shards')::integer[] IS NULL
       AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = sqlc.arg('shard')::integer
-      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision), 0, sqlc.arg('count')::double precision),
+      AND (pg_current_xact_id_if_assigned() IS NOT NULL
+           OR pg_advisory_xact_lock(sqlc.arg('lock_key')::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
+                                    # sqlc.arg('shard')::integer::bigint # 524288) IS NOT NULL)
+      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision,
+                                                              sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint,
+                                                              sqlc.arg('cap')::double precision),
+                                          0, sqlc.arg('count')::double precision),
                           0, sqlc.arg('allow')::double precision)
-    RETURNING txlimit_written_v1(s.value, s.ts, c.t, sqlc.arg('shard')::integer, -1, 0, sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision) AS answer
+    RETURNING txlimit_written_v1(s.value, s.ts, c.t, sqlc.arg('shard')::integer, -1, 0, sqlc.arg('rate')::double precision,
+                                 sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint,
+                                 sqlc.arg('cap')::double precision) AS answer
 )
 SELECT coalesce((SELECT u.answer FROM u),
-                CASE WHEN (SELECT NOT q.go FROM q)
-                     THEN txlimit_pack_v1(false, false, false, 0, sqlc.arg('shard')::integer, -1, 0, 0, txlimit_clock(sqlc.narg('now_us')::bigint), 0, true)
-                     ELSE txlimit_decide_one_v1(sqlc.narg('now_us')::bigint, sqlc.arg('name')::text, sqlc.arg('key')::text, sqlc.arg('count')::double precision, sqlc.arg('allow')::double precision, sqlc.arg('dry')::boolean, sqlc.arg('step_us')::bigint, sqlc.arg('rate')::double precision,
-                                                sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision, sqlc.arg('anchor_us')::bigint,
-                                                coalesce(sqlc.narg('shards')::integer[], ARRAY[sqlc.arg('shard')::integer]), sqlc.arg('lock_key')::bigint,
-                                                CASE WHEN (SELECT q.go FROM q) THEN sqlc.arg('shard')::integer END, sqlc.arg('wait')::boolean)
-                END)::bytea AS answer;
+                txlimit_decide_one_v1(sqlc.narg('now_us')::bigint, sqlc.arg('name')::text, sqlc.arg('key')::text,
+                                      sqlc.arg('count')::double precision, sqlc.arg('allow')::double precision,
+                                      sqlc.arg('dry')::boolean, sqlc.arg('step_us')::bigint,
+                                      sqlc.arg('rate')::double precision, sqlc.arg('period_us')::bigint,
+                                      sqlc.arg('cap')::double precision, sqlc.arg('anchor_us')::bigint,
+                                      coalesce(sqlc.narg('shards')::integer[], ARRAY[sqlc.arg('shard')::integer]),
+                                      sqlc.arg('lock_key')::bigint,
+                                      CASE WHEN current_setting('transaction_isolation') = 'read committed'
+                                                AND NOT sqlc.arg('dry')::boolean AND sqlc.narg('shards')::integer[] IS NULL
+                                           THEN sqlc.arg('shard')::integer END))::bytea AS answer;
 
 -- name: Decide :many
 -- Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
