@@ -38,21 +38,21 @@
 //
 // # One engine, any isolation level
 //
-// Every call is one call of one database function, txlimit_decide, over a list of requests: a
-// Limit is a list of one, a LimitMany a list of one all-or-nothing group. Requests on the same key
-// are decided one after another in list order, each group seeing the effect of the groups granted
-// before it. The function first plans on rows read without a lock; a request that is denied there
-// is answered from that read, taking no lock (this can under-grant against a concurrent Credit or
-// Reset, never over-grant). It then locks the rows the granted groups would charge, in one global
-// order (name, key, shard, compared as bytes), with FOR UPDATE, which re-reads their latest
-// committed versions under READ COMMITTED and raises a serialization failure under REPEATABLE READ
-// or SERIALIZABLE if they changed; a missing row is created full (stamped to evaluate exactly as a
-// missing row) and so locked too. It decides again on the locked versions, grants only on rows it
-// holds, and writes only the groups that are granted. So a decision is exact at every isolation
-// level, takes one round trip, never re-runs, and never over-grants: a database error is returned
-// as an error, never as a grant. Every access is a primary-key probe (the function runs with
-// sequential and bitmap scans off), so under SERIALIZABLE a decision holds predicate locks on the
-// rows it reads only, however small the table.
+// Every call is one SQL statement over a list of requests: a Limit is a list of one, a LimitMany
+// a list of one all-or-nothing group. Requests on the same key are decided one after another in
+// list order, each group seeing the effect of the groups granted before it. A decision first
+// plans on rows read without a lock; a request that is denied there is answered from that read,
+// taking no lock (this can under-grant against a concurrent Credit or Reset, never over-grant). It
+// then locks the rows the granted groups would charge, in one global order (name, key, shard,
+// compared as bytes), which re-reads their latest committed versions under READ COMMITTED and
+// raises a serialization failure under REPEATABLE READ or SERIALIZABLE if they changed; a missing
+// row is created full (stamped to evaluate exactly as a missing row) and so locked too. It decides
+// again on the locked versions, grants only on rows it holds, and writes only the groups that are
+// granted. A request alone on its row does all of this as one UPDATE of the row whose condition is
+// the grant rule. So a decision is exact at every isolation level, takes one round trip, never
+// re-runs, and never over-grants: a database error is returned as an error, never as a grant.
+// Every access is a primary-key probe, so under SERIALIZABLE a decision holds predicate locks on
+// the rows it reads only, however small the table. docs/spec.md §7 states it in full.
 //
 // Pass a pgx.Tx to make a limit part of your transaction: its consumption commits or rolls back
 // with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own.
@@ -72,8 +72,8 @@
 // (SKIP LOCKED), and waits only when both are held.
 //
 // Concurrent callers of one key are steered to different shards before they read any row. A
-// single request (Limit, LimitN, alone or in a batch) draws its candidate shards in random order, a and b first (up to
-// 16), and takes as a the first candidate that no other transaction is deciding on, and as b the
+// lone request (a Limit or LimitN, or a Batcher's batch of one) draws its candidate shards in
+// random order, a and b first (up to 16), and takes as a the first candidate that no other transaction is deciding on, and as b the
 // candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
 // transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
 // FNV-1a hash of name and key, the OID of the state table (so schemas do not share them) and the
@@ -84,10 +84,10 @@
 // could only fail. When every candidate is taken (or stale), under READ COMMITTED the call goes on
 // with its first candidate (and may wait for its row lock); under REPEATABLE READ or SERIALIZABLE
 // it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE 40001) to retry
-// like any other. Check and CheckN take no advisory lock; LimitMany does not use them either. A
-// transaction holds one or more such locks per sharded key it decided on, so one that decides on
-// thousands of different sharded keys needs room in Postgres's lock table
-// (max_locks_per_transaction).
+// like any other. Check and CheckN take no advisory lock; LimitMany and a Batcher's longer batches
+// do not use them either. A transaction holds one or more such locks per sharded key it decided
+// on, so one that decides on thousands of different sharded keys needs room in Postgres's lock
+// table (max_locks_per_transaction).
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with
