@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# ceiling.sh [rounds]: the HTTP cell with stand-ins for the engine's one-UPDATE road, the road a
-# batch of calls on keys of their own takes (docs/batcher-throughput.md, "The HTTP cell with a
+# ceiling.sh [rounds]: the HTTP cell with stand-ins for txlimit_decide_v1's block for requests alone
+# on their rows (migrations/00003_txlimit_decide.sql), which decides a batch of calls on keys of
+# their own (docs/batcher-throughput.md, "The HTTP cell with a
 # database that does nothing: the ceiling"). Each round runs the HTTP cell three times, alternated:
 #
 #   as-is    the engine as committed;
-#   minimal  the road's block replaced by one UPDATE of the batch's rows that changes nothing, then
+#   minimal  the block replaced by one UPDATE of the batch's rows that changes nothing, then
 #            every request answered granted: the rows are written and the commit flushes, but no
 #            rule is evaluated;
 #   nothing  the block replaced by the answer alone: nothing written, nothing flushed.
@@ -26,25 +27,24 @@ for v in "${variants[@]}"; do git -C "$root" worktree add -q --detach "$tmp/$v" 
 python3 - "$tmp" <<'EOF'
 import sys
 tmp = sys.argv[1]
-start = "            BEGIN\n                WITH w AS ("
-end = "            EXCEPTION WHEN SQLSTATE 'TXLU0' THEN"
-answer = """                RETURN QUERY
-                SELECT true, false, false, 1::float8, p_cand_shard[q.i], -1, 1, 0::bigint, t_now
-                FROM generate_series(1, n) AS q(i);
-                RETURN;
+start = "    IF p_fast && '{true}'::boolean[] THEN\n"
+end = "    -- 1. Plan:"
+answer = """    RETURN QUERY
+    SELECT q.i, txlimit_pack_v1(true, false, false, 1, p_row_shard[p_row_a[q.i]], -1, 1, 0, t, t)
+    FROM generate_series(1, n) AS q(i);
+    RETURN;
 """
 bodies = {
-    "minimal": """            BEGIN
-                UPDATE txlimit_state s SET value = s.value
-                WHERE s.name = p_row_name[1] AND s.key = ANY(p_row_key) AND s.shard = 0;
+    "minimal": """    UPDATE txlimit_state s SET value = s.value
+    WHERE s.name = p_row_name[1] AND s.key = ANY(p_row_key) AND s.shard = 0;
 """ + answer,
-    "nothing": "            BEGIN\n" + answer,
+    "nothing": answer,
 }
 for v, body in bodies.items():
-    path = f"{tmp}/{v}/migrations/00001_txlimit_state.sql"
+    path = f"{tmp}/{v}/migrations/00003_txlimit_decide.sql"
     sql = open(path).read()
     if sql.count(start) != 1 or sql.count(end) != 1:
-        sys.exit("ceiling.sh: the one-UPDATE road's block is not where this script expects it")
+        sys.exit("ceiling.sh: txlimit_decide_v1's block for lone requests is not where this script expects it")
     i, j = sql.index(start), sql.index(end)
     open(path, "w").write(sql[:i] + body + sql[j:])
 EOF
