@@ -215,6 +215,80 @@ END
 $$;
 -- +goose StatementEnd
 
+-- txlimit_alone: the first step of a list for its requests alone on their rows (p_fast: a group
+-- of one request, the only one on its row in the list, not dry). One UPDATE, in row order, writes
+-- each row whose latest version the rule grants its request on (see the top of this file). When it
+-- wrote every request of the list (all_written), f_i, f_v and f_ts are the written requests and the
+-- rows as written, and nothing else is read. Otherwise a fast request not written is decided on its
+-- row as read now (the plan) when the rule refuses it there, and the arrays, indexed by the place
+-- in the list, say for each request decided so: not todo; q_w, written; q_va, q_ta, its row as
+-- written or as read (a missing row: NULL); q_ok, granted. e is the last row read, which the
+-- UPDATE may hold. It runs under txlimit_decide_v1's planner settings.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_alone(t bigint, p_fast boolean[], p_row_a integer[], p_count double precision[],
+                              p_allow double precision[], p_step_us bigint[], p_rate double precision[],
+                              p_period_us bigint[], p_cap double precision[], p_row_name text[], p_row_key text[],
+                              p_row_shard integer[], OUT all_written boolean, OUT f_i integer[],
+                              OUT f_v double precision[], OUT f_ts bigint[], OUT todo boolean[], OUT q_w boolean[],
+                              OUT q_va double precision[], OUT q_ta bigint[], OUT q_ok boolean[], OUT e integer)
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    n integer := cardinality(p_fast);
+    f_w boolean[]; f_dec boolean[];
+BEGIN
+    WITH f AS MATERIALIZED (
+        SELECT * FROM unnest(p_fast, p_row_a, p_count, p_allow, p_step_us, p_rate, p_period_us, p_cap)
+                      WITH ORDINALITY AS v(fast, r, cnt, alw, step, rate, per, cap, i)
+        WHERE v.fast ORDER BY v.r
+    ), u AS (
+        UPDATE txlimit_state s
+        SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, f.rate, f.per, f.step, f.cap), 0, f.cnt),
+            ts = txlimit_next_ts(s.ts, t, f.step)
+        FROM f
+        WHERE s.name = p_row_name[f.r] AND s.key = p_row_key[f.r] AND s.shard = p_row_shard[f.r]
+          AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, f.rate, f.per, f.step, f.cap),
+                                              0, f.cnt), 0, f.alw)
+        RETURNING f.i::integer AS i, s.value, s.ts
+    )
+    SELECT array_agg(u.i), array_agg(u.value), array_agg(u.ts) INTO f_i, f_v, f_ts FROM u;
+    all_written := coalesce(cardinality(f_i), 0) = n;
+    IF all_written THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(x.i), array_agg(x.w), array_agg(x.v), array_agg(x.ts), array_agg(x.decided), max(x.r)
+    INTO f_i, f_w, f_v, f_ts, f_dec, e
+    FROM (SELECT v.i::integer AS i, w.i IS NOT NULL AS w, coalesce(w.v, r.value) AS v, coalesce(w.ts, r.ts) AS ts,
+                 w.i IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t,
+                     p_rate[v.i], p_period_us[v.i], p_step_us[v.i], p_cap[v.i]), 0, p_count[v.i]), 0, p_allow[v.i])
+                     AS decided,
+                 p_row_a[v.i] AS r
+          FROM unnest(p_fast) WITH ORDINALITY AS v(fast, i)
+          LEFT JOIN unnest(f_i, f_v, f_ts) AS w(i, v, ts) ON w.i = v.i
+          LEFT JOIN LATERAL (SELECT s.value, s.ts FROM txlimit_state s
+                             WHERE w.i IS NULL AND s.name = p_row_name[p_row_a[v.i]] AND s.key = p_row_key[p_row_a[v.i]]
+                               AND s.shard = p_row_shard[p_row_a[v.i]] OFFSET 0) r ON true
+          WHERE v.fast ORDER BY v.i) x;
+    todo := array_fill(true, ARRAY[n]);
+    IF cardinality(f_i) = n THEN -- every request is fast: f_i is 1 .. n
+        q_w := f_w; q_va := f_v; q_ta := f_ts; q_ok := f_w; todo := array_fill(false, ARRAY[n]);
+        IF f_dec @> '{false}'::boolean[] THEN
+            FOR k IN 1 .. n LOOP
+                CONTINUE WHEN f_dec[k];
+                todo[k] := true; q_w[k] := NULL; q_va[k] := NULL; q_ta[k] := NULL; q_ok[k] := NULL;
+            END LOOP;
+        END IF;
+    ELSE
+        FOR k IN 1 .. cardinality(f_i) LOOP
+            CONTINUE WHEN NOT f_dec[k];
+            todo[f_i[k]] := false; q_w[f_i[k]] := f_w[k]; q_va[f_i[k]] := f_v[k]; q_ta[f_i[k]] := f_ts[k];
+            q_ok[f_i[k]] := f_w[k];
+        END LOOP;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
 -- txlimit_decide_v1 decides a list of requests (a Batcher's batch, a LimitMany, a list of one that
 -- txlimit_decide_one_v1 could not finish) and returns one answer per request (txlimit_answer_v1,
 -- in no particular order: i is the request's place in the list). The caller (ratelimit/engine.go)
@@ -248,63 +322,19 @@ DECLARE
     q_ch integer[]; q_ok boolean[]; q_now boolean[]; plan_ch integer[] := array_fill(0, ARRAY[n]);
     g integer; e integer; a integer; b integer; lv_a double precision; lv_b double precision;
     rules_ok boolean; g_ok boolean;
-    f_i integer[]; f_w boolean[]; f_v double precision[]; f_ts bigint[]; f_dec boolean[]; -- the fast requests
+    all_w boolean; f_i integer[]; f_v double precision[]; f_ts bigint[]; -- the requests txlimit_alone wrote
 BEGIN
-    -- The fast requests: one UPDATE, in row order, writes each row whose latest version the rule
-    -- grants its request on (see the top of this file); a request it does not write is decided on
-    -- its row as the same statement reads it (the plan) when that refuses it.
+    -- The requests alone on their rows: one UPDATE writes those the rule grants (txlimit_alone).
     IF p_fast && '{true}'::boolean[] THEN
-        WITH f AS MATERIALIZED (
-            SELECT * FROM unnest(p_fast, p_row_a, p_count, p_allow, p_step_us, p_rate, p_period_us, p_cap)
-                          WITH ORDINALITY AS v(fast, r, cnt, alw, step, rate, per, cap, i)
-            WHERE v.fast ORDER BY v.r
-        ), u AS (
-            UPDATE txlimit_state s
-            SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, f.rate, f.per, f.step, f.cap), 0, f.cnt),
-                ts = txlimit_next_ts(s.ts, t, f.step)
-            FROM f
-            WHERE s.name = p_row_name[f.r] AND s.key = p_row_key[f.r] AND s.shard = p_row_shard[f.r]
-              AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, f.rate, f.per, f.step, f.cap),
-                                                  0, f.cnt), 0, f.alw)
-            RETURNING f.i::integer AS i, s.value, s.ts
-        )
-        SELECT array_agg(u.i), array_agg(u.value), array_agg(u.ts) INTO f_i, f_v, f_ts FROM u;
-        IF cardinality(f_i) = n THEN -- every request is fast and granted: the answers are the writes
+        SELECT x.all_written, x.f_i, x.f_v, x.f_ts, x.todo, x.q_w, x.q_va, x.q_ta, x.q_ok, x.e
+        INTO all_w, f_i, f_v, f_ts, todo, q_w, q_va, q_ta, q_ok, e
+        FROM txlimit_alone(t, p_fast, p_row_a, p_count, p_allow, p_step_us, p_rate, p_period_us, p_cap, p_row_name,
+                           p_row_key, p_row_shard) x;
+        IF all_w THEN -- every request is alone on its row and written: the answers are the writes
             RETURN QUERY SELECT w.i, txlimit_written_v1(w.v, w.ts, t, p_row_shard[p_row_a[w.i]], -1, 0, p_rate[w.i],
                                                         p_period_us[w.i], p_step_us[w.i], p_cap[w.i])
                          FROM unnest(f_i, f_v, f_ts) AS w(i, v, ts);
             RETURN;
-        END IF;
-        -- The others: a fast request not written is decided on its row as read now (the plan)
-        -- when that refuses it.
-        SELECT array_agg(x.i), array_agg(x.w), array_agg(x.v), array_agg(x.ts), array_agg(x.decided), max(x.r)
-        INTO f_i, q_w, q_va, q_ta, f_dec, e
-        FROM (SELECT v.i::integer AS i, w.i IS NOT NULL AS w, coalesce(w.v, r.value) AS v, coalesce(w.ts, r.ts) AS ts,
-                     w.i IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t,
-                         p_rate[v.i], p_period_us[v.i], p_step_us[v.i], p_cap[v.i]), 0, p_count[v.i]), 0, p_allow[v.i])
-                         AS decided,
-                     p_row_a[v.i] AS r
-              FROM unnest(p_fast) WITH ORDINALITY AS v(fast, i)
-              LEFT JOIN unnest(f_i, f_v, f_ts) AS w(i, v, ts) ON w.i = v.i
-              LEFT JOIN LATERAL (SELECT s.value, s.ts FROM txlimit_state s
-                                 WHERE w.i IS NULL AND s.name = p_row_name[p_row_a[v.i]] AND s.key = p_row_key[p_row_a[v.i]]
-                                   AND s.shard = p_row_shard[p_row_a[v.i]] OFFSET 0) r ON true
-              WHERE v.fast ORDER BY v.i) x;
-        IF cardinality(f_i) = n THEN -- every request is fast
-            q_ok := q_w; todo := array_fill(false, ARRAY[n]);
-            IF f_dec @> '{false}'::boolean[] THEN
-                FOR k IN 1 .. n LOOP
-                    CONTINUE WHEN f_dec[k];
-                    todo[k] := true; q_w[k] := NULL; q_va[k] := NULL; q_ta[k] := NULL; q_ok[k] := NULL;
-                END LOOP;
-            END IF;
-        ELSE
-            f_w := q_w; f_v := q_va; f_ts := q_ta; q_w := NULL; q_va := NULL; q_ta := NULL;
-            FOR k IN 1 .. cardinality(f_i) LOOP
-                CONTINUE WHEN NOT f_dec[k];
-                todo[f_i[k]] := false; q_w[f_i[k]] := f_w[k]; q_va[f_i[k]] := f_v[k]; q_ta[f_i[k]] := f_ts[k];
-                q_ok[f_i[k]] := f_w[k];
-            END LOOP;
         END IF;
         q_ch := array_fill(1, ARRAY[n]);
         held := greatest(held, e);
@@ -573,6 +603,8 @@ DROP FUNCTION txlimit_answers(bigint, double precision[], double precision[], bi
                               double precision[], integer[], integer[], integer[], boolean[], double precision[], bigint[],
                               double precision[], bigint[], integer[], boolean[], boolean[]);
 DROP TYPE txlimit_answer_v1;
+DROP FUNCTION txlimit_alone(bigint, boolean[], integer[], double precision[], double precision[], bigint[],
+                            double precision[], bigint[], double precision[], text[], text[], integer[]);
 DROP FUNCTION txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
 DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
 DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, double precision,
