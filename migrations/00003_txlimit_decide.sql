@@ -578,6 +578,8 @@ BEGIN
     -- for lists.
     IF b IS NULL AND p_shards[2] IS NOT NULL THEN -- a sharded Check: its two picks
         a := p_shards[1]; b := p_shards[2];
+    ELSIF NOT two THEN -- under a snapshot, a alone serves and b was not read: a alone
+        b := NULL; held := least(held, 1);
     END IF;
     SELECT d.answer INTO ans
     FROM txlimit_decide_v1(t, '{0}', ARRAY[p_count], ARRAY[p_allow], ARRAY[p_dry], '{f}', ARRAY[p_step_us],

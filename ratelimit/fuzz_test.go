@@ -22,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -113,6 +114,11 @@ const (
 	fzBit4   = 16
 	fzBit5   = 32
 	fzBit6   = 64
+	// fzBitTx runs a single or LimitMany/CheckMany decision inside a SERIALIZABLE transaction of its
+	// own (committed after it), the engine's other shape: there a lone request's one-row UPDATE
+	// runs in txlimit_decide_one_v1, and a lone sharded Limit reads its second pick only when the
+	// first cannot serve alone (the package doc, "Shards").
+	fzBitTx = 128
 )
 
 const (
@@ -223,6 +229,7 @@ type fzRunner struct {
 	t       *testing.T
 	ctx     context.Context
 	pool    *pgxpool.Pool
+	db      ratelimit.Executor // the pool, or the operation's SERIALIZABLE transaction (fzBitTx)
 	sc      fzScenario
 	lim     *ratelimit.Limiter
 	md      *model
@@ -446,7 +453,7 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 		wantErr = errModelArgument
 	}
 	r.picks, r.picked = nil, 0
-	req := modelReq{count: count, reserve: opts.Reserve, a: 0, b: -1}
+	req := modelReq{count: count, reserve: opts.Reserve, a: 0, b: -1, snapshot: r.db != ratelimit.Executor(r.pool) && !dry}
 	if wantErr == nil {
 		req.lim = m
 		if m.shards >= 2 {
@@ -462,13 +469,13 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 	var err error
 	switch {
 	case countOne && dry:
-		got, err = r.lim.Check(r.ctx, r.pool, name, key, opts)
+		got, err = r.lim.Check(r.ctx, r.db, name, key, opts)
 	case countOne:
-		got, err = r.lim.Limit(r.ctx, r.pool, name, key, opts)
+		got, err = r.lim.Limit(r.ctx, r.db, name, key, opts)
 	case dry:
-		got, err = r.lim.CheckN(r.ctx, r.pool, name, key, count, opts)
+		got, err = r.lim.CheckN(r.ctx, r.db, name, key, count, opts)
 	default:
-		got, err = r.lim.LimitN(r.ctx, r.pool, name, key, count, opts)
+		got, err = r.lim.LimitN(r.ctx, r.db, name, key, count, opts)
 	}
 	if wantErr != nil {
 		r.expectErr(op, err, wantErr)
@@ -538,13 +545,16 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	var got ratelimit.ManyResult
 	var err error
 	if dry {
-		got, err = r.lim.CheckMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{AsError: throw})
+		got, err = r.lim.CheckMany(r.ctx, r.db, reqs, &ratelimit.ManyOpts{AsError: throw})
 	} else {
-		got, err = r.lim.LimitMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{AsError: throw})
+		got, err = r.lim.LimitMany(r.ctx, r.db, reqs, &ratelimit.ManyOpts{AsError: throw})
 	}
 	if wantErr != nil {
 		r.expectErr(op, err, wantErr)
 		return
+	}
+	if len(mreqs) == 1 { // a list of one request is decided as a lone call
+		mreqs[0].snapshot = r.db != ratelimit.Executor(r.pool) && !dry
 	}
 	want := r.md.decide(r.now, mreqs, dry)
 	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> ok=%v retryAt=%s", want.OK, fmtModelTime(r.sc.base, want.RetryAt))
@@ -742,7 +752,18 @@ func (r *fzRunner) run() {
 	for _, op := range r.sc.ops {
 		r.now += op.dt
 		q := op.reqs[0]
-		switch c := op.code & 15; {
+		c := op.code & 15
+		r.db = r.pool
+		var tx pgx.Tx
+		if op.code&fzBitTx != 0 && c != fzOpList && c != fzOpCredit && c != fzOpResetCredit && c != fzOpValue && c != 15 {
+			var err error
+			if tx, err = r.pool.BeginTx(r.ctx, pgx.TxOptions{IsoLevel: pgx.Serializable}); err != nil {
+				r.fail("begin a SERIALIZABLE transaction: %v", err)
+			}
+			r.db = tx
+			r.logf("in a SERIALIZABLE transaction:")
+		}
+		switch {
 		case c == fzOpReserve:
 			r.single("LimitN", q, false, true, false, false)
 		case c == fzOpCheck:
@@ -779,6 +800,12 @@ func (r *fzRunner) run() {
 			r.list(op)
 		default:
 			r.single("LimitN", q, false, false, false, false)
+		}
+		if tx != nil {
+			if err := tx.Commit(r.ctx); err != nil {
+				r.fail("commit the SERIALIZABLE transaction: %v", err)
+			}
+			r.db = r.pool
 		}
 		if r.t.Failed() {
 			r.fail("stopping after the first failure")
@@ -1105,6 +1132,28 @@ func fzSeeds() []fzSeed {
 			op(fzOpList|fzBit4, 0, fzQ("a", 0, 3), fzQ("a", 0, 3), fzQ("a", 0, 1)).
 			op(fzOpList|fzBit4, 0, fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 3, fzReserve)).
 			op(fzOpList|fzBit4|fzBit5, 333333, fzQ("b", 0, 2), fzQ("a", 0, 1), fzQ("b", 0, 2)).b},
+		// A list of calls alone on their rows: created (missing rows go the whole road), then all
+		// written by the one UPDATE and answered from it, then one refused on its row as read while
+		// the others are written.
+		{"list_alone_written", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 1), fzQ("a", 1, 2), fzQ("a", 2, 3)).
+			op(fzOpList|fzBit4, 1000, fzQ("a", 0, 1), fzQ("a", 1, 2), fzQ("a", 2, 1)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 1), fzQ("a", 1, 5), fzQ("a", 2, 0.5)).b},
+		// Decisions in SERIALIZABLE transactions: an unsharded row missing, then written by
+		// txlimit_decide_one_v1's UPDATE, refused, reserved, checked; a sharded Limit whose first
+		// pick serves alone (missing, then existing: the second pick is never read), then one only
+		// the second pick serves; LimitMany of one request (a lone call) and of two.
+		{"serializable", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0), fzC(tb, 10, sec, 20, inf, 4, 0, 0)).
+			op(fzOpLimit|fzBitTx, 0, fzQ("a", 0, 2)).
+			op(fzOpLimit|fzBitTx, 1000, fzQ("a", 0, 2)).
+			op(fzOpLimit|fzBitTx, 0, fzQ("a", 0, 3)).
+			op(fzOpReserve|fzBitTx, 0, fzQ("a", 0, 3)).
+			op(fzOpCheck|fzBitTx, 0, fzQ("a", 0, 1)).
+			op(fzOpLimit|fzBitTx, 0, fzQ("b", 0, 2, fzPicks(4, 0, 1))).
+			op(fzOpLimit|fzBitTx, 0, fzQ("b", 0, 3, fzPicks(4, 0, 1))).
+			op(fzOpLimit|fzBitTx, 0, fzQ("b", 0, 5, fzPicks(4, 0, 1))).
+			op(fzOpMany|fzBitTx, 0, fzQ("a", 1, 1), fzQ("b", 1, 4, fzPicks(4, 2, 3))).
+			op(fzOpMany|fzBitTx, 0, fzQ("b", 2, 4, fzPicks(4, 2, 3))).b}, // last: a list of one request
 		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, inf, 2, 0, 0)).
 			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).

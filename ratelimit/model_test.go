@@ -363,6 +363,9 @@ type modelReq struct {
 	count   float64
 	reserve bool
 	a, b    int
+	// snapshot: a lone sharded Limit under REPEATABLE READ or SERIALIZABLE, which reads its
+	// second pick only when the first cannot serve alone (the package doc, "Shards").
+	snapshot bool
 }
 
 // modelResult mirrors ratelimit.Result. RetryAt < 0 means the zero time.
@@ -409,7 +412,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 		}
 		p.ra = row(r.a)
 		p.la, p.tsA = r.lim.level(p.ra, now)
-		p.two = r.b >= 0
+		p.two = r.b >= 0 && !(r.snapshot && p.la >= r.count)
 		if p.two {
 			p.rb = row(r.b)
 			p.lb, p.tsB = r.lim.level(p.rb, now)
