@@ -116,6 +116,9 @@ type Env struct {
 	// PGTrips counts the statements sent through Pool (BEGIN and COMMIT included).
 	PGTrips *pgCounter
 	// PGFrom says where the Postgres came from and which it is (devdb.DB.String), for the report.
+	// PGThrowaway: the Postgres is a private throwaway cluster (fsync off), whose figures are not
+	// comparable with a real server's.
+	PGThrowaway bool
 	PGFrom string
 	// Redis is nil when Redis is not reachable; RedisErr then says why.
 	Redis    *redis.Client

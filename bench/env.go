@@ -79,7 +79,8 @@ func OpenEnv(ctx context.Context, opts EnvOpts) (*Env, func(), error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("bench: %w", err)
 	}
-	env := &Env{PGTrips: &pgCounter{}, RedisTrips: &redisCounter{}, Limits: benchLimits, PGFrom: db.String()}
+	env := &Env{PGTrips: &pgCounter{}, RedisTrips: &redisCounter{}, Limits: benchLimits, PGFrom: db.String(),
+		PGThrowaway: db.From == devdb.FromCluster}
 	// A schema left by an interrupted run is replaced.
 	pool, closePool, err := devdb.OpenSchema(ctx, db.URL, opts.Schema, &devdb.SchemaOpts{
 		Configure: func(cfg *pgxpool.Config) {

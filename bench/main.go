@@ -7,7 +7,9 @@
 //	cd bench && go run .          # make bench-full: under 15 minutes
 //
 // Postgres: BENCH_DATABASE_URL, else TEST_DATABASE_URL, else
-// postgres://postgres@localhost:5432/test?sslmode=disable. The run creates schema txlimit_bench,
+// postgres://postgres@localhost:5432/test?sslmode=disable when it answers, else a container when a
+// Docker daemon answers, else a private throwaway cluster (internal/devdb), whose fsync is off: a run
+// on one refuses to rewrite the README's table and docs/bench.md. The run creates schema txlimit_bench,
 // migrates it and drops it at the end. Redis: BENCH_REDIS_ADDR, else 127.0.0.1:6379; when it does not
 // answer, the Redis contender is skipped. The contenders are one table, contenders (contenders.go).
 package main
@@ -26,6 +28,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/txlimit/txlimit/internal/devdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -142,6 +145,12 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 		return err
 	}
 	defer closeEnv()
+	if env.PGThrowaway && readmePath != "" {
+		return errors.New("bench: no Postgres answered (BENCH_DATABASE_URL, TEST_DATABASE_URL, " + devdb.LocalURL +
+			"), so the run found a private throwaway cluster, which runs with fsync off: its figures are not comparable " +
+			"with a real server's, and this run would rewrite the README's table and docs/bench.md with them. Set " +
+			"BENCH_DATABASE_URL to a real server, or give -md and -svg paths elsewhere to measure anyway")
+	}
 	env.ServerPIDs = findServerPIDs(ctx, env)
 	if lanes != 0 {
 		env.Batcher = &ratelimit.BatcherConfig{Lanes: lanes}
