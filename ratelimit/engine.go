@@ -9,7 +9,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 )
 
@@ -91,14 +90,11 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
 		Shard: 0, Shards: shards, LockKey: shardLockBase(s.name, s.key),
 	}
-	begin, own := db.(txBeginner)
-	if _, inTx := db.(pgx.Tx); inTx {
-		own = false // a pgx.Tx begins savepoints: it is the caller's transaction, which waits for the row
-	}
-	p.Wait = !own
-	d, err := decideOneOn(ctx, db, p)
+	q := on(db)
+	p.Wait = !q.CanBegin() // in the caller's transaction, which waits for the row
+	d, err := decideOneOn(ctx, q, p)
 	if err == nil && d.queued {
-		d, err = waitAndDecide(ctx, begin, p, d.shardA)
+		d, err = waitAndDecide(ctx, q, p, d.shardA)
 	}
 	if err != nil {
 		return nil, err
@@ -106,14 +102,8 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	return []answer{d}, nil
 }
 
-// txBeginner is a pool or a connection (an Executor not inside a transaction), but also a pgx.Tx,
-// whose Begin starts a savepoint: decideOne tells them apart.
-type txBeginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
-func decideOneOn(ctx context.Context, db Executor, p dbsqlc.DecideOneParams) (answer, error) {
-	a, err := dbsqlc.New().DecideOne(ctx, db, p)
+func decideOneOn(ctx context.Context, db stmts, p dbsqlc.DecideOneParams) (answer, error) {
+	a, err := db.DecideOne(ctx, p)
 	if err != nil {
 		return answer{}, err
 	}
@@ -122,17 +112,17 @@ func decideOneOn(ctx context.Context, db Executor, p dbsqlc.DecideOneParams) (an
 
 // waitAndDecide decides p in a transaction of its own that first waits for the advisory lock of
 // shard (the queue of the row, or the first candidate shard), so that it finds the row committed.
-func waitAndDecide(ctx context.Context, db txBeginner, p dbsqlc.DecideOneParams, shard int32) (answer, error) {
+func waitAndDecide(ctx context.Context, db stmts, p dbsqlc.DecideOneParams, shard int32) (answer, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return answer{}, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	if err := dbsqlc.New().WaitForShard(ctx, tx, dbsqlc.WaitForShardParams{LockKey: p.LockKey, Shard: int64(shard)}); err != nil {
+	if err := tx.WaitForShard(ctx, dbsqlc.WaitForShardParams{LockKey: p.LockKey, Shard: int64(shard)}); err != nil {
 		return answer{}, err
 	}
 	p.Wait = true
-	d, err := decideOneOn(ctx, tx, p)
+	d, err := decideOneOn(ctx, stmts{other: tx}, p)
 	if err != nil {
 		return answer{}, err
 	}
@@ -249,7 +239,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		}
 	}
 
-	answers, err := dbsqlc.New().Decide(ctx, db, p)
+	answers, err := on(db).Decide(ctx, p)
 	if err != nil {
 		return nil, err
 	}

@@ -8,7 +8,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/txlimit/txlimit/internal/dbsqlc"
 	"github.com/txlimit/txlimit/migrations"
 )
 
@@ -94,7 +93,7 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 		!strings.Contains(pgErr.Message, "txlimit_") {
 		return fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-	searchPath, _ := dbsqlc.New().SearchPath(ctx, db) // fails in an aborted transaction: left empty
+	searchPath, _ := on(db).SearchPath(ctx) // fails in an aborted transaction: left empty
 	return &SetupError{Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
 }
 
@@ -108,7 +107,7 @@ func CheckSchema(ctx context.Context, db Executor) error {
 	if err := checkExecutor(op, db); err != nil {
 		return err
 	}
-	row, err := dbsqlc.New().SchemaVersion(ctx, db)
+	row, err := on(db).SchemaVersion(ctx)
 	if err != nil {
 		return dbError(ctx, db, op, err)
 	}

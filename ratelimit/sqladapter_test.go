@@ -207,7 +207,7 @@ func TestSQLAdapterErrors(t *testing.T) {
 			require.False(t, ratelimit.IsRetryable(err))
 
 			var n int
-			require.ErrorIs(t, testdb.NoRows(ctx, ratelimit.SQL(db), &n), pgx.ErrNoRows)
+			require.ErrorIs(t, testdb.NoRows(ctx, ratelimit.SQL(db).(testdb.Querier), &n), pgx.ErrNoRows)
 
 			var nilDB *sql.DB
 			_, err = lim.Limit(ctx, ratelimit.SQL(nilDB), "msg", "u1", nil)
@@ -284,7 +284,7 @@ func TestSQLAdapterRoundTrip(t *testing.T) {
 			for i, c := range cases {
 				want, got := c.dst(), c.dst()
 				require.NoError(t, testdb.Echo(ctx, pool, c.pgType, c.v, want), "case %d: pgx", i)
-				err := testdb.Echo(ctx, ratelimit.SQL(db), c.pgType, c.v, got)
+				err := testdb.Echo(ctx, ratelimit.SQL(db).(testdb.Querier), c.pgType, c.v, got)
 				require.NoError(t, err, "case %d: %s %v", i, c.pgType, c.v)
 				if w, ok := want.(*pgtype.Timestamptz); ok { // pgx decodes into time.Local, lib/pq into UTC
 					w.Time, got.(*pgtype.Timestamptz).Time = w.Time.UTC(), got.(*pgtype.Timestamptz).Time.UTC()
