@@ -6,6 +6,7 @@ package drivertest
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,7 +23,7 @@ type Handle struct {
 	// DB makes each call a transaction of its own (a pool, a *sql.DB). Required.
 	DB ratelimit.Executor
 	// Begin starts a caller's transaction (serializable when asked) and returns it as an Executor
-	// with its commit and rollback. Required.
+	// with its commit and rollback; one still open when the test ends is rolled back. Required.
 	Begin func(t *testing.T, serializable bool) (tx ratelimit.Executor, commit, rollback func() error)
 	// Inspect is a pgx pool on the same schema, for counting rows. Required.
 	Inspect *pgxpool.Pool
@@ -64,6 +65,14 @@ func Run(t *testing.T, open Open) {
 	t.Run("RollbackAndCommit", func(t *testing.T) {
 		t.Parallel()
 		testRollbackAndCommit(t, open(t, true))
+	})
+	t.Run("DenialWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		testDenialWritesNothing(t, open(t, true))
+	})
+	t.Run("Concurrent", func(t *testing.T) {
+		t.Parallel()
+		testConcurrent(t, open(t, true))
 	})
 	t.Run("SerializationFailure", func(t *testing.T) {
 		t.Parallel()
@@ -197,6 +206,57 @@ func testRollbackAndCommit(t *testing.T, h Handle) {
 	require.Equal(t, 2.0, state(t, lim, h.DB, "msg", "solo").Value)
 }
 
+// testDenialWritesNothing: capacity 3 grants three calls; the fourth is denied and leaves the row
+// as it was (the same row version).
+func testDenialWritesNothing(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	for i := 1; i <= 3; i++ {
+		r, err := lim.Limit(ctx, h.DB, "msg", "d", nil)
+		require.NoError(t, err)
+		require.True(t, r.OK, "step %d: got denied", i)
+	}
+	before, found := testdb.RowVersion(t, h.Inspect, "msg", "d", 0)
+	require.True(t, found)
+	r, err := lim.Limit(ctx, h.DB, "msg", "d", nil)
+	require.NoError(t, err)
+	require.False(t, r.OK)
+	require.Equal(t, t0.Add(6*time.Second), r.RetryAt)
+	after, _ := testdb.RowVersion(t, h.Inspect, "msg", "d", 0)
+	require.Equal(t, before, after)
+}
+
+// testConcurrent: calls racing for one row of capacity 3 on the handle (each a transaction of its
+// own, some queued behind the others) are granted exactly three times.
+func testConcurrent(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	const calls = 12
+	granted := make(chan bool, calls)
+	var wg sync.WaitGroup
+	for range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := lim.Limit(ctx, h.DB, "msg", "race", nil)
+			granted <- err == nil && r.OK
+			if err != nil {
+				t.Errorf("Limit: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(granted)
+	n := 0
+	for ok := range granted {
+		if ok {
+			n++
+		}
+	}
+	require.Equal(t, 3, n)
+	require.Equal(t, 0.0, state(t, lim, h.DB, "msg", "race").Value)
+}
+
 // testSerializationFailure: a serialization failure is retryable (SQLSTATE 40001 as a
 // *pgconn.PgError), whatever the driver.
 func testSerializationFailure(t *testing.T, h Handle) {
@@ -205,8 +265,8 @@ func testSerializationFailure(t *testing.T, h Handle) {
 	_, err := lim.Limit(ctx, h.DB, "msg", "u", nil) // the row exists
 	require.NoError(t, err)
 
-	late, _, rollbackLate := h.Begin(t, true)
-	defer rollbackLate() //nolint:errcheck // after the test
+	// late is rolled back when the test ends.
+	late, _, _ := h.Begin(t, true)
 	_, err = lim.Check(ctx, late, "msg", "u", nil) // takes late's snapshot
 	require.NoError(t, err)
 
