@@ -43,6 +43,7 @@ var limits = map[string]ratelimit.Config{
 	"global": {Rate: 100, Period: time.Minute},
 	"hot":    {Rate: 8, Period: time.Second, Shards: 2}, // both shards are candidates: no random pick matters
 	"fw":     {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0},
+	"debt":   {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}, // +Inf travels as a parameter
 }
 
 // WeirdKey is a key that a text encoding of arrays must quote: a quote, a comma, braces, a
@@ -124,13 +125,25 @@ func Script(t *testing.T, db ratelimit.Executor) {
 	require.NoError(t, err)
 	require.False(t, r.OK)
 
+	// Unbounded debt: +Inf as a scalar (one request) and in an array (a list).
+	r, err = lim.LimitN(ctx, db, "debt", "a", 1000, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	require.True(t, r.Reserved)
+	require.Equal(t, -990.0, r.Value)
+	require.Equal(t, t0.Add(99*time.Second), r.RetryAt)
+	m, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "debt", Key: "b", Count: 30, Reserve: true}, {Name: "debt", Key: "c"}}, nil)
+	require.NoError(t, err)
+	require.True(t, m.OK)
+	require.Equal(t, []float64{-20, 9}, []float64{m.Results[0].Value, m.Results[1].Value})
+	require.Equal(t, t0.Add(2*time.Second), m.RetryAt)
+
 	r, err = lim.Check(ctx, db, "msg", "u2", nil)
 	require.NoError(t, err)
 	require.True(t, r.OK)
 	require.Equal(t, 2.0, r.Value)
 
 	reqs := []ratelimit.Request{{Name: "ip", Key: WeirdKey, Count: 2}, {Name: "global"}, {Name: "hot", Key: "k"}}
-	m, err := lim.LimitMany(ctx, db, reqs, nil)
+	m, err = lim.LimitMany(ctx, db, reqs, nil)
 	require.NoError(t, err)
 	require.True(t, m.OK)
 	// "hot" reports the two shards it looked at, 4 tokens each before.
