@@ -305,5 +305,6 @@ func testNotMigrated(t *testing.T, h Handle) {
 	require.ErrorAs(t, err, &pgErr)
 	require.Contains(t, []string{"42P01", "42883"}, pgErr.Code)
 	require.Contains(t, err.Error(), "migrations.Up")
+	require.Contains(t, err.Error(), " does not exist in search_path ") // Postgres's message, without the driver's prefix
 	require.ErrorIs(t, ratelimit.CheckSchema(ctx, h.DB), ratelimit.ErrSetup)
 }
