@@ -17,6 +17,10 @@ type stmts struct {
 	other driver.Executor // nil for a pgx handle
 }
 
+// stmts sends every statement of the boundary, so that a statement added to driver.Executor is
+// added here too.
+var _ driver.Executor = stmts{}
+
 // stmtsFor resolves db to its driver; ok is false for a value no driver runs on (a bare *sql.Tx,
 // say), which checkExecutor refuses before any call gets here.
 func stmtsFor(db Executor) (s stmts, ok bool) {
