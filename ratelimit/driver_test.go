@@ -5,33 +5,20 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/driver/drivertest"
 	"github.com/txlimit/txlimit/internal/testdb"
-	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// pgxHandle opens the contract's handle on pgx in mode (0: pgx's default), with calls on the pool
-// (asTx false) or, for DB too, each in a pgx.Tx of its own that the test commits (asTx true).
+// pgxHandle opens the contract's handle on pgx in mode (0: pgx's default): calls on a
+// *pgxpool.Pool, and a caller's pgx.Tx.
 func pgxHandle(mode pgx.QueryExecMode) drivertest.Open {
 	return func(t *testing.T, migrate bool) drivertest.Handle {
 		t.Helper()
 		ctx := context.Background()
-		cfg, err := pgxpool.ParseConfig(testdb.SchemaURL(t, testdb.NewSchema(t)))
-		require.NoError(t, err)
-		cfg.MaxConns = 4
-		if mode != 0 {
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-		}
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
-		if migrate {
-			require.NoError(t, migrations.Up(ctx, pool))
-		}
+		pool := testdb.Pool(t, &testdb.Options{MaxConns: 4, NoMigrate: !migrate, QueryExecMode: mode})
 		return drivertest.Handle{
 			DB: pool, Inspect: pool,
 			Begin: func(t *testing.T, serializable bool) (ratelimit.Executor, func() error, func() error) {
