@@ -119,7 +119,7 @@ type Env struct {
 	// PGThrowaway: the Postgres is a private throwaway cluster (fsync off), whose figures are not
 	// comparable with a real server's.
 	PGThrowaway bool
-	PGFrom string
+	PGFrom      string
 	// Redis is nil when Redis is not reachable; RedisErr then says why.
 	Redis    *redis.Client
 	RedisErr error

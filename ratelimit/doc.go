@@ -55,7 +55,9 @@
 // the rows it reads only, however small the table. docs/spec.md §7 states it in full.
 //
 // Pass a pgx.Tx to make a limit part of your transaction: its consumption commits or rolls back
-// with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own.
+// with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own. On
+// database/sql, pass your *sql.Tx (or *sql.DB, *sql.Conn) through package
+// github.com/txlimit/txlimit/ratelimit/sqldb: sqldb.Wrap(tx).
 // InSerializableTx runs a function in a SERIALIZABLE transaction with bounded, jittered retries.
 //
 // # Shards

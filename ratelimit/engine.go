@@ -82,7 +82,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	if s.shards >= 2 {
 		shards = l.candidates(c, s, true)
 	}
-	a, err := dbsqlc.New().DecideOne(ctx, db, dbsqlc.DecideOneParams{
+	a, err := on(db).DecideOne(ctx, dbsqlc.DecideOneParams{
 		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
 		Shard: 0, Shards: shards, LockKey: shardLockBase(s.name, s.key),
@@ -207,7 +207,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		}
 	}
 
-	answers, err := dbsqlc.New().Decide(ctx, db, p)
+	answers, err := on(db).Decide(ctx, p)
 	if err != nil {
 		return nil, err
 	}

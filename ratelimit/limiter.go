@@ -8,19 +8,18 @@ import (
 	"sort"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/metric"
 )
 
-// Executor runs SQL: a pgx.Tx, *pgxpool.Pool or *pgx.Conn. Inside a transaction a limit's writes
-// commit or roll back with the caller's own.
-type Executor interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// Executor is the database handle a call runs on: a pgx.Tx, *pgxpool.Pool or *pgx.Conn (or any
+// other value with their Exec, Query and QueryRow), or a database/sql handle wrapped by package
+// github.com/txlimit/txlimit/ratelimit/sqldb (sqldb.Wrap(tx) of a *sql.Tx, *sql.DB or *sql.Conn).
+// Inside a transaction a limit's writes commit or roll back with the caller's own; on a pool or a
+// connection each call is a transaction of its own. The type admits any value so that the handles
+// of both database packages fit; a value of another type (a bare *sql.Tx among them) or nil is
+// refused with an *ArgumentError naming the fix, before any SQL runs.
+type Executor any
 
 // LimiterConfig configures a Limiter. A nil *LimiterConfig is the zero value.
 type LimiterConfig struct {
@@ -366,13 +365,18 @@ func (l *Limiter) resolve(op, name, key string, inline *Config) (spec, error) {
 	return newSpec(name, key, cfg), nil
 }
 
-// checkExecutor rejects a nil Executor, including a typed nil pointer in the interface.
+// checkExecutor rejects a nil Executor, including a typed nil pointer in the interface, and a
+// value that no driver runs on.
 func checkExecutor(op string, db Executor) error {
+	const fix = "pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn, or wrap a database/sql handle with sqldb.Wrap (package github.com/txlimit/txlimit/ratelimit/sqldb)"
 	if db == nil {
-		return &ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn"}
+		return &ArgumentError{Op: op, Arg: "db", Reason: "is nil: " + fix}
 	}
 	if v := reflect.ValueOf(db); v.Kind() == reflect.Pointer && v.IsNil() {
-		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a nil %T: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn", db)}
+		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a nil %T: %s", db, fix)}
+	}
+	if _, ok := stmtsFor(db); !ok {
+		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a %T: %s", db, fix)}
 	}
 	return nil
 }

@@ -37,14 +37,14 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 	if err != nil {
 		return 0, err
 	}
-	q := dbsqlc.New()
+	q := on(db)
 	var (
 		deleted    int64
 		afterKey   string
 		afterShard int32 = -1
 	)
 	for {
-		rows, err := q.PruneCandidates(ctx, db, dbsqlc.PruneCandidatesParams{
+		rows, err := q.PruneCandidates(ctx, dbsqlc.PruneCandidatesParams{
 			NowUs: l.clock(), Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
 		})
@@ -65,7 +65,7 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 			del.Anchors = append(del.Anchors, newSpec(name, r.Key, s.cfg).anchorUs)
 		}
 		if len(del.Keys) > 0 {
-			n, err := q.PruneDelete(ctx, db, del)
+			n, err := q.PruneDelete(ctx, del)
 			if err != nil {
 				return deleted, dbError(ctx, db, op, err)
 			}

@@ -67,7 +67,7 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 		p.Values = append(p.Values, r.Value)
 		p.TsUs = append(p.TsUs, r.TS.UnixMicro())
 	}
-	got, err := dbsqlc.New().OutOfDebtAt(ctx, db, p)
+	got, err := on(db).OutOfDebtAt(ctx, p)
 	if err != nil {
 		return nil, dbError(ctx, db, op, err)
 	}

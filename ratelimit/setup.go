@@ -8,42 +8,78 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/txlimit/txlimit/internal/dbsqlc"
 	"github.com/txlimit/txlimit/migrations"
 )
 
-// ErrSetup is matched (errors.Is) by every *SetupError: the database is reachable but txlimit's
-// schema is not where the connection looks for it.
-var ErrSetup = errors.New("ratelimit: database schema not set up")
+// ErrSetup is matched (errors.Is) by every *SetupError, whichever package found it: the database
+// is reachable, but txlimit (package ratelimit) or its scheduler (package scheduler) is not set up
+// to work there. It is not bad input: it does not match ErrInvalid. scheduler.ErrSetup is the same
+// value.
+var ErrSetup = errors.New("txlimit: not set up")
 
-// SetupError reports a set-up mistake rather than a failed decision: a table or function of txlimit
-// that Postgres did not find (SQLSTATE 42P01 or 42883: a forgotten migration, a search_path that
-// does not name the migrated schema, a schema migrated by an older txlimit), or, from CheckSchema,
-// a schema whose migration version is behind this build. It names the call that creates the
-// missing objects and the connection's search_path. Nothing was written.
+// SetupError reports a set-up mistake rather than a failed decision, found by package ratelimit or
+// package scheduler (scheduler.SetupError is this type). Its message leads with the fix, naming the
+// call that found it. It matches ErrSetup and, when set, Problem (errors.Is), and unwraps to Err.
+//
+// Package ratelimit reports txlimit's schema: a table or function of txlimit that Postgres did not
+// find (SQLSTATE 42P01 or 42883: a forgotten migration, a search_path that does not name the
+// migrated schema, a schema migrated by an older txlimit), or, from CheckSchema, a schema whose
+// migration version is behind this build. Nothing was written. Package scheduler reports River's
+// side (its Problem says what: scheduler.ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked).
 type SetupError struct {
-	// Op is the call that failed, e.g. "Limit" or "CheckSchema".
+	// Package is the package whose call found the mistake: "ratelimit" or "scheduler". Defaults to
+	// "" (read as "ratelimit").
+	Package string
+	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check".
 	Op string
-	// Fix is the call that creates the missing objects. Defaults to "migrations.Up".
+	// Problem is the mistake, when its package names one with a sentinel error (package scheduler's
+	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked). Defaults to nil: txlimit's schema is
+	// missing (Err says what Postgres did not find) or behind (Version and Want).
+	Problem error
+	// Fix is what to do: for txlimit's schema the call that creates the missing objects, for package
+	// scheduler a sentence. Defaults to "" (read as "migrations.Up").
 	Fix string
+	// Queue is the queue no River client works (scheduler.ErrQueueNotWorked). Defaults to "".
+	Queue string
 	// SearchPath is the connection's search_path, read after the failure; empty when it could not be
-	// read (inside a transaction the failure has aborted). Defaults to "".
+	// read (inside a transaction the failure has aborted) or does not matter. Defaults to "".
 	SearchPath string
 	// Version is the migration version found in the schema and Want the version this build needs
 	// (migrations.Latest()), when the error comes from CheckSchema; both 0 otherwise.
 	Version, Want int64
-	// Err is Postgres's error (a *pgconn.PgError, reachable with errors.As), or nil when the schema is
-	// merely behind. Defaults to nil.
+	// Err is the database's error (a *pgconn.PgError, reachable with errors.As), or nil when the
+	// schema is merely behind or the mistake is not the database's. Defaults to nil.
 	Err error
 }
 
-// Error leads with the fix (the call that creates the missing objects), then says what Postgres did
-// not find and where it looked: the object without its argument types, and the SQLSTATE.
-// Postgres's own message stays available through Unwrap. A forgotten migration, on search_path
-// "app":
+// Error leads with the fix, then says what is wrong. For txlimit's schema: the call that creates
+// the missing objects, then what Postgres did not find and where it looked (the object without its
+// argument types, and the SQLSTATE); Postgres's own message stays available through Unwrap. A
+// forgotten migration, on search_path "app":
 //
 //	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: function txlimit_decide does not exist in search_path "app" (SQLSTATE 42883; see docs/deploy.md)
+//
+// For package scheduler's problems: "scheduler: <Op>: <Fix> (<Problem>)", then the database's
+// error, if any.
 func (e *SetupError) Error() string {
+	pkg := e.Package
+	if pkg == "" {
+		pkg = "ratelimit"
+	}
+	if e.Problem != nil {
+		s := fmt.Sprintf("%s: %s: %s (%s", pkg, e.Op, e.Fix, strings.TrimPrefix(e.Problem.Error(), pkg+": "))
+		if e.Queue != "" {
+			s += fmt.Sprintf(" %q", e.Queue)
+		}
+		if e.SearchPath != "" {
+			s += fmt.Sprintf("; the connection's search_path is %q", e.SearchPath)
+		}
+		s += ")"
+		if e.Err != nil {
+			s += ": " + e.Err.Error()
+		}
+		return s
+	}
 	fix := e.Fix
 	if fix == "" {
 		fix = "migrations.Up"
@@ -53,8 +89,8 @@ func (e *SetupError) Error() string {
 		where = "this connection's search_path"
 	}
 	if e.Err == nil {
-		return fmt.Sprintf("ratelimit: %s: run %s(ctx, pool) at start-up with this search_path: %s leads to a schema at migration version %d, this build of txlimit needs %d (see docs/deploy.md)",
-			e.Op, fix, where, e.Version, e.Want)
+		return fmt.Sprintf("%s: %s: run %s(ctx, pool) at start-up with this search_path: %s leads to a schema at migration version %d, this build of txlimit needs %d (see docs/deploy.md)",
+			pkg, e.Op, fix, where, e.Version, e.Want)
 	}
 	missing, code := "txlimit's tables and functions do not exist", ""
 	var pgErr *pgconn.PgError
@@ -65,8 +101,8 @@ func (e *SetupError) Error() string {
 	if e.SearchPath == "" {
 		aborted = "the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; "
 	}
-	return fmt.Sprintf("ratelimit: %s: run %s(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: %s in %s (%s%ssee docs/deploy.md)",
-		e.Op, fix, missing, where, code, aborted)
+	return fmt.Sprintf("%s: %s: run %s(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: %s in %s (%s%ssee docs/deploy.md)",
+		pkg, e.Op, fix, missing, where, code, aborted)
 }
 
 // shortMissing is Postgres's "does not exist" message without a function's argument types:
@@ -79,10 +115,12 @@ func shortMissing(msg string) string {
 	return msg
 }
 
-// Is makes errors.Is(err, ErrSetup) true.
-func (e *SetupError) Is(target error) bool { return target == ErrSetup }
+// Is reports whether target is ErrSetup or e.Problem.
+func (e *SetupError) Is(target error) bool {
+	return target == ErrSetup || (e.Problem != nil && target == e.Problem)
+}
 
-// Unwrap returns Err, Postgres's error.
+// Unwrap returns Err, the database's error.
 func (e *SetupError) Unwrap() error { return e.Err }
 
 // dbError wraps an error of op's database call. A missing txlimit table or function becomes a
@@ -94,8 +132,8 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 		!strings.Contains(pgErr.Message, "txlimit_") {
 		return fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-	searchPath, _ := dbsqlc.New().SearchPath(ctx, db) // fails in an aborted transaction: left empty
-	return &SetupError{Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
+	searchPath, _ := on(db).SearchPath(ctx) // fails in an aborted transaction: left empty
+	return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
 }
 
 // CheckSchema verifies, in one query, that the schema db's search_path leads to holds txlimit's
@@ -108,12 +146,12 @@ func CheckSchema(ctx context.Context, db Executor) error {
 	if err := checkExecutor(op, db); err != nil {
 		return err
 	}
-	row, err := dbsqlc.New().SchemaVersion(ctx, db)
+	row, err := on(db).SchemaVersion(ctx)
 	if err != nil {
 		return dbError(ctx, db, op, err)
 	}
 	if want := migrations.Latest(); row.Version < want {
-		return &SetupError{Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
+		return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
 	}
 	return nil
 }

@@ -41,7 +41,7 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 	if err != nil {
 		return State{}, err
 	}
-	rows, err := dbsqlc.New().Levels(ctx, db, dbsqlc.LevelsParams{
+	rows, err := on(db).Levels(ctx, dbsqlc.LevelsParams{
 		NowUs: l.clock(), Name: name, Key: key,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	})
@@ -81,7 +81,7 @@ func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) erro
 	if err := checkKey(op, key); err != nil {
 		return err
 	}
-	if _, err := dbsqlc.New().Reset(ctx, db, dbsqlc.ResetParams{Name: name, Key: key}); err != nil {
+	if _, err := on(db).Reset(ctx, dbsqlc.ResetParams{Name: name, Key: key}); err != nil {
 		return dbError(ctx, db, op, err)
 	}
 	return nil
@@ -113,7 +113,7 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	if err := checkCount(op, count); err != nil {
 		return CreditResult{}, err
 	}
-	rows, err := dbsqlc.New().Credit(ctx, db, dbsqlc.CreditParams{
+	rows, err := on(db).Credit(ctx, dbsqlc.CreditParams{
 		NowUs: l.clock(), Name: name, Key: key, Shards: int32(s.shards), Count: count,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	})

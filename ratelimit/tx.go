@@ -80,7 +80,7 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 			return last
 		}
 		var busy *BusyError
-		if waiter, ok := db.(Executor); ok && waits < maxBusyWaits && errors.As(last, &busy) {
+		if waiter, ok := db.(dbsqlc.DBTX); ok && waits < maxBusyWaits && errors.As(last, &busy) {
 			waits++
 			attempt--
 			if err := dbsqlc.New().WaitForShard(ctx, waiter, dbsqlc.WaitForShardParams{

@@ -97,7 +97,7 @@ type PruneWorker struct {
 }
 
 // NewPruneWorker returns the worker that prunes every limit registered in limiter through db
-// (a *pgxpool.Pool, or ratelimit.SQL of a *sql.DB). A nil limiter or db, or an invalid config, is
+// (a *pgxpool.Pool, or sqldb.Wrap of a *sql.DB). A nil limiter or db, or an invalid config, is
 // an *ratelimit.ArgumentError.
 func NewPruneWorker(limiter *ratelimit.Limiter, db ratelimit.Executor, config *PruneConfig) (*PruneWorker, error) {
 	const op = "NewPruneWorker"

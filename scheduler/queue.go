@@ -33,7 +33,7 @@ func (s *Scheduler) configuredQueue(op, queue string) error {
 	if s.queues == nil || slices.Contains(s.queues, queue) {
 		return nil
 	}
-	return &SetupError{Op: op, Problem: ErrQueueNotWorked, Queue: queue, Fix: fmt.Sprintf(
+	return &SetupError{Package: pkgScheduler, Op: op, Problem: ErrQueueNotWorked, Queue: queue, Fix: fmt.Sprintf(
 		"insert the job into one of scheduler.Config.Queues (%s) with ReserveOpts.InsertOpts.Queue, or have a River client work %q and add it to scheduler.Config.Queues",
 		quoted(s.queues), queue)}
 }
@@ -60,7 +60,7 @@ func (s *Scheduler) workedQueue(ctx context.Context, op string, db schedsql.DBTX
 		s.worked.Store(queue, time.Now().Add(workedFor))
 		return nil
 	}
-	return &SetupError{Op: op, Problem: ErrQueueNotWorked, Queue: queue, Fix: fmt.Sprintf(
+	return &SetupError{Package: pkgScheduler, Op: op, Problem: ErrQueueNotWorked, Queue: queue, Fix: fmt.Sprintf(
 		"insert the job into a queue River's clients work (%s) with ReserveOpts.InsertOpts.Queue, or add %q to river.Config.Queues of a client",
 		quoted(names), queue)}
 }

@@ -13,11 +13,13 @@ import (
 	"github.com/riverqueue/river"
 
 	"github.com/txlimit/txlimit/internal/schedsql"
+	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// ErrSetup matches (errors.Is) every *SetupError: the scheduler is not set up to work, whatever
-// the call. It is not bad input (it does not match ratelimit.ErrInvalid): fix the set-up.
-var ErrSetup = errors.New("scheduler: not set up")
+// ErrSetup matches (errors.Is) every *SetupError: txlimit or its scheduler is not set up to work,
+// whatever the call. It is ratelimit.ErrSetup, so one check covers both packages. It is not bad
+// input (it does not match ratelimit.ErrInvalid): fix the set-up.
+var ErrSetup = ratelimit.ErrSetup
 
 // ErrNoPreciseHook matches (errors.Is) the *SetupError of a River client without PreciseHook.
 var ErrNoPreciseHook = errors.New("scheduler: PreciseHook is not registered on the River client")
@@ -31,46 +33,15 @@ var ErrNoRiverTables = errors.New("scheduler: River's tables are missing")
 // until someone cancels it. ReserveTx and ReserveManyTx return it before anything is reserved.
 var ErrQueueNotWorked = errors.New("scheduler: no River client works the job's queue")
 
-// SetupError is a set-up mistake found by Check or by a call: it says how to fix it, then what is
-// wrong. It matches ErrSetup and one of ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked
-// (errors.Is), and unwraps to the database's error when there is one.
-type SetupError struct {
-	// Op is the call that found it, e.g. "ReserveTx" or "Check".
-	Op string
-	// Problem is ErrNoPreciseHook, ErrNoRiverTables or ErrQueueNotWorked.
-	Problem error
-	// Fix says what to do.
-	Fix string
-	// Queue is the queue no River client works (ErrQueueNotWorked); "" otherwise.
-	Queue string
-	// SearchPath is the connection's search_path when the tables were missing ("" when it could
-	// not be read or does not matter).
-	SearchPath string
-	// Err is the underlying error, if any (the *pgconn.PgError of a missing table).
-	Err error
-}
+// SetupError is a set-up mistake found by Check or by a call: ratelimit.SetupError, with Package
+// "scheduler" and Problem one of ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked. It says how
+// to fix it, then what is wrong; it matches ErrSetup and its Problem (errors.Is), and unwraps to
+// the database's error when there is one. A call of package ratelimit made for the scheduler
+// (ReserveTx's decision) returns ratelimit's own, with Package "ratelimit".
+type SetupError = ratelimit.SetupError
 
-// Error reads "scheduler: <Op>: <Fix> (<Problem>)", then the underlying error, if any.
-func (e *SetupError) Error() string {
-	s := fmt.Sprintf("scheduler: %s: %s (%s", e.Op, e.Fix, strings.TrimPrefix(e.Problem.Error(), "scheduler: "))
-	if e.Queue != "" {
-		s += fmt.Sprintf(" %q", e.Queue)
-	}
-	if e.SearchPath != "" {
-		s += fmt.Sprintf("; the connection's search_path is %q", e.SearchPath)
-	}
-	s += ")"
-	if e.Err != nil {
-		s += ": " + e.Err.Error()
-	}
-	return s
-}
-
-// Is reports whether target is ErrSetup or e.Problem.
-func (e *SetupError) Is(target error) bool { return target == ErrSetup || target == e.Problem }
-
-// Unwrap returns the underlying error.
-func (e *SetupError) Unwrap() error { return e.Err }
+// pkgScheduler is the Package of this package's *SetupError.
+const pkgScheduler = "scheduler"
 
 const (
 	fixHook   = "add &scheduler.PreciseHook{} to river.Config.Hooks of the client, or set scheduler.Config.AllowImprecise to accept River's ~5 s lateness"
@@ -79,7 +50,7 @@ const (
 
 // noHookError is the error of a call whose insert did not go through PreciseHook.
 func noHookError(op string) error {
-	return &SetupError{Op: op, Problem: ErrNoPreciseHook, Fix: fixHook}
+	return &SetupError{Package: pkgScheduler, Op: op, Problem: ErrNoPreciseHook, Fix: fixHook}
 }
 
 // missingRiverTable returns err as a *SetupError when it is Postgres's "undefined table" or
@@ -90,7 +61,7 @@ func missingRiverTable(ctx context.Context, op string, db schedsql.DBTX, err err
 	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") || !strings.Contains(pgErr.Message, "river_") {
 		return nil
 	}
-	se := &SetupError{Op: op, Problem: ErrNoRiverTables, Fix: fixTables, Err: err}
+	se := &SetupError{Package: pkgScheduler, Op: op, Problem: ErrNoRiverTables, Fix: fixTables, Err: err}
 	if db != nil {
 		if path, perr := schedsql.New().SearchPath(ctx, db); perr == nil {
 			se.SearchPath = path
@@ -136,7 +107,7 @@ func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs)
 		return fmt.Errorf("scheduler: %s: %w", op, err)
 	}
 	if !row.Present {
-		return &SetupError{Op: op, Problem: ErrNoRiverTables, Fix: fixTables, SearchPath: row.SearchPath}
+		return &SetupError{Package: pkgScheduler, Op: op, Problem: ErrNoRiverTables, Fix: fixTables, SearchPath: row.SearchPath}
 	}
 	if err := s.checkQueues(ctx, op, tx, probe); err != nil {
 		return err
@@ -182,7 +153,7 @@ func (s *Scheduler) checkQueues(ctx context.Context, op string, tx pgx.Tx, probe
 	}
 	for _, q := range s.queues {
 		if len(names) > 0 && !slices.Contains(names, q) {
-			return &SetupError{Op: op, Problem: ErrQueueNotWorked, Queue: q, Fix: fmt.Sprintf(
+			return &SetupError{Package: pkgScheduler, Op: op, Problem: ErrQueueNotWorked, Queue: q, Fix: fmt.Sprintf(
 				"have a River client work %q (river.Config.Queues; River's clients work %s), or remove it from scheduler.Config.Queues",
 				q, quoted(names))}
 		}

@@ -139,7 +139,7 @@ type StrandedOutput struct {
 // StrandedPeriodicJob schedules it.
 type StrandedWorker struct {
 	river.WorkerDefaults[StrandedArgs]
-	db       ratelimit.Executor
+	db       schedsql.DBTX
 	cfg      StrandedConfig
 	stranded metric.Int64Counter
 	now      func() time.Time // tests replace it; nil: the database's clock
@@ -153,11 +153,15 @@ func NewStrandedWorker(db ratelimit.Executor, config *StrandedConfig) (*Stranded
 	if db == nil {
 		return nil, argError(op, "db", "is nil: pass the *pgxpool.Pool of the River client", nil)
 	}
+	pgxDB, ok := db.(schedsql.DBTX) // River's tables are read through pgx
+	if !ok {
+		return nil, argError(op, "db", fmt.Sprintf("is a %T: pass the *pgxpool.Pool of the River client", db), nil)
+	}
 	cfg, err := config.withDefaults(op)
 	if err != nil {
 		return nil, err
 	}
-	w := &StrandedWorker{db: db, cfg: cfg}
+	w := &StrandedWorker{db: pgxDB, cfg: cfg}
 	// The API returns a working no-op instrument along with any error (an invalid name, which
 	// this constant is not), so the error is only logged.
 	w.stranded, err = cfg.MeterProvider.Meter(MeterName).Int64Counter(MetricStranded, metric.WithUnit("{job}"),

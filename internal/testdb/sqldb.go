@@ -3,7 +3,6 @@ package testdb
 import (
 	"context"
 	"database/sql"
-	"fmt"
 	"net"
 	"net/url"
 	"strconv"
@@ -17,7 +16,7 @@ import (
 	"github.com/txlimit/txlimit/migrations"
 )
 
-// SQLDrivers are the database/sql drivers the adapter tests run with: "pgx" (pgx's stdlib) and
+// SQLDrivers are the database/sql drivers package sqldb's tests run with: "pgx" (pgx's stdlib) and
 // "postgres" (lib/pq).
 var SQLDrivers = []string{"pgx", "postgres"}
 
@@ -86,32 +85,4 @@ func SchemaURL(tb testing.TB, schema string) string {
 	}
 	u.RawQuery = q.Encode()
 	return u.String()
-}
-
-// Echo sends v as parameter $1 cast to pgType (one of the types listed in echoTypes) and scans the
-// result into dst: the round trip of one value through a driver.
-func Echo(ctx context.Context, db Querier, pgType string, v, dst any) error {
-	q, ok := echoQueries[pgType]
-	if !ok {
-		return fmt.Errorf("testdb: Echo: no query for type %q", pgType)
-	}
-	return db.QueryRow(ctx, q, v).Scan(dst)
-}
-
-var echoQueries = map[string]string{
-	"text[]":        "SELECT $1::text[]",
-	"float8[]":      "SELECT $1::float8[]",
-	"bigint[]":      "SELECT $1::bigint[]",
-	"integer[]":     "SELECT $1::integer[]",
-	"smallint[]":    "SELECT $1::smallint[]",
-	"boolean[]":     "SELECT $1::boolean[]",
-	"timestamptz":   "SELECT $1::timestamptz",
-	"timestamptz[]": "SELECT $1::timestamptz[]",
-	"float8":        "SELECT $1::float8",
-	"text":          "SELECT $1::text",
-}
-
-// NoRows runs a query that returns no row and scans it into dst.
-func NoRows(ctx context.Context, db Querier, dst any) error {
-	return db.QueryRow(ctx, "SELECT 1 WHERE false").Scan(dst)
 }

@@ -65,6 +65,9 @@ type Options struct {
 	// RuntimeParams are set on every connection (e.g. synchronous_commit), besides search_path.
 	// Defaults to none.
 	RuntimeParams map[string]string
+	// QueryExecMode is pgx's DefaultQueryExecMode of every connection. Defaults to 0: pgx's
+	// default (QueryExecModeCacheStatement).
+	QueryExecMode pgx.QueryExecMode
 }
 
 // Pool returns a pool whose search_path is a new schema with txlimit's migrations applied. The
@@ -84,6 +87,9 @@ func Pool(tb testing.TB, opts *Options) *pgxpool.Pool {
 				cfg.MaxConns = opts.MaxConns
 			}
 			cfg.ConnConfig.Tracer = opts.Tracer
+			if opts.QueryExecMode != 0 {
+				cfg.ConnConfig.DefaultQueryExecMode = opts.QueryExecMode
+			}
 		},
 		NoMigrate: opts.NoMigrate,
 	})

@@ -1,4 +1,4 @@
-package ratelimit_test
+package sqldb_test
 
 import (
 	"context"
@@ -11,11 +11,12 @@ import (
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/ratelimit/sqldb"
 )
 
-// An application on database/sql (sqlx, GORM, ent, bun...) passes its *sql.Tx through SQL: the
+// An application on database/sql (sqlx, GORM, ent, bun...) passes its *sql.Tx through Wrap: the
 // invitation and the token it costs commit together, or neither does.
-func ExampleSQL() {
+func ExampleWrap() {
 	ctx := context.Background()
 	pool, done := testdb.ForExample()
 	defer done()
@@ -38,7 +39,7 @@ func ExampleSQL() {
 			return err
 		}
 		defer tx.Rollback() // a no-op after Commit
-		res, err := limiter.Limit(ctx, ratelimit.SQL(tx), "invite", userID, nil)
+		res, err := limiter.Limit(ctx, sqldb.Wrap(tx), "invite", userID, nil)
 		if err != nil {
 			return err
 		}

@@ -1,0 +1,34 @@
+// Package driver is the boundary between package ratelimit and a database package: Executor is
+// the handful of statements the library sends, implemented once per database package on the code
+// sqlc generates from internal/dbsqlc/queries (pgx/v5 in package pgxdriver, database/sql in package
+// ratelimit/sqldb). Package drivertest holds the contract suite every driver passes.
+//
+// The parameters and rows are those sqlc generates for pgx (package dbsqlc), which the engine
+// builds anyway, so that the pgx driver forwards them as they are; another driver converts them to
+// its own. The package is internal: the interface changes with the statements.
+package driver
+
+import (
+	"context"
+
+	"github.com/txlimit/txlimit/internal/dbsqlc"
+)
+
+// Executor runs txlimit's statements on one database handle: a pool, a connection or a
+// transaction. Every method is one statement and one round trip; internal/dbsqlc/queries says
+// what each does. An error that carries an SQLSTATE matches *pgconn.PgError under errors.As,
+// whatever the database package, so that the SQLSTATE checks of package ratelimit (IsRetryable, a
+// missing migration's *SetupError) work alike.
+type Executor interface {
+	DecideOne(ctx context.Context, arg dbsqlc.DecideOneParams) ([]byte, error)
+	Decide(ctx context.Context, arg dbsqlc.DecideParams) ([]dbsqlc.DecideRow, error)
+	WaitForShard(ctx context.Context, arg dbsqlc.WaitForShardParams) error
+	Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsqlc.LevelsRow, error)
+	Reset(ctx context.Context, arg dbsqlc.ResetParams) (int64, error)
+	Credit(ctx context.Context, arg dbsqlc.CreditParams) ([]dbsqlc.CreditRow, error)
+	PruneCandidates(ctx context.Context, arg dbsqlc.PruneCandidatesParams) ([]dbsqlc.PruneCandidatesRow, error)
+	PruneDelete(ctx context.Context, arg dbsqlc.PruneDeleteParams) (int64, error)
+	OutOfDebtAt(ctx context.Context, arg dbsqlc.OutOfDebtAtParams) ([]dbsqlc.OutOfDebtAtRow, error)
+	SearchPath(ctx context.Context) (string, error)
+	SchemaVersion(ctx context.Context) (dbsqlc.SchemaVersionRow, error)
+}

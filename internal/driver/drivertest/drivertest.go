@@ -1,0 +1,310 @@
+// Package drivertest is the contract every driver of txlimit passes (internal/driver): one suite,
+// Run, that package ratelimit's tests run on pgx (a pool, a pgx.Tx, each of pgx's query exec
+// modes) and package sqldb's on database/sql (the pgx stdlib driver and lib/pq). The numbers are
+// those docs/spec.md's algebra gives.
+package drivertest
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// Handle is one database handle under test, on a schema of its own.
+type Handle struct {
+	// DB makes each call a transaction of its own (a pool, a *sql.DB). Required.
+	DB ratelimit.Executor
+	// Begin starts a caller's transaction (serializable when asked) and returns it as an Executor
+	// with its commit and rollback; one still open when the test ends is rolled back. Required.
+	Begin func(t *testing.T, serializable bool) (tx ratelimit.Executor, commit, rollback func() error)
+	// Inspect is a pgx pool on the same schema, for counting rows. Required.
+	Inspect *pgxpool.Pool
+}
+
+// Open returns a Handle on a fresh schema, migrated when migrate is true.
+type Open func(t *testing.T, migrate bool) Handle
+
+// t0 is the instant every call of the suite decides at.
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// limits are the suite's limits. "llm" has an explicit MaxReserved, since reservations need one.
+var limits = map[string]ratelimit.Config{
+	"msg":    {Rate: 10, Period: time.Minute, Capacity: 3},
+	"llm":    {Rate: 100, Period: time.Second, MaxReserved: 500},
+	"ip":     {Rate: 5, Period: time.Minute},
+	"global": {Rate: 100, Period: time.Minute},
+	"hot":    {Rate: 8, Period: time.Second, Shards: 2}, // both shards are candidates: no random pick matters
+	"fw":     {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0},
+	"debt":   {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}, // +Inf travels as a parameter
+}
+
+// WeirdKey is a key that a text encoding of arrays must quote: a quote, a comma, braces, a
+// backslash, a space, non-ASCII and the word NULL.
+const WeirdKey = `we"ird, {key}\ é NULL`
+
+func newLimiter(t *testing.T, at time.Time) *ratelimit.Limiter {
+	t.Helper()
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits, Now: func() time.Time { return at }})
+	require.NoError(t, err)
+	return lim
+}
+
+// Run runs the contract on the handles open gives, each subtest on a schema of its own.
+func Run(t *testing.T, open Open) {
+	t.Run("Script", func(t *testing.T) {
+		t.Parallel()
+		testScript(t, open(t, true))
+	})
+	t.Run("RollbackAndCommit", func(t *testing.T) {
+		t.Parallel()
+		testRollbackAndCommit(t, open(t, true))
+	})
+	t.Run("DenialWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		testDenialWritesNothing(t, open(t, true))
+	})
+	t.Run("Concurrent", func(t *testing.T) {
+		t.Parallel()
+		testConcurrent(t, open(t, true))
+	})
+	t.Run("SerializationFailure", func(t *testing.T) {
+		t.Parallel()
+		testSerializationFailure(t, open(t, true))
+	})
+	t.Run("NotMigrated", func(t *testing.T) {
+		t.Parallel()
+		testNotMigrated(t, open(t, false))
+	})
+}
+
+func state(t *testing.T, lim *ratelimit.Limiter, db ratelimit.Executor, name, key string) ratelimit.State {
+	t.Helper()
+	st, err := lim.State(context.Background(), db, name, key, nil)
+	require.NoError(t, err)
+	return st
+}
+
+// Script runs every kind of call on db at t0 and checks the numbers the algebra gives (docs/spec.md
+// §3, §4, §6) on a schema where none of its limits has a row yet.
+func Script(t *testing.T, db ratelimit.Executor) {
+	t.Helper()
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	// Capacity 3: three grants, then a denial (RetryAt: 1 token at 10/min) that writes nothing.
+	for i := 1; i <= 4; i++ {
+		r, err := lim.Limit(ctx, db, "msg", "u1", nil)
+		require.NoError(t, err)
+		require.Equal(t, i <= 3, r.OK, "step %d: got ok %v", i, r.OK)
+		require.Equal(t, float64(max(3-i, 0)), r.Value, "step %d", i)
+		if i == 4 {
+			require.Equal(t, 6*time.Second, r.RetryAfter()) // 1 token at 10/min
+		}
+	}
+	require.Equal(t, 0.0, state(t, lim, db, "msg", "u1").Value)
+
+	r, err := lim.LimitN(ctx, db, "llm", "org", 150, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.True(t, r.Reserved)
+	require.Equal(t, -50.0, r.Value)
+	require.Equal(t, t0.Add(500*time.Millisecond), r.RetryAt)
+
+	due, err := lim.OutOfDebtAt(ctx, db, time.Time{}, []ratelimit.Row{{Name: "llm", Key: "org", Value: r.Value, TS: r.TS}})
+	require.NoError(t, err)
+	require.Equal(t, []time.Time{r.RetryAt}, due)
+
+	r, err = lim.LimitN(ctx, db, "llm", "org", 451, &ratelimit.LimitOpts{Reserve: true}) // past MaxReserved
+	require.NoError(t, err)
+	require.False(t, r.OK)
+
+	// Unbounded debt: +Inf as a scalar (one request) and in an array (a list).
+	r, err = lim.LimitN(ctx, db, "debt", "a", 1000, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	require.True(t, r.Reserved)
+	require.Equal(t, -990.0, r.Value)
+	require.Equal(t, t0.Add(99*time.Second), r.RetryAt)
+	m, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "debt", Key: "b", Count: 30, Reserve: true}, {Name: "debt", Key: "c"}}, nil)
+	require.NoError(t, err)
+	require.True(t, m.OK)
+	require.Equal(t, []float64{-20, 9}, []float64{m.Results[0].Value, m.Results[1].Value})
+	require.Equal(t, t0.Add(2*time.Second), m.RetryAt)
+
+	r, err = lim.Check(ctx, db, "msg", "u2", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.Equal(t, 2.0, r.Value)
+
+	reqs := []ratelimit.Request{{Name: "ip", Key: WeirdKey, Count: 2}, {Name: "global"}, {Name: "hot", Key: "k"}}
+	m, err = lim.LimitMany(ctx, db, reqs, nil)
+	require.NoError(t, err)
+	require.True(t, m.OK)
+	// "hot" reports the two shards it looked at, 4 tokens each before.
+	require.Equal(t, []float64{3, 99, 7}, []float64{m.Results[0].Value, m.Results[1].Value, m.Results[2].Value})
+
+	m, err = lim.CheckMany(ctx, db, []ratelimit.Request{{Name: "ip", Key: WeirdKey, Count: 4}, {Name: "global"}}, nil)
+	require.NoError(t, err)
+	require.False(t, m.OK) // 3 left
+
+	r, err = lim.LimitN(ctx, db, "hot", "k", 3, nil) // the shards hold 3 and 4
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.Equal(t, 4.0, r.Value)
+
+	r, err = lim.Limit(ctx, db, "fw", "k", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.Equal(t, 4.0, r.Value)
+
+	c, err := lim.Credit(ctx, db, "msg", "u1", 2, nil)
+	require.NoError(t, err)
+	require.Equal(t, 2.0, c.Credited)
+	require.Equal(t, 2.0, c.Value)
+
+	st := state(t, lim, db, "hot", "k")
+	require.Equal(t, 4.0, st.Value) // 8 - 1 (LimitMany) - 3
+	st = state(t, lim, db, "ip", WeirdKey)
+	require.Equal(t, 3.0, st.Value)
+
+	require.NoError(t, lim.Reset(ctx, db, "msg", "u1"))
+	st = state(t, lim, db, "msg", "u1")
+	require.Equal(t, 3.0, st.Value)
+	require.True(t, st.TS.IsZero())
+
+	require.NoError(t, ratelimit.CheckSchema(ctx, db))
+}
+
+// testScript: the script on the handle itself, then Prune an hour later, when every row is full.
+func testScript(t *testing.T, h Handle) {
+	Script(t, h.DB)
+	n, err := newLimiter(t, t0.Add(time.Hour)).Prune(context.Background(), h.DB, "ip", nil)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+}
+
+// testRollbackAndCommit: decisions inside the caller's transaction roll back with it (the rows as
+// before) and commit with it.
+func testRollbackAndCommit(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+
+	tx, _, rollback := h.Begin(t, false)
+	Script(t, tx)
+	require.NoError(t, rollback())
+	require.Zero(t, testdb.CountRows(t, h.Inspect))
+	require.Equal(t, 100.0, state(t, lim, h.DB, "llm", "org").Value)
+
+	tx, commit, _ := h.Begin(t, false)
+	Script(t, tx)
+	require.NoError(t, commit())
+	require.Equal(t, -50.0, state(t, lim, h.DB, "llm", "org").Value)
+	require.Equal(t, 3.0, state(t, lim, h.DB, "ip", WeirdKey).Value)
+
+	// Capacity 3 on a row of its own: a grant in a rolled-back transaction leaves the row as before.
+	r, err := lim.Limit(ctx, h.DB, "msg", "solo", nil)
+	require.NoError(t, err)
+	require.Equal(t, 2.0, r.Value)
+	tx, _, rollback = h.Begin(t, false)
+	r, err = lim.Limit(ctx, tx, "msg", "solo", nil)
+	require.NoError(t, err)
+	require.Equal(t, 1.0, r.Value)
+	require.NoError(t, rollback())
+	require.Equal(t, 2.0, state(t, lim, h.DB, "msg", "solo").Value)
+}
+
+// testDenialWritesNothing: capacity 3 grants three calls; the fourth is denied and leaves the row
+// as it was (the same row version).
+func testDenialWritesNothing(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	for i := 1; i <= 3; i++ {
+		r, err := lim.Limit(ctx, h.DB, "msg", "d", nil)
+		require.NoError(t, err)
+		require.True(t, r.OK, "step %d: got denied", i)
+	}
+	before, found := testdb.RowVersion(t, h.Inspect, "msg", "d", 0)
+	require.True(t, found)
+	r, err := lim.Limit(ctx, h.DB, "msg", "d", nil)
+	require.NoError(t, err)
+	require.False(t, r.OK)
+	require.Equal(t, t0.Add(6*time.Second), r.RetryAt)
+	after, _ := testdb.RowVersion(t, h.Inspect, "msg", "d", 0)
+	require.Equal(t, before, after)
+}
+
+// testConcurrent: calls racing for one row of capacity 3 on the handle (each a transaction of its
+// own, some queued behind the others) are granted exactly three times.
+func testConcurrent(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	const calls = 12
+	granted := make(chan bool, calls)
+	var wg sync.WaitGroup
+	for range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := lim.Limit(ctx, h.DB, "msg", "race", nil)
+			granted <- err == nil && r.OK
+			if err != nil {
+				t.Errorf("Limit: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(granted)
+	n := 0
+	for ok := range granted {
+		if ok {
+			n++
+		}
+	}
+	require.Equal(t, 3, n)
+	require.Equal(t, 0.0, state(t, lim, h.DB, "msg", "race").Value)
+}
+
+// testSerializationFailure: a serialization failure is retryable (SQLSTATE 40001 as a
+// *pgconn.PgError), whatever the driver.
+func testSerializationFailure(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	_, err := lim.Limit(ctx, h.DB, "msg", "u", nil) // the row exists
+	require.NoError(t, err)
+
+	// late is rolled back when the test ends.
+	late, _, _ := h.Begin(t, true)
+	_, err = lim.Check(ctx, late, "msg", "u", nil) // takes late's snapshot
+	require.NoError(t, err)
+
+	early, commit, _ := h.Begin(t, true)
+	r, err := lim.Limit(ctx, early, "msg", "u", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.NoError(t, commit())
+
+	_, err = lim.Limit(ctx, late, "msg", "u", nil)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "40001", pgErr.Code)
+	require.True(t, ratelimit.IsRetryable(err))
+}
+
+// testNotMigrated: a missing table is a *SetupError naming the fix, with the SQLSTATE.
+func testNotMigrated(t *testing.T, h Handle) {
+	ctx := context.Background()
+	_, err := newLimiter(t, t0).Limit(ctx, h.DB, "msg", "u1", nil)
+	require.ErrorIs(t, err, ratelimit.ErrSetup)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Contains(t, []string{"42P01", "42883"}, pgErr.Code)
+	require.Contains(t, err.Error(), "migrations.Up")
+	require.Contains(t, err.Error(), " does not exist in search_path ") // Postgres's message, without the driver's prefix
+	require.ErrorIs(t, ratelimit.CheckSchema(ctx, h.DB), ratelimit.ErrSetup)
+}

@@ -1,0 +1,87 @@
+package sqldb_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/driver/drivertest"
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/ratelimit/sqldb"
+)
+
+// sqlHandle opens the contract's handle on database/sql with driver ("pgx": pgx's stdlib,
+// "postgres": lib/pq): calls on the *sql.DB, and a caller's *sql.Tx.
+func sqlHandle(driver string) drivertest.Open {
+	return func(t *testing.T, migrate bool) drivertest.Handle {
+		t.Helper()
+		db, pool := testdb.SQLDB(t, driver, migrate)
+		return drivertest.Handle{
+			DB: sqldb.Wrap(db), Inspect: pool,
+			Begin: func(t *testing.T, serializable bool) (ratelimit.Executor, func() error, func() error) {
+				opts := &sql.TxOptions{}
+				if serializable {
+					opts.Isolation = sql.LevelSerializable
+				}
+				tx, err := db.BeginTx(context.Background(), opts)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = tx.Rollback() })
+				return sqldb.Wrap(tx), tx.Commit, tx.Rollback
+			},
+		}
+	}
+}
+
+// TestDriverContract runs the driver contract on database/sql with the pgx stdlib driver and with
+// lib/pq: on a *sql.DB and in a caller's *sql.Tx that rolls back and commits.
+func TestDriverContract(t *testing.T) {
+	t.Parallel()
+	for _, driver := range testdb.SQLDrivers {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			drivertest.Run(t, sqlHandle(driver))
+		})
+	}
+}
+
+// TestConn runs the script on a *sql.Conn, which makes decisions of its own.
+func TestConn(t *testing.T) {
+	t.Parallel()
+	for _, driver := range testdb.SQLDrivers {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			db, _ := testdb.SQLDB(t, driver, true)
+			conn, err := db.Conn(context.Background())
+			require.NoError(t, err)
+			defer conn.Close()
+			drivertest.Script(t, sqldb.Wrap(conn))
+		})
+	}
+}
+
+// TestWrapNil: a nil handle gives a nil Executor, which every call refuses as bad input; a bare
+// *sql.Tx is refused with the fix.
+func TestWrapNil(t *testing.T) {
+	t.Parallel()
+	var (
+		nilDB   *sql.DB
+		nilTx   *sql.Tx
+		nilConn *sql.Conn
+	)
+	require.Nil(t, sqldb.Wrap(nil))
+	require.Nil(t, sqldb.Wrap(nilDB))
+	require.Nil(t, sqldb.Wrap(nilTx))
+	require.Nil(t, sqldb.Wrap(nilConn))
+	lim, err := ratelimit.New(nil)
+	require.NoError(t, err)
+	_, err = lim.Limit(context.Background(), sqldb.Wrap(nilDB), "msg", "u", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: 1e9}})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+
+	db, _ := testdb.SQLDB(t, "pgx", false)
+	_, err = lim.Limit(context.Background(), db, "msg", "u", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: 1e9}})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.ErrorContains(t, err, "is a *sql.DB: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn, or wrap a database/sql handle with sqldb.Wrap")
+}
