@@ -79,10 +79,10 @@ func decideListAsync(b *testBundle, calls []ratelimit.ListCall) <-chan listAnswe
 	return done
 }
 
-// A list of calls on keys of their own whose first row (in row order, here key "a") grants now is
-// first tried in one UPDATE, with no read (txlimit_decide's header); when a request is not granted
-// now there (a refusal, a missing row, a Check, a reservation), that UPDATE is undone and the usual
-// road decides the list. The answers must be exactly those of the rules, whichever road took them.
+// A list of calls on keys of their own is first tried in one UPDATE of their rows (txlimit_alone);
+// a request it does not write (a refusal, a missing row, a Check, a reservation) is decided on its
+// row as read, or by the rest of the road. The answers must be exactly those of the rules,
+// whichever step decided them.
 func TestListOfKeysGrantedInOneUpdate(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"five": {Rate: 5, Period: time.Second, MaxReserved: 2}})

@@ -57,7 +57,7 @@ type SetupError struct {
 // argument types, and the SQLSTATE); Postgres's own message stays available through Unwrap. A
 // forgotten migration, on search_path "app":
 //
-//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: function txlimit_decide does not exist in search_path "app" (SQLSTATE 42883; see docs/deploy.md)
+//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: relation "txlimit_state" does not exist in search_path "app" (SQLSTATE 42P01; see docs/deploy.md)
 //
 // For package scheduler's problems: "scheduler: <Op>: <Fix> (<Problem>)", then the database's
 // error, if any.
@@ -106,8 +106,8 @@ func (e *SetupError) Error() string {
 }
 
 // shortMissing is Postgres's "does not exist" message without a function's argument types:
-// "function txlimit_decide(timestamp with time zone, integer[], ...) does not exist" becomes
-// "function txlimit_decide does not exist"; `relation "txlimit_state" does not exist` is kept.
+// "function txlimit_written_v1(double precision, bigint, ...) does not exist" becomes
+// "function txlimit_written_v1 does not exist"; `relation "txlimit_state" does not exist` is kept.
 func shortMissing(msg string) string {
 	if i, j := strings.IndexByte(msg, '('), strings.LastIndexByte(msg, ')'); i >= 0 && j > i {
 		return msg[:i] + msg[j+1:]
