@@ -1,11 +1,12 @@
 // Package driver is the boundary between package ratelimit and a database package: Executor is
 // the handful of statements the library sends, implemented once per database package on the code
-// sqlc generates from internal/dbsqlc/queries (pgx/v5 in package pgxdriver, database/sql in package
-// ratelimit/sqldb). Package drivertest holds the contract suite every driver passes.
+// sqlc generates from internal/dbsqlc/queries: for pgx/v5, sqlc's pgx output itself (package
+// dbsqlc, whose methods package ratelimit calls with the handle, with nothing in between); for
+// database/sql, package ratelimit/sqldb on sqlc's database/sql output (internal/dbsqlcstd).
+// Package drivertest holds the contract suite every driver passes.
 //
 // The parameters and rows are those sqlc generates for pgx (package dbsqlc), which the engine
-// builds anyway, so that the pgx driver forwards them as they are; another driver converts them to
-// its own. The package is internal: the interface changes with the statements.
+// builds anyway, so that pgx takes them as they are; another driver converts them to its own. The package is internal: the interface changes with the statements.
 package driver
 
 import (
