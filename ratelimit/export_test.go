@@ -18,17 +18,16 @@ type ListCall struct {
 func DecideList(ctx context.Context, l *Limiter, db Executor, calls []ListCall) ([]ManyResult, []error, error) {
 	prepared := make([]*call, len(calls))
 	for i, c := range calls {
-		var err error
+		reqs, op := c.Reqs, "LimitMany"
 		if c.Single {
 			r := c.Reqs[0]
-			count := r.Count
-			if count == 0 {
-				count = 1
+			if r.Count == 0 {
+				r.Count = 1
 			}
-			prepared[i], err = l.prepareSingle("LimitN", r.Name, r.Key, count, &LimitOpts{Config: r.Config, Reserve: r.Reserve}, c.Dry)
-		} else {
-			prepared[i], err = l.prepareMany("LimitMany", c.Reqs, c.Dry)
+			reqs, op = []Request{r}, "LimitN"
 		}
+		var err error
+		prepared[i], err = l.prepareCall(op, reqs, c.Single, c.Dry)
 		if err != nil {
 			return nil, nil, err
 		}

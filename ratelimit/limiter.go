@@ -150,12 +150,7 @@ type Result struct {
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
-func (r Result) RetryAfter() time.Duration {
-	if r.RetryAt.IsZero() || !r.RetryAt.After(r.Time) {
-		return 0
-	}
-	return r.RetryAt.Sub(r.Time)
-}
+func (r Result) RetryAfter() time.Duration { return waitUntil(r.RetryAt, r.Time) }
 
 // Err returns nil when the result is OK, else the denial as a *LimitedError.
 func (r Result) Err() error {
@@ -191,36 +186,62 @@ func (l *Limiter) CheckN(ctx context.Context, db Executor, name, key string, cou
 }
 
 func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
-	if err := checkExecutor(op, db); err != nil {
-		return Result{}, err
-	}
-	start := time.Now()
-	c, err := l.prepareSingle(op, name, key, count, opts, dry)
-	if err != nil {
-		l.obs.decided(ctx, metricOp(op), start, []Request{{Name: name}}, ManyResult{}, err)
-		return Result{}, err
-	}
-	out, err := l.decideCalls(ctx, db, []*call{c})
-	if err != nil {
-		err = dbError(ctx, db, op, err)
-	} else {
-		err = out[0].err
-	}
-	var res ManyResult
-	var r Result
-	if err == nil {
-		res = out[0].res
-		r = res.Results[0]
-	}
-	l.obs.decided(ctx, metricOp(op), start, c.reqs, res, err)
-	if err != nil {
-		return Result{}, err
-	}
-	if opts != nil && opts.AsError && !r.OK {
-		return r, r.Err()
-	}
-	return r, nil
+	return firstResult(l.many(ctx, db, op, singleRequest(name, key, count, opts), true, dry, opts.asError()))
 }
+
+func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Request, single, dry, asError bool) (ManyResult, error) {
+	if err := checkExecutor(op, db); err != nil {
+		return ManyResult{}, err
+	}
+	return l.decide(ctx, op, reqs, single, dry, asError, func(c *call) (ManyResult, error) {
+		out, err := l.decideCalls(ctx, db, []*call{c})
+		if err != nil {
+			return ManyResult{}, dbError(ctx, db, op, err)
+		}
+		return out[0].res, out[0].err
+	})
+}
+
+// decide is the one path of every decision call, on the Limiter and on the Batcher: it validates
+// the call (prepareCall), has run decide it, records its metrics and, when asError, turns a denial
+// into a *LimitedError (returned with the result).
+func (l *Limiter) decide(ctx context.Context, op string, reqs []Request, single, dry, asError bool, run func(*call) (ManyResult, error)) (ManyResult, error) {
+	start := time.Now()
+	c, err := l.prepareCall(op, reqs, single, dry)
+	var m ManyResult
+	if err == nil {
+		m, err = run(c)
+	}
+	l.obs.decided(ctx, metricOp(op), start, reqs, m, err)
+	if err != nil {
+		return ManyResult{}, err
+	}
+	if asError && !m.OK {
+		return m, m.Err()
+	}
+	return m, nil
+}
+
+// singleRequest is the request of a Limit, LimitN, Check or CheckN call.
+func singleRequest(name, key string, count float64, opts *LimitOpts) []Request {
+	r := Request{Name: name, Key: key, Count: count}
+	if opts != nil {
+		r.Config, r.Reserve = opts.Config, opts.Reserve
+	}
+	return []Request{r}
+}
+
+// firstResult is the Result of a single call from its ManyResult.
+func firstResult(m ManyResult, err error) (Result, error) {
+	if len(m.Results) == 0 {
+		return Result{}, err
+	}
+	return m.Results[0], err
+}
+
+func (o *LimitOpts) asError() bool { return o != nil && o.AsError }
+
+func (o *ManyOpts) asError() bool { return o != nil && o.AsError }
 
 // Request is one limit of a LimitMany or CheckMany call.
 type Request struct {
@@ -260,11 +281,14 @@ type ManyResult struct {
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
-func (m ManyResult) RetryAfter() time.Duration {
-	if m.RetryAt.IsZero() || !m.RetryAt.After(m.Time) {
+func (m ManyResult) RetryAfter() time.Duration { return waitUntil(m.RetryAt, m.Time) }
+
+// waitUntil is retryAt - now, or 0 when retryAt is zero or not after now: every RetryAfter.
+func waitUntil(retryAt, now time.Time) time.Duration {
+	if retryAt.IsZero() || !retryAt.After(now) {
 		return 0
 	}
-	return m.RetryAt.Sub(m.Time)
+	return retryAt.Sub(now)
 }
 
 // Denied returns the results that were not granted.
@@ -295,42 +319,12 @@ func (m ManyResult) Err() error {
 // written. Rows are locked in one global order (name, key, shard), so two calls naming the same
 // limits in different orders never deadlock. A (name, key) may appear only once.
 func (l *Limiter) LimitMany(ctx context.Context, db Executor, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return l.manyOpts(ctx, db, "LimitMany", reqs, opts, false)
+	return l.many(ctx, db, "LimitMany", reqs, false, false, opts.asError())
 }
 
 // CheckMany answers what LimitMany would, without consuming anything or taking a lock.
 func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return l.manyOpts(ctx, db, "CheckMany", reqs, opts, true)
-}
-
-func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []Request, opts *ManyOpts, dry bool) (ManyResult, error) {
-	if err := checkExecutor(op, db); err != nil {
-		return ManyResult{}, err
-	}
-	start := time.Now()
-	c, err := l.prepareMany(op, reqs, dry)
-	if err != nil {
-		l.obs.decided(ctx, op, start, reqs, ManyResult{}, err)
-		return ManyResult{}, err
-	}
-	out, err := l.decideCalls(ctx, db, []*call{c})
-	if err != nil {
-		err = dbError(ctx, db, op, err)
-	} else {
-		err = out[0].err
-	}
-	var res ManyResult
-	if err == nil {
-		res = out[0].res
-	}
-	l.obs.decided(ctx, op, start, reqs, res, err)
-	if err != nil {
-		return ManyResult{}, err
-	}
-	if opts != nil && opts.AsError && !res.OK {
-		return res, res.Err()
-	}
-	return res, nil
+	return l.many(ctx, db, "CheckMany", reqs, false, true, opts.asError())
 }
 
 // clock is the instant a statement decides at, as sent to the database: LimiterConfig.Now in
