@@ -3,12 +3,11 @@ package httplimit
 import (
 	"context"
 	"log/slog"
-	"sync"
 
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/txlimit/txlimit/internal/observe"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -40,21 +39,16 @@ const (
 // global one, with no Logger it logs to slog.Default(): failures are never silent by default.
 type observer struct {
 	log      *slog.Logger // nil: slog.Default() (logger)
-	sets     sync.Map     // [2]string{policy, outcome} -> []metric.AddOption
+	meter    *observe.Meter
 	requests metric.Int64Counter
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
-	o := &observer{log: log}
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
+	o := &observer{log: log, meter: observe.New(mp, observe.Global, MeterName)}
 	var err error
-	o.requests, err = mp.Meter(MeterName).Int64Counter(MetricRequests, metric.WithUnit("{request}"),
+	o.requests, err = o.meter.Int64Counter(MetricRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("HTTP requests by rate limit policy and outcome."))
-	if err != nil { // the API still returns a working no-op counter
-		o.logger().Warn("httplimit: creating metric instruments", "error", err)
-	}
+	observe.Created(o.logger(), "httplimit", err)
 	return o
 }
 
@@ -83,15 +77,10 @@ func (o *observer) countDenied(ctx context.Context, results []ratelimit.Result, 
 }
 
 // add counts one request of policy with outcome. The attribute sets are built once each: there
-// are as many as policies (configured) times outcomes. Each is kept as the slice Add takes, so
-// that a call allocates nothing, not even when the provider records nothing (the global one
-// before the application sets it).
+// are as many as policies (configured) times outcomes; passing them allocates nothing, not even
+// when the provider records nothing (the global one before the application sets it).
 func (o *observer) add(ctx context.Context, policy, outcome string) {
-	k := [2]string{policy, outcome}
-	opts, ok := o.sets.Load(k)
-	if !ok {
-		opts, _ = o.sets.LoadOrStore(k, []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(
-			attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)))})
-	}
-	o.requests.Add(ctx, 1, opts.([]metric.AddOption)...)
+	o.requests.Add(ctx, 1, o.meter.Attrs([2]string{policy, outcome}, func() []attribute.KeyValue {
+		return []attribute.KeyValue{attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)}
+	}).Add...)
 }

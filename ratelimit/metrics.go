@@ -4,13 +4,12 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/txlimit/txlimit/internal/observe"
 )
 
 // MeterName is the name of the OpenTelemetry meter the Limiter takes from
@@ -53,9 +52,7 @@ const (
 // costs a few no-op calls per decision.
 type observer struct {
 	log       *slog.Logger
-	metrics   bool     // a MeterProvider was given: record measurements
-	sets      sync.Map // attrKey -> metric.MeasurementOption
-	nsets     atomic.Int32
+	meter     *observe.Meter // meter.Given: a MeterProvider was given, record measurements
 	decisions metric.Int64Counter
 	duration  metric.Float64Histogram
 	retries   metric.Int64Counter
@@ -64,17 +61,11 @@ type observer struct {
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
-	o := &observer{metrics: mp != nil}
-	if mp == nil {
-		mp = noop.NewMeterProvider()
-	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	o.log = log
-	m := mp.Meter(MeterName)
-	// The API returns a working no-op instrument along with any error (an invalid name, which
-	// these constants are not), so the errors are only logged.
+	o := &observer{log: log, meter: observe.New(mp, observe.NoOp, MeterName)}
+	m := o.meter
 	var errs [5]error
 	o.decisions, errs[0] = m.Int64Counter(MetricDecisions, metric.WithUnit("{request}"),
 		metric.WithDescription("Rate limit requests decided, by limit, call and outcome."))
@@ -86,9 +77,7 @@ func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
 		metric.WithDescription("Sharded decisions that found every candidate shard taken, by limit."))
 	o.batchSize, errs[4] = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{call}"),
 		metric.WithDescription("Calls decided together in one statement."))
-	if err := errors.Join(errs[:]...); err != nil {
-		log.Warn("ratelimit: creating metric instruments", "error", err)
-	}
+	observe.Created(log, "ratelimit", errs[:]...)
 	return o
 }
 
@@ -103,13 +92,13 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 	case err != nil:
 		callOutcome = outcomeError
 		errType := errorType(err)
-		if o.metrics {
+		if o.meter.Given {
 			for _, r := range reqs {
 				name := r.Name
 				if errType == "invalid" {
 					name = "" // an invalid name is not a label
 				}
-				o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: name, outcome: outcomeError, errType: errType}))
+				o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: name, outcome: outcomeError, errType: errType}).Add...)
 			}
 		}
 		if errType == "database" {
@@ -118,7 +107,7 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 	case !res.OK:
 		callOutcome = outcomeDenied
 	}
-	if !o.metrics {
+	if !o.meter.Given {
 		return
 	}
 	if err == nil {
@@ -132,10 +121,10 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 			case r.Reserved:
 				out = outcomeReserved
 			}
-			o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: r.Name, outcome: out}))
+			o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: r.Name, outcome: out}).Add...)
 		}
 	}
-	o.duration.Record(ctx, time.Since(start).Seconds(), o.attrs(attrKey{op: op, outcome: callOutcome, call: true}))
+	o.duration.Record(ctx, time.Since(start).Seconds(), o.attrs(attrKey{op: op, outcome: callOutcome, call: true}).Record...)
 }
 
 // attrKey names one attribute set of a measurement: an empty field is not an attribute.
@@ -144,29 +133,18 @@ type attrKey struct {
 	call                        bool // the set of a call's duration (no limit)
 }
 
-// maxAttrSets bounds the attribute sets an observer keeps (they are few: calls × outcomes × limit
-// names); past it, sets are built per measurement.
-const maxAttrSets = 4096
-
-// attrs returns the measurement option of k's attributes, built once.
-func (o *observer) attrs(k attrKey) metric.MeasurementOption {
-	if v, ok := o.sets.Load(k); ok {
-		return v.(metric.MeasurementOption)
-	}
-	kvs := []attribute.KeyValue{attribute.String("txlimit.op", k.op), attribute.String("txlimit.outcome", k.outcome)}
-	if k.errType != "" {
-		kvs = append(kvs, attribute.String("error.type", k.errType))
-	}
-	if !k.call && k.errType != "invalid" {
-		kvs = append(kvs, attribute.String("txlimit.limit", k.limit))
-	}
-	opt := metric.WithAttributeSet(attribute.NewSet(kvs...))
-	if o.nsets.Load() < maxAttrSets {
-		if _, loaded := o.sets.LoadOrStore(k, opt); !loaded {
-			o.nsets.Add(1)
+// attrs returns the measurement options of k's attributes, built once.
+func (o *observer) attrs(k attrKey) observe.Options {
+	return o.meter.Attrs(k, func() []attribute.KeyValue {
+		kvs := []attribute.KeyValue{attribute.String("txlimit.op", k.op), attribute.String("txlimit.outcome", k.outcome)}
+		if k.errType != "" {
+			kvs = append(kvs, attribute.String("error.type", k.errType))
 		}
-	}
-	return opt
+		if !k.call && k.errType != "invalid" {
+			kvs = append(kvs, attribute.String("txlimit.limit", k.limit))
+		}
+		return kvs
+	})
 }
 
 // errorType names the kind of a call's error for the error.type attribute.
@@ -185,7 +163,7 @@ func errorType(err error) string {
 
 // busy records a sharded decision that found every candidate shard taken.
 func (o *observer) busy(ctx context.Context, name string) {
-	if o == nil || !o.metrics {
+	if o == nil || !o.meter.Given {
 		return
 	}
 	o.busyCount.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.limit", name)))

@@ -10,10 +10,10 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/riverqueue/river"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/txlimit/txlimit/internal/observe"
 	"github.com/txlimit/txlimit/internal/schedsql"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -95,9 +95,6 @@ func (c *StrandedConfig) withDefaults(op string) (StrandedConfig, error) {
 	if out.Logger == nil {
 		out.Logger = slog.Default()
 	}
-	if out.MeterProvider == nil {
-		out.MeterProvider = otel.GetMeterProvider()
-	}
 	if out.Queue == "" {
 		out.Queue = river.QueueDefault
 	}
@@ -141,6 +138,7 @@ type StrandedWorker struct {
 	river.WorkerDefaults[StrandedArgs]
 	db       ratelimit.Executor
 	cfg      StrandedConfig
+	meter    *observe.Meter
 	stranded metric.Int64Counter
 	now      func() time.Time // tests replace it; nil: the database's clock
 }
@@ -158,13 +156,10 @@ func NewStrandedWorker(db ratelimit.Executor, config *StrandedConfig) (*Stranded
 		return nil, err
 	}
 	w := &StrandedWorker{db: db, cfg: cfg}
-	// The API returns a working no-op instrument along with any error (an invalid name, which
-	// this constant is not), so the error is only logged.
-	w.stranded, err = cfg.MeterProvider.Meter(MeterName).Int64Counter(MetricStranded, metric.WithUnit("{job}"),
+	w.meter = observe.New(cfg.MeterProvider, observe.Global, MeterName)
+	w.stranded, err = w.meter.Int64Counter(MetricStranded, metric.WithUnit("{job}"),
 		metric.WithDescription("Reserved jobs found not started long past their scheduled time, each once, by queue."))
-	if err != nil {
-		cfg.Logger.Warn("scheduler: creating metric instruments", "error", err)
-	}
+	observe.Created(cfg.Logger, "scheduler", err)
 	return w, nil
 }
 
@@ -207,7 +202,9 @@ func (w *StrandedWorker) check(ctx context.Context) (StrandedOutput, error) {
 	}
 	slices.SortFunc(out.Queues, func(a, b StrandedQueue) int { return strings.Compare(a.Queue, b.Queue) })
 	for _, q := range out.Queues {
-		w.stranded.Add(ctx, q.Jobs, metric.WithAttributes(attribute.String("txlimit.queue", q.Queue)))
+		w.stranded.Add(ctx, q.Jobs, w.meter.Attrs(q.Queue, func() []attribute.KeyValue {
+			return []attribute.KeyValue{attribute.String("txlimit.queue", q.Queue)}
+		}).Add...)
 		fix := fmt.Sprintf("no River client works queue %q: add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens", q.Queue)
 		if q.Worked {
 			fix = fmt.Sprintf("River's clients work queue %q but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind", q.Queue)

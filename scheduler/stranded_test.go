@@ -16,8 +16,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/txlimit/txlimit/internal/metrictest"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -25,23 +25,11 @@ import (
 // strandedCount returns the counter MetricStranded of queue (0 if none).
 func strandedCount(t *testing.T, reader *sdkmetric.ManualReader, queue string) int64 {
 	t.Helper()
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, reader.Collect(context.Background(), &rm))
-	want := attribute.NewSet(attribute.String("txlimit.queue", queue))
+	rm := metrictest.Collect(t, reader)
 	for _, sm := range rm.ScopeMetrics {
 		require.Equal(t, scheduler.MeterName, sm.Scope.Name)
-		for _, m := range sm.Metrics {
-			if m.Name != scheduler.MetricStranded {
-				continue
-			}
-			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				if dp.Attributes.Equals(&want) {
-					return dp.Value
-				}
-			}
-		}
 	}
-	return 0
+	return metrictest.Sum(t, rm, scheduler.MetricStranded, attribute.String("txlimit.queue", queue))
 }
 
 // TestStrandedWorker (issue 31, item 2): reserved jobs not started a minute (After) past their
