@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/txlimit/txlimit/internal/schedsql"
@@ -218,8 +219,10 @@ func (s *Scheduler) give(ctx context.Context, tx pgx.Tx, jobID int64, limits []r
 	return credited, n, nil
 }
 
-// inSavepoint runs fn in a savepoint of tx, rolled back when fn fails. A missing River table is
-// returned as a *SetupError.
+// inSavepoint runs fn in a savepoint of tx, rolled back when fn fails, so that a call either
+// writes everything or leaves tx as it was. A missing River table is returned as a *SetupError.
+// River refusing a job without a database error (arguments it cannot encode, invalid insert
+// options) is bad input: an *ratelimit.ArgumentError wrapping River's error.
 func inSavepoint[T any](ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (T, error)) (T, error) {
 	var zero T
 	sp, err := tx.Begin(ctx)
@@ -238,6 +241,11 @@ func inSavepoint[T any](ctx context.Context, op string, tx pgx.Tx, fn func(sp pg
 	}
 	if se := missingRiverTable(ctx, op, tx, err); se != nil {
 		return zero, se
+	}
+	var refused *insertError
+	var pgErr *pgconn.PgError
+	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
+		return zero, argError(op, "args or insert options", "were refused by River (nothing was reserved)", refused.err)
 	}
 	return zero, err
 }
