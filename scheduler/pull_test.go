@@ -234,7 +234,7 @@ func pullForwardModel(t *testing.T, c conn, seed uint64) {
 				require.NoError(t, err)
 				for i, name := range j.limits {
 					want := limits[name].add(mOp{at: now(), job: -1, from: index(j), count: j.counts[i]})
-					require.Equal(t, want, res.Refunds[i].Credited, "step %d: refund of %s", step, name)
+					require.Equal(t, want, res.Limits[i].Credited, "step %d: refund of %s", step, name)
 				}
 				moved += res.PulledForward
 				return nil
