@@ -11,12 +11,12 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// MaxSnooze is the longest single snooze a Gate asks for. River stores a snooze of up to its
+// maxSnooze is the longest single snooze a Gate asks for. River stores a snooze of up to its
 // scheduler interval (5 s) as available with a future scheduled_at, so a PreciseQueue fetches the
 // job on time; a longer snooze would be stored as scheduled and promoted up to 5 s late. A longer
-// wait is therefore split into snoozes of at most MaxSnooze; each wake-up of a job whose tokens are
+// wait is therefore split into snoozes of at most maxSnooze; each wake-up of a job whose tokens are
 // already paid for only snoozes again.
-const MaxSnooze = 4500 * time.Millisecond
+const maxSnooze = 4500 * time.Millisecond
 
 // GateRequest names the limit a job pays to run.
 type GateRequest struct {
@@ -117,7 +117,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	}
 	if p, ok := paidFor(job); ok {
 		if wait := p.Due.Sub(g.now()); !p.Due.IsZero() && wait > 0 {
-			return river.JobSnooze(min(wait, MaxSnooze))
+			return river.JobSnooze(min(wait, maxSnooze))
 		}
 		return g.run(ctx, doInner)
 	}
@@ -137,7 +137,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
 		wait := res.RetryAfter() + jitter(req.JitterKey, g.jitter)
-		return river.JobSnooze(min(max(wait, time.Millisecond), MaxSnooze))
+		return river.JobSnooze(min(max(wait, time.Millisecond), maxSnooze))
 	case !res.Reserved:
 		return g.run(ctx, doInner)
 	}
@@ -145,7 +145,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	if err := river.MetadataSet(ctx, MetadataKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, err)
 	}
-	return river.JobSnooze(min(wait, MaxSnooze))
+	return river.JobSnooze(min(wait, maxSnooze))
 }
 
 // run clears the job's payment, so that a snooze from the worker itself pays again, and works it.
