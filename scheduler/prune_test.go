@@ -83,8 +83,8 @@ func TestPruneJob(t *testing.T) {
 	take("fws", "a", 5)
 	take("llm", "org", 350) // 250 owed: refilled after 3m30s
 	var logs syncBuffer
-	w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.PruneConfig{
-		BatchSize: 1, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{
+		PruneBatchSize: 1, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	require.NoError(t, err)
 
@@ -101,19 +101,64 @@ func TestPruneJob(t *testing.T) {
 	require.Equal(t, 0, testdb.CountRows(t, b.pool))
 }
 
-func TestPruneConfigErrors(t *testing.T) {
+func TestHousekeepingErrors(t *testing.T) {
 	t.Parallel()
 	lim, err := ratelimit.New(nil)
 	require.NoError(t, err)
-	_, err = scheduler.NewPruneWorker(nil, nil, nil)
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = scheduler.NewPruneWorker(lim, nil, nil)
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = scheduler.PrunePeriodicJob(&scheduler.PruneConfig{Interval: -time.Second})
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	job, err := scheduler.PrunePeriodicJob(nil)
+	pool := testdb.Pool(t, nil)
+	for i, c := range []struct {
+		workers *river.Workers
+		lim     *ratelimit.Limiter
+		db      ratelimit.Executor
+		config  *scheduler.HousekeepingConfig
+		want    string
+	}{
+		{lim: lim, db: pool, want: "scheduler: Housekeeping: workers is nil: pass the *river.Workers of the client that works HousekeepingConfig.Queue"},
+		{workers: river.NewWorkers(), db: pool, want: "scheduler: Housekeeping: limiter is nil: pass the *ratelimit.Limiter whose limits to prune"},
+		{workers: river.NewWorkers(), lim: lim, want: "scheduler: Housekeeping: db is nil: pass the *pgxpool.Pool of the River client"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneInterval: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneInterval must not be negative, got -1s"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneTimeout: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneTimeout must not be negative, got -1s"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneBatchSize: -1},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneBatchSize must not be negative, got -1"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{StrandedAfter: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedAfter must not be negative, got -1s"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{StrandedInterval: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedInterval must not be negative, got -1s"},
+	} {
+		jobs, err := scheduler.Housekeeping(c.workers, c.lim, c.db, c.config)
+		require.EqualError(t, err, c.want, "case %d", i)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid, "case %d", i)
+		require.Nil(t, jobs, "case %d", i)
+	}
+	workers := river.NewWorkers()
+	jobs, err := scheduler.Housekeeping(workers, lim, pool, nil)
 	require.NoError(t, err)
-	require.NotNil(t, job)
+	require.Len(t, jobs, 2)
+	// The workers are registered: a second registration on the same Workers is River's error.
+	_, err = scheduler.Housekeeping(workers, lim, pool, nil)
+	require.ErrorContains(t, err, "txlimit_prune")
+	require.NotErrorIs(t, err, ratelimit.ErrInvalid)
+}
+
+// housekeepingEvent returns the event of the first job of kind to end (the other periodic job of
+// Housekeeping runs too), which must have completed.
+func housekeepingEvent(t *testing.T, events <-chan *river.Event, kind string) *river.Event {
+	t.Helper()
+	timeout := time.After(60 * time.Second) // a generous bound for a loaded machine: leader election
+	for {
+		select {
+		case ev := <-events:
+			if ev.Job.Kind != kind {
+				continue
+			}
+			require.Equal(t, river.EventKindJobCompleted, ev.Kind, "job %s", kind)
+			return ev
+		case <-timeout:
+			t.Fatalf("the periodic job %s did not complete", kind)
+		}
+	}
 }
 
 // TestPrunePeriodicJob runs the periodic job in a real client: inserted on start, worked, output
@@ -127,15 +172,12 @@ func TestPrunePeriodicJob(t *testing.T) {
 	// A second limiter whose clock is an hour later does the pruning: the row is full by then.
 	later, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: pruneLimits, Now: frozen(t0.Add(time.Hour))})
 	require.NoError(t, err)
-	w, err := scheduler.NewPruneWorker(later, b.pool, &scheduler.PruneConfig{Logger: quietLogger()})
-	require.NoError(t, err)
 	workers := river.NewWorkers()
-	river.AddWorker(workers, w)
-	job, err := scheduler.PrunePeriodicJob(&scheduler.PruneConfig{RunOnStart: true})
+	jobs, err := scheduler.Housekeeping(workers, later, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger(), RunOnStart: true})
 	require.NoError(t, err)
 	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
 		Logger:       quietLogger(),
-		PeriodicJobs: []*river.PeriodicJob{job},
+		PeriodicJobs: jobs,
 		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
 		TestOnly:     true,
 		Workers:      workers,
@@ -144,16 +186,10 @@ func TestPrunePeriodicJob(t *testing.T) {
 	events, cancel := client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed)
 	defer cancel()
 	startClient(t, client)
-	select {
-	case ev := <-events:
-		require.Equal(t, river.EventKindJobCompleted, ev.Kind)
-		require.Equal(t, "txlimit_prune", ev.Job.Kind)
-		var out scheduler.PruneOutput
-		require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
-		require.Equal(t, int64(1), out.Deleted["tb"])
-	case <-time.After(60 * time.Second): // a generous bound for a loaded machine: leader election
-		t.Fatal("the periodic prune job did not complete")
-	}
+	ev := housekeepingEvent(t, events, "txlimit_prune")
+	var out scheduler.PruneOutput
+	require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
+	require.Equal(t, int64(1), out.Deleted["tb"])
 	require.Equal(t, 0, testdb.CountRows(t, b.pool))
 }
 
@@ -193,7 +229,7 @@ func TestPruneJobNeverChangesADecision(t *testing.T) {
 		clock := &mutableClock{t: t0}
 		b := setup(t, &setupOpts{limits: pruneLimits, now: clock.Now})
 		ctx := context.Background()
-		w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.PruneConfig{Logger: quietLogger()})
+		w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()})
 		require.NoError(t, err)
 		var out []any
 		var pruned int64

@@ -33,8 +33,8 @@ type Config struct {
 	// write each queue they work there when they start and every 10 minutes after, and River deletes
 	// a queue 24 h after its last report; a queue found there is trusted for a minute. A table that
 	// lists no queue at all (no client has worked one on this database yet, e.g. before the first
-	// worker starts) refuses nothing: StrandedWorker reports the jobs that then wait in a queue no
-	// client works.
+	// worker starts) refuses nothing: the stranded check (Housekeeping) reports the jobs that then
+	// wait in a queue no client works.
 	Queues []string
 }
 

@@ -75,12 +75,11 @@ func stranded(t *testing.T, c conn) {
 		return a
 	}}))
 	reader := sdkmetric.NewManualReader()
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.StrandedConfig{
-		After: time.Minute, Logger: logger, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-	})
-	require.NoError(t, err)
 	var now time.Time
-	scheduler.SetStrandedNow(w, func() time.Time { return now })
+	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{
+		StrandedAfter: time.Minute, Logger: logger, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	}, func() time.Time { return now })
+	require.NoError(t, err)
 	tw := rivertest.NewWorker(t, riverpgxv5.New(b.pool), &river.Config{Logger: quietLogger()}, w)
 	check := func(at time.Time) scheduler.StrandedOutput {
 		t.Helper()
@@ -168,15 +167,12 @@ func TestStrandedPeriodicJob(t *testing.T) {
 		}
 		return err
 	}))
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.StrandedConfig{Logger: quietLogger()})
-	require.NoError(t, err)
 	workers := river.NewWorkers()
-	river.AddWorker(workers, w)
-	job, err := scheduler.StrandedPeriodicJob(&scheduler.StrandedConfig{RunOnStart: true})
+	jobs, err := scheduler.Housekeeping(workers, b.limiter, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger(), RunOnStart: true})
 	require.NoError(t, err)
 	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
 		Logger:       quietLogger(),
-		PeriodicJobs: []*river.PeriodicJob{job},
+		PeriodicJobs: jobs,
 		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
 		TestOnly:     true,
 		Workers:      workers,
@@ -185,30 +181,10 @@ func TestStrandedPeriodicJob(t *testing.T) {
 	events, cancel := client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed)
 	defer cancel()
 	startClient(t, client)
-	select {
-	case ev := <-events:
-		require.Equal(t, river.EventKindJobCompleted, ev.Kind)
-		require.Equal(t, "txlimit_stranded", ev.Job.Kind)
-		var out scheduler.StrandedOutput
-		require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
-		require.Equal(t, scheduler.StrandedOutput{Total: 1, Queues: []scheduler.StrandedQueue{
-			{Queue: "orphan", Jobs: 1, FirstJobID: id, FirstScheduledAt: t0.Add(30 * time.Second)},
-		}}, out)
-	case <-time.After(60 * time.Second): // a generous bound for a loaded machine: leader election
-		t.Fatal("the periodic stranded check did not complete")
-	}
-}
-
-func TestStrandedConfigErrors(t *testing.T) {
-	t.Parallel()
-	_, err := scheduler.NewStrandedWorker(nil, nil)
-	require.EqualError(t, err, "scheduler: NewStrandedWorker: db is nil: pass the *pgxpool.Pool of the River client")
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = scheduler.StrandedPeriodicJob(&scheduler.StrandedConfig{After: -time.Second})
-	require.EqualError(t, err, "scheduler: StrandedPeriodicJob: StrandedConfig.After must not be negative, got -1s")
-	_, err = scheduler.StrandedPeriodicJob(&scheduler.StrandedConfig{Interval: -time.Second})
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	job, err := scheduler.StrandedPeriodicJob(nil)
-	require.NoError(t, err)
-	require.NotNil(t, job)
+	ev := housekeepingEvent(t, events, "txlimit_stranded")
+	var out scheduler.StrandedOutput
+	require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
+	require.Equal(t, scheduler.StrandedOutput{Total: 1, Queues: []scheduler.StrandedQueue{
+		{Queue: "orphan", Jobs: 1, FirstJobID: id, FirstScheduledAt: t0.Add(30 * time.Second)},
+	}}, out)
 }
