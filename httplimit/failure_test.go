@@ -68,7 +68,7 @@ func (h *records) all() []string {
 type failureRun struct {
 	res  response
 	logs []string
-	// requests reads MetricRequests for policy and outcome.
+	// requests reads txlimit.http.requests for policy and outcome.
 	requests func(policy, outcome string) int64
 }
 
@@ -90,7 +90,7 @@ func serveFailing(t *testing.T, cfg httplimit.Config, header ...string) failureR
 	t.Cleanup(srv.Close)
 	res := get(t, srv.URL+"/items", header...)
 	return failureRun{res: res, logs: logs.all(), requests: func(policy, outcome string) int64 {
-		return metrictest.Counter(t, reader, httplimit.MetricRequests, attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+		return metrictest.Counter(t, reader, "txlimit.http.requests", attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
 	}}
 }
 
@@ -198,7 +198,7 @@ func TestDecisionFailureDefaults(t *testing.T) {
 		"WARN httplimit: rate limit decision failed; request let through (FailOpen) method=GET path=/items policies=[defaults] error=" + errDown.Error(),
 	}, logs.all())
 	for _, outcome := range []string{"error", "fail_open"} {
-		require.Equal(t, int64(1), metrictest.Counter(t, reader, httplimit.MetricRequests,
+		require.Equal(t, int64(1), metrictest.Counter(t, reader, "txlimit.http.requests",
 			attribute.String("txlimit.policy", "defaults"), attribute.String("txlimit.outcome", outcome)), outcome)
 	}
 }

@@ -108,7 +108,7 @@ func pk(name, key string) []byte {
 }
 
 func requests(t *testing.T, b *bundle, policy, outcome string) int64 {
-	return metrictest.Counter(t, b.reader, httplimit.MetricRequests, attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+	return metrictest.Counter(t, b.reader, "txlimit.http.requests", attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
 }
 
 // item checks one parsed Structured Field item: its name and exact parameters, in order.
@@ -166,7 +166,7 @@ func TestHeadersAndDenial(t *testing.T) {
 	require.Equal(t, int64(3), requests(t, b, "perIP", "granted"))
 	require.Equal(t, int64(2), requests(t, b, "perIP", "denied"))
 	lim := func(outcome string) int64 {
-		return metrictest.Counter(t, b.lreader, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"), // one policy: OnPool uses LimitN
+		return metrictest.Counter(t, b.lreader, "txlimit.decisions", attribute.String("txlimit.op", "LimitN"), // one policy: OnPool uses LimitN
 			attribute.String("txlimit.limit", "perIP"), attribute.String("txlimit.outcome", outcome))
 	}
 	require.Equal(t, int64(3), lim("granted"))

@@ -15,14 +15,8 @@ import (
 // Config.MeterProvider.
 const MeterName = "github.com/txlimit/txlimit/httplimit"
 
-// MetricRequests counts requests by policy (txlimit.policy) and outcome (txlimit.outcome), never
-// by key: "granted" for each policy of a granted request, "denied" for each violated policy of a
-// denied request (the other policies of it consumed nothing and are not counted),
-// "shadow_denied" likewise under Config.Shadow (the request went on), "fail_open" and "error"
-// for each policy of a request whose decision failed (let through, or refused with 503),
-// "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and "skipped" for a
-// policy left out by MissingKeySkip.
-const MetricRequests = "txlimit.http.requests"
+// metricRequests is the name of the middleware's counter; Config.MeterProvider says what it counts.
+const metricRequests = "txlimit.http.requests"
 
 const (
 	outcomeGranted      = "granted"
@@ -46,7 +40,7 @@ type observer struct {
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
 	o := &observer{log: log, meter: observe.New(mp, observe.Global, MeterName)}
 	var err error
-	o.requests, err = o.meter.Int64Counter(MetricRequests, metric.WithUnit("{request}"),
+	o.requests, err = o.meter.Int64Counter(metricRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("HTTP requests by rate limit policy and outcome."))
 	observe.Created(o.logger(), "httplimit", err)
 	return o

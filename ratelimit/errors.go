@@ -41,8 +41,8 @@ type ArgumentError struct {
 	Arg string
 	// Reason says what is wrong.
 	Reason string
-	// Err is the error of the library that refused the value (River, for a job's arguments or
-	// insert options), when it was not this package. Defaults to nil.
+	// Err is the error of the other library that refused the value, when the refusal was not
+	// this package's own. Defaults to nil.
 	Err error
 }
 

@@ -33,10 +33,24 @@ type LimiterConfig struct {
 	// in TxOpts.Limiter. Defaults to nil: silent.
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) of the Limiter's metrics: decisions by limit
-	// and outcome, their duration, serialization retries, busy shards and batch sizes (the
-	// Metric* constants). Attributes never include a key. Defaults to nil: no metrics (a no-op
-	// provider, not the global one).
+	// MeterProvider provides the meter (MeterName) of the Limiter's instruments. Their attributes
+	// are the limit's name (txlimit.limit), the call (txlimit.op: LimitN, CheckN, LimitMany,
+	// CheckMany), the outcome (txlimit.outcome) and, for errors, error.type; never a key, so their
+	// cardinality is bounded by the number of limits.
+	//   - txlimit.decisions counts requests decided by limit, call and outcome: "granted" or
+	//     "reserved" for each request of a granted call, "denied" for each denied request of a
+	//     denied call (the others of that call consumed nothing and are not counted), "error" for
+	//     each request of a call that failed (with error.type "invalid", "busy", "canceled" or
+	//     "database"; an invalid call carries no limit name, which may be the invalid input).
+	//   - txlimit.decision.duration is the time a call took, in seconds, by call and outcome of
+	//     the call as a whole.
+	//   - txlimit.tx.retries counts the transactions InSerializableTx ran again after a
+	//     serialization failure or deadlock (with this Limiter in TxOpts.Limiter).
+	//   - txlimit.busy counts sharded decisions that found every candidate shard taken
+	//     (*BusyError), by limit.
+	//   - txlimit.batch.size is the number of calls a Batcher decided together in one statement.
+	//
+	// Defaults to nil: no metrics (a no-op provider, not the global one).
 	MeterProvider metric.MeterProvider
 
 	// Now, when set, supplies the time every decision is evaluated at instead of the database's

@@ -16,28 +16,13 @@ import (
 // LimiterConfig.MeterProvider.
 const MeterName = "github.com/txlimit/txlimit/ratelimit"
 
-// Instruments of the Limiter (LimiterConfig.MeterProvider). Their attributes are the limit's name
-// (txlimit.limit), the call (txlimit.op: LimitN, CheckN, LimitMany, CheckMany), the outcome
-// (txlimit.outcome) and, for errors, error.type; never a key, so their cardinality is bounded by
-// the number of limits.
+// The names of the Limiter's instruments; LimiterConfig.MeterProvider says what each measures.
 const (
-	// MetricDecisions counts requests decided by limit, call and outcome: "granted" or "reserved"
-	// for each request of a granted call, "denied" for each denied request of a denied call (the
-	// others of that call consumed nothing and are not counted), "error" for each request of a call
-	// that failed (with error.type "invalid", "busy", "canceled" or "database"; an invalid call
-	// carries no limit name, which may be the invalid input).
-	MetricDecisions = "txlimit.decisions"
-	// MetricDecisionDuration is the time a call took, in seconds, by call and outcome of the
-	// call as a whole.
-	MetricDecisionDuration = "txlimit.decision.duration"
-	// MetricTxRetries counts the transactions InSerializableTx ran again after a serialization
-	// failure or deadlock.
-	MetricTxRetries = "txlimit.tx.retries"
-	// MetricBusy counts sharded decisions that found every candidate shard taken (*BusyError), by
-	// limit.
-	MetricBusy = "txlimit.busy"
-	// MetricBatchSize is the number of calls decided together in one statement.
-	MetricBatchSize = "txlimit.batch.size"
+	metricDecisions        = "txlimit.decisions"
+	metricDecisionDuration = "txlimit.decision.duration"
+	metricTxRetries        = "txlimit.tx.retries"
+	metricBusy             = "txlimit.busy"
+	metricBatchSize        = "txlimit.batch.size"
 )
 
 // Outcomes recorded in the txlimit.outcome attribute.
@@ -67,15 +52,15 @@ func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
 	o := &observer{log: log, meter: observe.New(mp, observe.NoOp, MeterName)}
 	m := o.meter
 	var errs [5]error
-	o.decisions, errs[0] = m.Int64Counter(MetricDecisions, metric.WithUnit("{request}"),
+	o.decisions, errs[0] = m.Int64Counter(metricDecisions, metric.WithUnit("{request}"),
 		metric.WithDescription("Rate limit requests decided, by limit, call and outcome."))
-	o.duration, errs[1] = m.Float64Histogram(MetricDecisionDuration, metric.WithUnit("s"),
+	o.duration, errs[1] = m.Float64Histogram(metricDecisionDuration, metric.WithUnit("s"),
 		metric.WithDescription("Duration of a rate limit call, by call and outcome."))
-	o.retries, errs[2] = m.Int64Counter(MetricTxRetries, metric.WithUnit("{retry}"),
+	o.retries, errs[2] = m.Int64Counter(metricTxRetries, metric.WithUnit("{retry}"),
 		metric.WithDescription("Serializable transactions run again after a serialization failure or deadlock."))
-	o.busyCount, errs[3] = m.Int64Counter(MetricBusy, metric.WithUnit("{decision}"),
+	o.busyCount, errs[3] = m.Int64Counter(metricBusy, metric.WithUnit("{decision}"),
 		metric.WithDescription("Sharded decisions that found every candidate shard taken, by limit."))
-	o.batchSize, errs[4] = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{call}"),
+	o.batchSize, errs[4] = m.Int64Histogram(metricBatchSize, metric.WithUnit("{call}"),
 		metric.WithDescription("Calls decided together in one statement."))
 	observe.Created(log, "ratelimit", errs[:]...)
 	return o

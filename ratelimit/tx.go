@@ -20,7 +20,7 @@ type TxBeginner interface {
 
 // TxOpts are the options of InSerializableTx. A nil *TxOpts is the zero value.
 type TxOpts struct {
-	// Limiter, when set, counts the retries in its metrics (MetricTxRetries) and logs them and a
+	// Limiter, when set, counts the retries in its metrics (txlimit.tx.retries) and logs them and a
 	// give-up through its Logger. Defaults to nil: not counted, not logged.
 	Limiter *Limiter
 	// MaxAttempts is how many times fn may run. Defaults to 10.

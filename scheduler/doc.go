@@ -38,7 +38,7 @@
 // Housekeeping registers two River periodic jobs: one runs Limiter.PruneAll every hour, the other
 // finds, every minute, the reserved jobs that have not started 5 minutes past their time (a
 // reserved job holds its tokens until it runs, settles or is cancelled), counts each once
-// (MetricStranded, OpenTelemetry) and logs a warning per queue with the fix (HousekeepingConfig).
+// (the OpenTelemetry counter txlimit.scheduler.stranded) and logs a warning per queue with the fix (HousekeepingConfig).
 //
 // # Setup
 //

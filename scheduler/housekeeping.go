@@ -17,9 +17,11 @@ type HousekeepingConfig struct {
 	// per queue with jobs found stranded, with the fix. Defaults to nil: slog.Default().
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) that counts the stranded jobs found
-	// (MetricStranded). Defaults to nil: the global one, otel.GetMeterProvider() (a no-op until the
-	// application sets one with otel.SetMeterProvider).
+	// MeterProvider provides the meter (MeterName) of the counter txlimit.scheduler.stranded: the
+	// reserved jobs the stranded check found not started more than StrandedAfter past their time,
+	// each once, by queue (attribute txlimit.queue). An increase means tokens reserved for work
+	// that is not running: alert on it. Defaults to nil: the global one, otel.GetMeterProvider()
+	// (a no-op until the application sets one with otel.SetMeterProvider).
 	MeterProvider metric.MeterProvider
 
 	// PruneBatchSize is how many rows each round of the prune reads and deletes, as
@@ -100,9 +102,9 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 //     StrandedAfter past their time. Such a job holds its tokens until it runs, settles or is
 //     cancelled; one that nothing starts (its queue is one no River client works, or the workers
 //     are stopped) holds them for good. The check marks each (job metadata "txlimit_stranded",
-//     {"at": time}) so that it is counted once, counts them by queue (MetricStranded), logs a
-//     warning per queue with the fix, and records what it found as the job's output. At most 1000
-//     jobs are marked per run; the next runs find the rest.
+//     {"at": time}) so that it is counted once, counts them by queue (txlimit.scheduler.stranded),
+//     logs a warning per queue with the fix, and records what it found as the job's output. At
+//     most 1000 jobs are marked per run; the next runs find the rest.
 //
 // River's leader alone inserts periodic jobs, and each is unique per interval, so a cluster of
 // clients runs each once per interval. A failed run is an error, retried by River like any job's.

@@ -21,10 +21,9 @@ import (
 // MeterName is the name of the OpenTelemetry meter of this package (HousekeepingConfig.MeterProvider).
 const MeterName = "github.com/txlimit/txlimit/scheduler"
 
-// MetricStranded counts the reserved jobs the stranded check (Housekeeping) found not started more
-// than HousekeepingConfig.StrandedAfter past their time, each once, by queue (attribute
-// txlimit.queue). An increase means tokens reserved for work that is not running: alert on it.
-const MetricStranded = "txlimit.scheduler.stranded"
+// metricStranded is the name of the stranded check's counter; HousekeepingConfig.MeterProvider
+// says what it counts.
+const metricStranded = "txlimit.scheduler.stranded"
 
 // strandedKey is the key of job metadata under which the stranded check records when it found the
 // job stranded ({"at": time}), so that each job is counted once.
@@ -75,7 +74,7 @@ type strandedWorker struct {
 func newStrandedWorker(db ratelimit.Executor, cfg HousekeepingConfig) *strandedWorker {
 	w := &strandedWorker{db: db, cfg: cfg, meter: observe.New(cfg.MeterProvider, observe.Global, MeterName)}
 	var err error
-	w.stranded, err = w.meter.Int64Counter(MetricStranded, metric.WithUnit("{job}"),
+	w.stranded, err = w.meter.Int64Counter(metricStranded, metric.WithUnit("{job}"),
 		metric.WithDescription("Reserved jobs found not started long past their scheduled time, each once, by queue."))
 	observe.Created(cfg.Logger, "scheduler", err)
 	return w

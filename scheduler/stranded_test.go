@@ -22,14 +22,14 @@ import (
 	"github.com/txlimit/txlimit/scheduler"
 )
 
-// strandedCount returns the counter MetricStranded of queue (0 if none).
+// strandedCount returns the counter txlimit.scheduler.stranded of queue (0 if none).
 func strandedCount(t *testing.T, reader *sdkmetric.ManualReader, queue string) int64 {
 	t.Helper()
 	rm := metrictest.Collect(t, reader)
 	for _, sm := range rm.ScopeMetrics {
 		require.Equal(t, scheduler.MeterName, sm.Scope.Name)
 	}
-	return metrictest.Sum(t, rm, scheduler.MetricStranded, attribute.String("txlimit.queue", queue))
+	return metrictest.Sum(t, rm, "txlimit.scheduler.stranded", attribute.String("txlimit.queue", queue))
 }
 
 // TestStrandedWorker (issue 31, item 2): reserved jobs not started a minute (After) past their
@@ -106,7 +106,7 @@ func stranded(t *testing.T, c conn) {
 		now      time.Time
 		want     scheduler.StrandedOutput
 		logs     []string
-		counters map[string]int64 // MetricStranded by queue, cumulative
+		counters map[string]int64 // txlimit.scheduler.stranded by queue, cumulative
 	}{
 		// step 0: the first job was due at t0+30s, exactly After ago: not yet stranded.
 		{now: t0.Add(90 * time.Second), want: scheduler.StrandedOutput{Queues: []scheduler.StrandedQueue{}},
@@ -138,7 +138,7 @@ func stranded(t *testing.T, c conn) {
 		}
 		require.Equal(t, s.logs, lines, "step %d", i)
 		for queue, n := range s.counters {
-			require.Equal(t, n, strandedCount(t, reader, queue), "step %d: %s of %s", i, scheduler.MetricStranded, queue)
+			require.Equal(t, n, strandedCount(t, reader, queue), "step %d: %s of %s", i, "txlimit.scheduler.stranded", queue)
 		}
 	}
 
