@@ -47,3 +47,13 @@ func DecideList(ctx context.Context, l *Limiter, db Executor, calls []ListCall) 
 // ShardLockBase is the hash of (name, key) from which the decision function derives the advisory
 // lock of each of the limit's rows (see the package doc, "Shards"), so tests can find it in pg_locks.
 func ShardLockBase(name, key string) int64 { return shardLockBase(name, key) }
+
+// The bounds on arguments, for tests.
+const (
+	MaxAmount          = maxAmount
+	MinAmount          = minAmount
+	MaxNameLen         = maxNameLen
+	MaxShards          = maxShards
+	MaxPeriod          = maxPeriod
+	MaxRetryWaitMicros = maxRetryWaitMicros
+)

@@ -129,9 +129,10 @@ type Result struct {
 	// RetryAt is when the call can go ahead: for a reservation, when the rows it charged are out
 	// of debt and the caller should act; for a denial, the first microsecond at which the same call
 	// is granted, all else equal (for a reservation refused over MaxReserved: when its debt fits).
-	// See docs/spec.md §3 and §4. Zero when OK and not Reserved. At most Time plus
-	// MaxRetryWaitMicros. For a 10/minute token bucket holding 0.5 tokens, a call for 1 is denied
-	// with RetryAt three seconds after the decision.
+	// See docs/spec.md §3 and §4. Zero when OK and not Reserved. At most Time plus 2^61 µs (about
+	// 73,000 years; more than a time.Duration holds, so RetryAfter saturates there): a longer wait
+	// (a huge debt on a tiny rate, say) is reported as that bound. For a 10/minute token bucket
+	// holding 0.5 tokens, a call for 1 is denied with RetryAt three seconds after the decision.
 	RetryAt time.Time
 
 	// Value is the number of tokens left after the call (negative after a reservation). With

@@ -82,14 +82,18 @@ func (r *reservation) scheduledAt() time.Time {
 	return at
 }
 
+// largestMaxReserved is the largest finite Config.MaxReserved ratelimit accepts (10^15), which
+// stands for Unbounded in a recorded config.
+const largestMaxReserved = 1e15
+
 // newReservedLimit records a granted decision of count tokens of (name, key), with its inline
 // config, if any.
 func newReservedLimit(res ratelimit.Result, count float64, inline *ratelimit.Config) reservedLimit {
 	l := reservedLimit{Name: res.Name, Key: res.Key, Count: count}
 	if inline != nil {
 		c := *inline
-		if !(c.MaxReserved <= ratelimit.MaxAmount) { // an unbounded MaxReserved (+Inf) has no JSON
-			c.MaxReserved = ratelimit.MaxAmount
+		if !(c.MaxReserved <= largestMaxReserved) { // an unbounded MaxReserved (+Inf) has no JSON
+			c.MaxReserved = largestMaxReserved
 		}
 		l.Config = &c
 	}
