@@ -29,7 +29,7 @@ import (
 // failing is a Decider whose every decision fails with err, as one on a database that is down.
 type failing struct{ err error }
 
-func (f failing) LimitMany(context.Context, []ratelimit.Request, *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+func (f failing) LimitMany(context.Context, []ratelimit.Request, *ratelimit.LimitOpts) (ratelimit.ManyResult, error) {
 	return ratelimit.ManyResult{}, f.err
 }
 

@@ -24,7 +24,7 @@ import (
 // *ratelimit.Batcher (the one to use: concurrent requests share one statement and one commit), or
 // a *ratelimit.Limiter on a pool, one statement per request (see OnPool).
 type Decider interface {
-	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error)
+	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.LimitOpts) (ratelimit.ManyResult, error)
 }
 
 var _ Decider = (*ratelimit.Batcher)(nil)
@@ -41,7 +41,7 @@ type poolDecider struct {
 	pool    *pgxpool.Pool
 }
 
-func (d poolDecider) LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+func (d poolDecider) LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.LimitOpts) (ratelimit.ManyResult, error) {
 	if len(reqs) != 1 || opts != nil {
 		return d.limiter.LimitMany(ctx, d.pool, reqs, opts)
 	}

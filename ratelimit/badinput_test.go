@@ -80,6 +80,14 @@ func TestBadInputs(t *testing.T) {
 		{what: "nil executor", call: func() error { _, err := lim.Limit(ctx, nil, "ok", "k", nil); return err }, wantArg: true, contains: "db is nil"},
 		{what: "typed nil pool", call: func() error { _, err := lim.Limit(ctx, nilPool, "ok", "k", nil); return err }, wantArg: true, contains: "nil *pgxpool.Pool"},
 		{what: "many: no requests", call: func() error { _, err := lim.LimitMany(ctx, pool, nil, nil); return err }, wantArg: true, contains: "requests must not be empty"},
+		{what: "many: Reserve in opts", call: func() error {
+			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}}, &ratelimit.LimitOpts{Reserve: true})
+			return err
+		}, wantArg: true, contains: "opts sets Config or Reserve, which a LimitMany or CheckMany takes in each Request"},
+		{what: "many: Config in opts", call: func() error {
+			_, err := lim.CheckMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}}, &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Second}})
+			return err
+		}, wantArg: true, contains: "opts sets Config or Reserve"},
 		{what: "many: the same limit twice", call: func() error {
 			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}, {Name: "ok", Key: "k"}}, nil)
 			return err

@@ -163,22 +163,22 @@ func (b *Batcher) CheckN(ctx context.Context, name, key string, count float64, o
 }
 
 // LimitMany is Limiter.LimitMany decided in a batch on the pool: every request or none.
-func (b *Batcher) LimitMany(ctx context.Context, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return b.many(ctx, "LimitMany", reqs, false, false, opts.asError())
+func (b *Batcher) LimitMany(ctx context.Context, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return b.many(ctx, "LimitMany", reqs, false, false, opts)
 }
 
 // CheckMany is Limiter.CheckMany decided in a batch on the pool: it consumes nothing.
-func (b *Batcher) CheckMany(ctx context.Context, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return b.many(ctx, "CheckMany", reqs, false, true, opts.asError())
+func (b *Batcher) CheckMany(ctx context.Context, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return b.many(ctx, "CheckMany", reqs, false, true, opts)
 }
 
 func (b *Batcher) single(ctx context.Context, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
-	return firstResult(b.many(ctx, op, singleRequest(name, key, count, opts), true, dry, opts.asError()))
+	return firstResult(b.many(ctx, op, singleRequest(name, key, count, opts), true, dry, opts))
 }
 
 // many is Limiter.many with the statement on the lane of the call's smallest (name, key).
-func (b *Batcher) many(ctx context.Context, op string, reqs []Request, single, dry, asError bool) (ManyResult, error) {
-	return b.lim.decide(ctx, op, reqs, single, dry, asError, func(c *call) (ManyResult, error) {
+func (b *Batcher) many(ctx context.Context, op string, reqs []Request, single, dry bool, opts *LimitOpts) (ManyResult, error) {
+	return b.lim.decide(ctx, op, reqs, single, dry, opts, func(c *call) (ManyResult, error) {
 		name, key := reqs[0].Name, reqs[0].Key
 		for _, r := range reqs[1:] {
 			if r.Name < name || (r.Name == name && r.Key < key) {

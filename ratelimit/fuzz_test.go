@@ -538,9 +538,9 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	var got ratelimit.ManyResult
 	var err error
 	if dry {
-		got, err = r.lim.CheckMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{AsError: throw})
+		got, err = r.lim.CheckMany(r.ctx, r.pool, reqs, &ratelimit.LimitOpts{AsError: throw})
 	} else {
-		got, err = r.lim.LimitMany(r.ctx, r.pool, reqs, &ratelimit.ManyOpts{AsError: throw})
+		got, err = r.lim.LimitMany(r.ctx, r.pool, reqs, &ratelimit.LimitOpts{AsError: throw})
 	}
 	if wantErr != nil {
 		r.expectErr(op, err, wantErr)

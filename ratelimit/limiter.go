@@ -99,7 +99,10 @@ func New(config *LimiterConfig) (*Limiter, error) {
 	return l, nil
 }
 
-// LimitOpts are the options of Limit, LimitN, Check and CheckN. A nil *LimitOpts is the zero value.
+// LimitOpts are the options of every decision: Limit, LimitN, Check, CheckN, LimitMany and
+// CheckMany, on the Limiter and the Batcher. A nil *LimitOpts is the zero value. LimitMany and
+// CheckMany read only AsError: their requests carry their own Config and Reserve, and setting
+// either here is an *ArgumentError.
 type LimitOpts struct {
 	// Config, when set, is used instead of the limit registered under the name (and makes an
 	// unregistered name valid). Defaults to nil: the registered config.
@@ -110,7 +113,8 @@ type LimitOpts struct {
 	Reserve bool
 
 	// AsError turns a denial into a *LimitedError, so that a caller inside a transaction can return
-	// it and roll back. A granted reservation is never an error. Defaults to false.
+	// it and roll back; for LimitMany and CheckMany the error lists every denied limit. A granted
+	// reservation is never an error. Defaults to false.
 	AsError bool
 }
 
@@ -201,14 +205,14 @@ func (l *Limiter) CheckN(ctx context.Context, db Executor, name, key string, cou
 }
 
 func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
-	return firstResult(l.many(ctx, db, op, singleRequest(name, key, count, opts), true, dry, opts.asError()))
+	return firstResult(l.many(ctx, db, op, singleRequest(name, key, count, opts), true, dry, opts))
 }
 
-func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Request, single, dry, asError bool) (ManyResult, error) {
+func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Request, single, dry bool, opts *LimitOpts) (ManyResult, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return ManyResult{}, err
 	}
-	return l.decide(ctx, op, reqs, single, dry, asError, func(c *call) (ManyResult, error) {
+	return l.decide(ctx, op, reqs, single, dry, opts, func(c *call) (ManyResult, error) {
 		out, err := l.decideCalls(ctx, db, []*call{c})
 		if err != nil {
 			return ManyResult{}, dbError(ctx, db, op, err)
@@ -218,11 +222,14 @@ func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Reque
 }
 
 // decide is the one path of every decision call, on the Limiter and on the Batcher: it validates
-// the call (prepareCall), has run decide it, records its metrics and, when asError, turns a denial
-// into a *LimitedError (returned with the result).
-func (l *Limiter) decide(ctx context.Context, op string, reqs []Request, single, dry, asError bool, run func(*call) (ManyResult, error)) (ManyResult, error) {
+// the call (prepareCall), has run decide it, records its metrics and, when opts.AsError, turns a
+// denial into a *LimitedError (returned with the result). A single call's opts are in its request.
+func (l *Limiter) decide(ctx context.Context, op string, reqs []Request, single, dry bool, opts *LimitOpts, run func(*call) (ManyResult, error)) (ManyResult, error) {
 	start := time.Now()
 	c, err := l.prepareCall(op, reqs, single, dry)
+	if err == nil && !single && opts != nil && (opts.Config != nil || opts.Reserve) {
+		err = &ArgumentError{Op: op, Arg: "opts", Reason: "sets Config or Reserve, which a LimitMany or CheckMany takes in each Request"}
+	}
 	var m ManyResult
 	if err == nil {
 		m, err = run(c)
@@ -231,7 +238,7 @@ func (l *Limiter) decide(ctx context.Context, op string, reqs []Request, single,
 	if err != nil {
 		return ManyResult{}, err
 	}
-	if asError && !m.OK {
+	if opts.asError() && !m.OK {
 		return m, m.Err()
 	}
 	return m, nil
@@ -256,8 +263,6 @@ func firstResult(m ManyResult, err error) (Result, error) {
 
 func (o *LimitOpts) asError() bool { return o != nil && o.AsError }
 
-func (o *ManyOpts) asError() bool { return o != nil && o.AsError }
-
 // Request is one limit of a LimitMany or CheckMany call.
 type Request struct {
 	// Name is the limit's name. Required.
@@ -270,12 +275,6 @@ type Request struct {
 	Config *Config
 	// Reserve allows a reservation, as LimitOpts.Reserve. Defaults to false.
 	Reserve bool
-}
-
-// ManyOpts are the options of LimitMany and CheckMany. A nil *ManyOpts is the zero value.
-type ManyOpts struct {
-	// AsError turns a denial into a *LimitedError listing every denied limit. Defaults to false.
-	AsError bool
 }
 
 // ManyResult is the outcome of LimitMany or CheckMany.
@@ -333,13 +332,13 @@ func (m ManyResult) Err() error {
 // LimitMany consumes every request or none, in one round trip: if any is denied, nothing is
 // written. Rows are locked in one global order (name, key, shard), so two calls naming the same
 // limits in different orders never deadlock. A (name, key) may appear only once.
-func (l *Limiter) LimitMany(ctx context.Context, db Executor, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return l.many(ctx, db, "LimitMany", reqs, false, false, opts.asError())
+func (l *Limiter) LimitMany(ctx context.Context, db Executor, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return l.many(ctx, db, "LimitMany", reqs, false, false, opts)
 }
 
 // CheckMany answers what LimitMany would, without consuming anything or taking a lock.
-func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return l.many(ctx, db, "CheckMany", reqs, false, true, opts.asError())
+func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return l.many(ctx, db, "CheckMany", reqs, false, true, opts)
 }
 
 // clock is the instant a statement decides at, as sent to the database: LimiterConfig.Now in
