@@ -142,57 +142,6 @@ func TestHousekeepingErrors(t *testing.T) {
 	require.NotErrorIs(t, err, ratelimit.ErrInvalid)
 }
 
-// housekeepingEvent returns the event of the first job of kind to end (the other periodic job of
-// Housekeeping runs too), which must have completed.
-func housekeepingEvent(t *testing.T, events <-chan *river.Event, kind string) *river.Event {
-	t.Helper()
-	timeout := time.After(60 * time.Second) // a generous bound for a loaded machine: leader election
-	for {
-		select {
-		case ev := <-events:
-			if ev.Job.Kind != kind {
-				continue
-			}
-			require.Equal(t, river.EventKindJobCompleted, ev.Kind, "job %s", kind)
-			return ev
-		case <-timeout:
-			t.Fatalf("the periodic job %s did not complete", kind)
-		}
-	}
-}
-
-// TestPrunePeriodicJob runs the periodic job in a real client: inserted on start, worked, output
-// recorded.
-func TestPrunePeriodicJob(t *testing.T) {
-	t.Parallel()
-	b := setup(t, &setupOpts{limits: pruneLimits, now: frozen(t0)})
-	ctx := context.Background()
-	_, err := b.limiter.LimitN(ctx, b.pool, "tb", "a", 3, nil)
-	require.NoError(t, err)
-	// A second limiter whose clock is an hour later does the pruning: the row is full by then.
-	later, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: pruneLimits, Now: frozen(t0.Add(time.Hour))})
-	require.NoError(t, err)
-	workers := river.NewWorkers()
-	jobs, err := scheduler.Housekeeping(workers, later, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger(), RunOnStart: true})
-	require.NoError(t, err)
-	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
-		Logger:       quietLogger(),
-		PeriodicJobs: jobs,
-		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
-		TestOnly:     true,
-		Workers:      workers,
-	})
-	require.NoError(t, err)
-	events, cancel := client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed)
-	defer cancel()
-	startClient(t, client)
-	ev := housekeepingEvent(t, events, "txlimit_prune")
-	var out scheduler.PruneOutput
-	require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
-	require.Equal(t, int64(1), out.Deleted["tb"])
-	require.Equal(t, 0, testdb.CountRows(t, b.pool))
-}
-
 // TestPruneJobNeverChangesADecision runs the same calls at the same injected times on two schemas;
 // on one, the prune job runs before every step. Every Result is identical, and the job did delete
 // rows, so the comparison means something. (Sharded limits are compared in ratelimit's own prune
