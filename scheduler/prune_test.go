@@ -50,21 +50,27 @@ type mutableClock struct {
 func (c *mutableClock) Now() time.Time  { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
 func (c *mutableClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
 
-// workPrune runs one prune job with rivertest's worker and returns its recorded output.
-func workPrune(t *testing.T, b *testBundle, w *scheduler.PruneWorker) scheduler.PruneOutput {
+// workJob runs one job of w with rivertest's worker, in a transaction that commits (or rolls back
+// when rollback is set), and returns the output it recorded.
+func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
 	t.Helper()
-	ctx := context.Background()
 	tw := rivertest.NewWorker(t, riverpgxv5.New(b.pool), &river.Config{Logger: quietLogger()}, w)
 	var res *rivertest.WorkResult
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+	require.NoError(t, inTx(t, b.pool, rollback, func(tx pgx.Tx) error {
 		var err error
-		res, err = tw.Work(ctx, t, tx, scheduler.PruneArgs{}, nil)
+		res, err = tw.Work(context.Background(), t, tx, args, nil)
 		return err
 	}))
 	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
-	var out scheduler.PruneOutput
+	var out O
 	require.NoError(t, json.Unmarshal(res.Job.Output(), &out))
 	return out
+}
+
+// workPrune runs one prune job and returns its recorded output.
+func workPrune(t *testing.T, b *testBundle, w *scheduler.PruneWorker) scheduler.PruneOutput {
+	t.Helper()
+	return workJob[scheduler.PruneArgs, scheduler.PruneOutput](t, b, w, scheduler.PruneArgs{}, false)
 }
 
 func TestPruneJob(t *testing.T) {

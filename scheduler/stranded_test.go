@@ -11,8 +11,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertest"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -80,20 +78,10 @@ func stranded(t *testing.T, c conn) {
 		StrandedAfter: time.Minute, Logger: logger, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
 	}, func() time.Time { return now })
 	require.NoError(t, err)
-	tw := rivertest.NewWorker(t, riverpgxv5.New(b.pool), &river.Config{Logger: quietLogger()}, w)
 	check := func(at time.Time) scheduler.StrandedOutput {
 		t.Helper()
 		now = at
-		var res *rivertest.WorkResult
-		require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
-			var err error
-			res, err = tw.Work(ctx, t, tx, scheduler.StrandedArgs{}, nil)
-			return err
-		}))
-		require.Equal(t, river.EventKindJobCompleted, res.EventKind)
-		var out scheduler.StrandedOutput
-		require.NoError(t, json.Unmarshal(res.Job.Output(), &out))
-		return out
+		return workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
 	}
 	orphanFix := `"no River client works queue \"orphan\": add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens"`
 	defaultFix := `"River's clients work queue \"default\" but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind"`
