@@ -21,7 +21,7 @@ import (
 var ErrNotCancellable = errors.New("scheduler: job cannot be cancelled with a refund")
 
 // ErrNotReserved matches (errors.Is) the error of CancelTx or SettleTx on a job that ReserveTx or
-// ReserveManyTx did not insert: it has no reservation recorded (ReservedKey). It also matches
+// ReserveManyTx did not insert: it has no reservation recorded (job metadata "txlimit_reserved"). It also matches
 // ratelimit.ErrInvalid.
 var ErrNotReserved = errors.New("scheduler: job has no reservation recorded by ReserveTx")
 
@@ -68,7 +68,7 @@ type notReservedError struct {
 }
 
 func (e *notReservedError) Error() string {
-	return fmt.Sprintf("scheduler: %s: job %d has no reservation recorded by ReserveTx (metadata key %q)", e.op, e.jobID, ReservedKey)
+	return fmt.Sprintf("scheduler: %s: job %d has no reservation recorded by ReserveTx (metadata key %q)", e.op, e.jobID, reservedKey)
 }
 
 func (e *notReservedError) Is(target error) bool {
@@ -84,7 +84,7 @@ func (e *notReservedError) Is(target error) bool {
 // refund, in the same tx. The job is cancelled with River's own Client.JobCancelTx, so everything
 // commits or rolls back with tx.
 //
-// The cancel is recorded as the job's settlement (SettledKey, nothing used), so a later SettleTx of
+// The cancel is recorded as the job's settlement (job metadata "txlimit_settled", nothing used), so a later SettleTx of
 // the job changes nothing and returns it. A job that is running, has run (completed, discarded,
 // retryable, or snoozed after it started), was settled or was cancelled already is left as it is,
 // nothing is credited, and the error is a *NotCancellableError (errors.Is(err,

@@ -23,8 +23,13 @@ type (
 	StrandedWorker = strandedWorker
 )
 
-// StrandedKey is the job metadata key of the stranded check's mark.
-const StrandedKey = strandedKey
+// The job metadata keys of the package.
+const (
+	MetadataKey = paidKey
+	ReservedKey = reservedKey
+	SettledKey  = settledKey
+	StrandedKey = strandedKey
+)
 
 // NewPruneWorker returns the prune job's worker as Housekeeping registers it.
 func NewPruneWorker(limiter *ratelimit.Limiter, db ratelimit.Executor, config *HousekeepingConfig) (*PruneWorker, error) {

@@ -64,7 +64,7 @@ type GateConfig struct {
 // a worker's Middleware method for one kind.
 //
 // When the job's tokens are there, it takes them and runs the job. When they are not, it reserves
-// them (ratelimit.LimitOpts.Reserve), records the payment in the job's metadata (MetadataKey) and
+// them (ratelimit.LimitOpts.Reserve), records the payment in the job's metadata ("txlimit_paid") and
 // snoozes the job until they are due; when the job comes back it runs without paying again. So
 // jobs start at the limit's rate, each one once, in the order they asked. When the reservation
 // would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
@@ -142,7 +142,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 		return g.run(ctx, doInner)
 	}
 	wait := res.RetryAfter()
-	if err := river.MetadataSet(ctx, MetadataKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
+	if err := river.MetadataSet(ctx, paidKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, err)
 	}
 	return river.JobSnooze(min(wait, maxSnooze))
@@ -150,7 +150,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 
 // run clears the job's payment, so that a snooze from the worker itself pays again, and works it.
 func (g *Gate) run(ctx context.Context, doInner func(context.Context) error) error {
-	if err := river.MetadataSet(ctx, MetadataKey, nil); err != nil {
+	if err := river.MetadataSet(ctx, paidKey, nil); err != nil {
 		return fmt.Errorf("scheduler: Gate: %w", err)
 	}
 	return doInner(ctx)

@@ -83,7 +83,7 @@ type ReserveOpts struct {
 	Config *ratelimit.Config
 
 	// InsertOpts are the job's River insert options. Their ScheduledAt is honoured when it is later
-	// than the reservation's; Metadata, when set, must be a JSON object and gets MetadataKey added.
+	// than the reservation's; Metadata, when set, must be a JSON object and gets "txlimit_paid" added.
 	// Defaults to nil: River's defaults and the args' own InsertOpts.
 	InsertOpts *river.InsertOpts
 
@@ -217,7 +217,7 @@ type credit struct {
 }
 
 // schedule inserts the job of a granted reservation, with what it reserved recorded in its
-// metadata (ReservedKey).
+// metadata (reservedKey).
 func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results []ratelimit.Result, retryAt time.Time, credits []credit, args river.JobArgs, insertOpts river.InsertOpts, opts *ReserveOpts) (*Reservation, error) {
 	r := &Reservation{Results: results}
 	rec := reservation{NotBefore: insertOpts.ScheduledAt.UTC()}
@@ -239,7 +239,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
-	md, err := withKey(insertOpts.Metadata, ReservedKey, &rec)
+	md, err := withKey(insertOpts.Metadata, reservedKey, &rec)
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: %s: record the reservation: %w", op, err)
 	}

@@ -142,7 +142,7 @@ type JobSettlement struct {
 // reservation that MaxReserved cannot deny (the work is done). Credited tokens pull the jobs
 // waiting on the limit forward, in the same tx (see CancelTx).
 //
-// The settlement is recorded in the job's metadata (SettledKey) in the same tx as its credit or
+// The settlement is recorded in the job's metadata ("txlimit_settled") in the same tx as its credit or
 // charge, so it happens exactly once per job: a second SettleTx of the job, after the first
 // committed, changes nothing and returns the first outcome with Repeated set; one racing with it
 // waits for it (the job's row lock), then does the same. So a retried job, a worker that crashed
@@ -188,7 +188,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 			}
 			var out JobSettlement
 			if err := json.Unmarshal(prev[0], &out); err != nil || out.JobID != jobID {
-				return nil, fmt.Errorf("scheduler: %s: job %d has an unreadable settlement (metadata key %q): %s", op, jobID, SettledKey, prev[0])
+				return nil, fmt.Errorf("scheduler: %s: job %d has an unreadable settlement (metadata key %q): %s", op, jobID, settledKey, prev[0])
 			}
 			out.Repeated = true
 			return &out, nil

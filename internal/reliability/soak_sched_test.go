@@ -254,7 +254,7 @@ func soakJobReserved(job *rivertype.JobRow) []soakReserved {
 	return args.Reserved
 }
 
-// soakWaiting reports whether the reservation recorded on job (scheduler.ReservedKey) is due
+// soakWaiting reports whether the reservation recorded on job (job metadata "txlimit_reserved") is due
 // after now on one of its limits.
 func soakWaiting(job *rivertype.JobRow, now time.Time) bool {
 	var md map[string]struct {
@@ -265,7 +265,7 @@ func soakWaiting(job *rivertype.JobRow, now time.Time) bool {
 	if jsonUnmarshalSoak(job.Metadata, &md) != nil {
 		return false
 	}
-	for _, l := range md[scheduler.ReservedKey].Limits {
+	for _, l := range md["txlimit_reserved"].Limits {
 		if l.RetryAt.After(now) {
 			return true
 		}
