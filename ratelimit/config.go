@@ -77,9 +77,10 @@ type Config struct {
 
 	// MaxReserved bounds how far below zero a reservation (LimitOpts.Reserve) may take the limit:
 	// a reservation that would leave more than MaxReserved tokens owed is refused, with the RetryAt
-	// at which it would fit. Must be 0, between 10^-9 and 10^15, or Unbounded for no bound (every reservation is granted
-	// and only its RetryAt grows). Defaults to 0: no reservations; a call with Reserve on such a
-	// limit is an *ArgumentError. Calls without Reserve never go below zero, whatever this is.
+	// at which it would fit. Must be 0, between 10^-9 and 10^15, or Unbounded for no bound (every
+	// reservation is granted and only its RetryAt grows). Defaults to 0: no reservations; a call
+	// with Reserve on such a limit is an *ArgumentError. Calls without Reserve never go below zero,
+	// whatever this is.
 	MaxReserved float64
 
 	// Period is the time over which Rate tokens are added. Must be > 0 and a whole number of

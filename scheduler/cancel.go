@@ -21,8 +21,8 @@ import (
 var ErrNotCancellable = errors.New("scheduler: job cannot be cancelled with a refund")
 
 // ErrNotReserved matches (errors.Is) the error of CancelTx or SettleTx on a job that ReserveTx or
-// ReserveManyTx did not insert: it has no reservation recorded (job metadata "txlimit_reserved"). It also matches
-// ratelimit.ErrInvalid.
+// ReserveManyTx did not insert: it has no reservation recorded (job metadata "txlimit_reserved").
+// It also matches ratelimit.ErrInvalid.
 var ErrNotReserved = errors.New("scheduler: job has no reservation recorded by ReserveTx")
 
 // NotCancellableError is CancelTx's answer for a job that has started, finished or was cancelled
@@ -84,13 +84,13 @@ func (e *notReservedError) Is(target error) bool {
 // refund, in the same tx. The job is cancelled with River's own Client.JobCancelTx, so everything
 // commits or rolls back with tx.
 //
-// The cancel is recorded as the job's settlement (job metadata "txlimit_settled", nothing used), so a later SettleTx of
-// the job changes nothing and returns it. A job that is running, has run (completed, discarded,
-// retryable, or snoozed after it started), was settled or was cancelled already is left as it is,
-// nothing is credited, and the error is a *NotCancellableError (errors.Is(err,
-// ErrNotCancellable)). A job that does not exist is an error
-// matching rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The
-// call works in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
+// The cancel is recorded as the job's settlement (job metadata "txlimit_settled", nothing used), so
+// a later SettleTx of the job changes nothing and returns it. A job that is running, has run
+// (completed, discarded, retryable, or snoozed after it started), was settled or was cancelled
+// already is left as it is, nothing is credited, and the error is a *NotCancellableError
+// (errors.Is(err, ErrNotCancellable)). A job that does not exist is an error matching
+// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The call works
+// in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
 // The job's row stays locked until tx ends, so that no worker starts it meanwhile.
 func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobSettlement, error) {
 	const op = "CancelTx"

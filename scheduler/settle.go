@@ -142,8 +142,8 @@ type JobSettlement struct {
 // reservation that MaxReserved cannot deny (the work is done). Credited tokens pull the jobs
 // waiting on the limit forward, in the same tx (see CancelTx).
 //
-// The settlement is recorded in the job's metadata ("txlimit_settled") in the same tx as its credit or
-// charge, so it happens exactly once per job: a second SettleTx of the job, after the first
+// The settlement is recorded in the job's metadata ("txlimit_settled") in the same tx as its credit
+// or charge, so it happens exactly once per job: a second SettleTx of the job, after the first
 // committed, changes nothing and returns the first outcome with Repeated set; one racing with it
 // waits for it (the job's row lock), then does the same. So a retried job, a worker that crashed
 // after settling, or two processes settling at once cannot credit twice. Call it from the worker,

@@ -18,7 +18,8 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// MeterName is the name of the OpenTelemetry meter of this package (HousekeepingConfig.MeterProvider).
+// MeterName is the name of the OpenTelemetry meter of this package
+// (HousekeepingConfig.MeterProvider).
 const MeterName = "github.com/txlimit/txlimit/scheduler"
 
 // metricStranded is the name of the stranded check's counter; HousekeepingConfig.MeterProvider

@@ -254,8 +254,8 @@ func soakJobReserved(job *rivertype.JobRow) []soakReserved {
 	return args.Reserved
 }
 
-// soakWaiting reports whether the reservation recorded on job (job metadata "txlimit_reserved") is due
-// after now on one of its limits.
+// soakWaiting reports whether the reservation recorded on job (job metadata "txlimit_reserved") is
+// due after now on one of its limits.
 func soakWaiting(job *rivertype.JobRow, now time.Time) bool {
 	var md map[string]struct {
 		Limits []struct {
