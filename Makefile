@@ -6,6 +6,10 @@ GO     ?= go
 GOBIN  := $(shell $(GO) env GOPATH)/bin
 SQLC_VERSION := v1.31.1
 SQLC   := $(GOBIN)/sqlc
+# Tools pinned by version go into bin/ of the repository (ignored by git), one file per version.
+BIN    := $(CURDIR)/bin
+STATICCHECK_VERSION := v0.8.2
+STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
 export TEST_DATABASE_URL ?=
 
@@ -38,10 +42,19 @@ test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode: intern
 	if [ -n "$$TXLIMIT_PGBOUNCER_URL" ]; then bash -c "$$run"; else .ci/pgbouncer.sh bash -c "$$run"; fi
 
 .PHONY: lint
-lint: ## gofmt and go vet over every module.
+lint: $(STATICCHECK) ## gofmt, go vet and staticcheck over every module (the root, bench/, and internal/reliability with -tags reliability).
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) vet -tags reliability ./internal/reliability/
+	cd bench && $(GO) vet ./...
+	$(STATICCHECK) ./...
+	$(STATICCHECK) -tags reliability ./internal/reliability/
+	cd bench && $(STATICCHECK) ./...
+
+$(STATICCHECK):
+	mkdir -p $(BIN)
+	GOBIN=$(BIN) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	mv $(BIN)/staticcheck $@
 
 .PHONY: reliability
 reliability: ## Soak, restart, bad input, least privilege, then the model fuzz; prints one summary line each (SOAK, WORKERS, FUZZTIME, FUZZMINIMIZETIME).

@@ -126,7 +126,7 @@ func OpenEnv(ctx context.Context, opts EnvOpts) (*Env, func(), error) {
 	defer cancel()
 	if err := rdb.Ping(pctx).Err(); err != nil {
 		_ = rdb.Close()
-		env.RedisErr = fmt.Errorf("Redis at %s (BENCH_REDIS_ADDR) does not answer: %w", addr, err)
+		env.RedisErr = fmt.Errorf("no answer from Redis at %s (BENCH_REDIS_ADDR): %w", addr, err)
 		return env, closeAll, nil
 	}
 	rdb.AddHook(env.RedisTrips)

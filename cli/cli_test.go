@@ -24,7 +24,8 @@ import (
 // runs, so the numbers are exact with the database's clock.
 var (
 	centuryStart = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
-	century      = ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: ratelimit.MaxPeriod, Start: centuryStart}
+	centuryLen   = 100 * 365 * 24 * time.Hour // the longest Period ratelimit accepts
+	century      = ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: centuryLen, Start: centuryStart}
 )
 
 const configFile = `{
@@ -102,7 +103,7 @@ func TestCommand(t *testing.T) {
 	// inspect, text.
 	r = run(t, dsn, nil, append([]string{"inspect", "century", "user-42"}, s...)...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	windowEnd := centuryStart.Add(ratelimit.MaxPeriod)
+	windowEnd := centuryStart.Add(centuryLen)
 	require.Contains(t, r.stdout, "value   0\n")
 	require.Contains(t, r.stdout, "shard 0 0\n")
 	require.Contains(t, r.stdout, "next    "+windowEnd.Format(time.RFC3339Nano))

@@ -15,7 +15,7 @@ import (
 // middleware's own work (keys, HMACs, Structured Fields), not the decision.
 type grantAll struct{}
 
-func (grantAll) LimitMany(_ context.Context, reqs []ratelimit.Request, _ *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+func (grantAll) LimitMany(_ context.Context, reqs []ratelimit.Request, _ *ratelimit.LimitOpts) (ratelimit.ManyResult, error) {
 	res := ratelimit.ManyResult{OK: true, Time: t0, Results: make([]ratelimit.Result, len(reqs))}
 	for i, r := range reqs {
 		res.Results[i] = ratelimit.Result{Name: r.Name, Key: r.Key, OK: true, Value: 7.5, Time: t0}

@@ -102,6 +102,6 @@
 // # Metrics
 //
 // Config.MeterProvider (the global provider by default) counts requests by policy and outcome
-// (MetricRequests); the Limiter's own metrics (ratelimit.LimiterConfig.MeterProvider) count the
-// decisions.
+// (txlimit.http.requests); the Limiter's own metrics (ratelimit.LimiterConfig.MeterProvider)
+// count the decisions.
 package httplimit

@@ -22,13 +22,14 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/txlimit/txlimit/httplimit"
+	"github.com/txlimit/txlimit/internal/metrictest"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
 // failing is a Decider whose every decision fails with err, as one on a database that is down.
 type failing struct{ err error }
 
-func (f failing) LimitMany(context.Context, []ratelimit.Request, *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+func (f failing) LimitMany(context.Context, []ratelimit.Request, *ratelimit.LimitOpts) (ratelimit.ManyResult, error) {
 	return ratelimit.ManyResult{}, f.err
 }
 
@@ -67,7 +68,7 @@ func (h *records) all() []string {
 type failureRun struct {
 	res  response
 	logs []string
-	// requests reads MetricRequests for policy and outcome.
+	// requests reads txlimit.http.requests for policy and outcome.
 	requests func(policy, outcome string) int64
 }
 
@@ -89,7 +90,7 @@ func serveFailing(t *testing.T, cfg httplimit.Config, header ...string) failureR
 	t.Cleanup(srv.Close)
 	res := get(t, srv.URL+"/items", header...)
 	return failureRun{res: res, logs: logs.all(), requests: func(policy, outcome string) int64 {
-		return counter(t, reader, httplimit.MetricRequests, attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+		return metrictest.Counter(t, reader, "txlimit.http.requests", attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
 	}}
 }
 
@@ -197,7 +198,7 @@ func TestDecisionFailureDefaults(t *testing.T) {
 		"WARN httplimit: rate limit decision failed; request let through (FailOpen) method=GET path=/items policies=[defaults] error=" + errDown.Error(),
 	}, logs.all())
 	for _, outcome := range []string{"error", "fail_open"} {
-		require.Equal(t, int64(1), counter(t, reader, httplimit.MetricRequests,
+		require.Equal(t, int64(1), metrictest.Counter(t, reader, "txlimit.http.requests",
 			attribute.String("txlimit.policy", "defaults"), attribute.String("txlimit.outcome", outcome)), outcome)
 	}
 }

@@ -24,7 +24,7 @@ import (
 // *ratelimit.Batcher (the one to use: concurrent requests share one statement and one commit), or
 // a *ratelimit.Limiter on a pool, one statement per request (see OnPool).
 type Decider interface {
-	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error)
+	LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.LimitOpts) (ratelimit.ManyResult, error)
 }
 
 var _ Decider = (*ratelimit.Batcher)(nil)
@@ -41,7 +41,7 @@ type poolDecider struct {
 	pool    *pgxpool.Pool
 }
 
-func (d poolDecider) LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.ManyOpts) (ratelimit.ManyResult, error) {
+func (d poolDecider) LimitMany(ctx context.Context, reqs []ratelimit.Request, opts *ratelimit.LimitOpts) (ratelimit.ManyResult, error) {
 	if len(reqs) != 1 || opts != nil {
 		return d.limiter.LimitMany(ctx, d.pool, reqs, opts)
 	}
@@ -114,9 +114,16 @@ type Config struct {
 	// (info). Defaults to nil: slog.Default(), as it is when a record is logged.
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) counting requests by policy and outcome
-	// (MetricRequests). Defaults to nil: the global provider (otel.GetMeterProvider()), which
-	// records nothing until the application sets one with otel.SetMeterProvider.
+	// MeterProvider provides the meter (MeterName) of the counter txlimit.http.requests, which
+	// counts requests by policy (txlimit.policy) and outcome (txlimit.outcome), never by key:
+	// "granted" for each policy of a granted request, "denied" for each violated policy of a
+	// denied request (the other policies of it consumed nothing and are not counted),
+	// "shadow_denied" likewise under Config.Shadow (the request went on), "fail_open" and "error"
+	// for each policy of a request whose decision failed (let through, or refused with 503),
+	// "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and "skipped" for a
+	// policy left out by MissingKeySkip. Defaults to nil: the global provider
+	// (otel.GetMeterProvider()), which records nothing until the application sets one with
+	// otel.SetMeterProvider.
 	MeterProvider metric.MeterProvider
 
 	// OmitSuccessHeaders leaves the RateLimit-Policy and RateLimit fields off granted requests;

@@ -24,9 +24,9 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/txlimit/txlimit/httplimit"
+	"github.com/txlimit/txlimit/internal/metrictest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -107,29 +107,8 @@ func pk(name, key string) []byte {
 	return mac.Sum(nil)[:12]
 }
 
-// counter reads the counter name at exactly attrs.
-func counter(t *testing.T, r *sdkmetric.ManualReader, name string, attrs ...attribute.KeyValue) int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, r.Collect(context.Background(), &rm))
-	want := attribute.NewSet(attrs...)
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if m.Name != name {
-				continue
-			}
-			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				if dp.Attributes.Equals(&want) {
-					return dp.Value
-				}
-			}
-		}
-	}
-	return 0
-}
-
 func requests(t *testing.T, b *bundle, policy, outcome string) int64 {
-	return counter(t, b.reader, httplimit.MetricRequests, attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+	return metrictest.Counter(t, b.reader, "txlimit.http.requests", attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
 }
 
 // item checks one parsed Structured Field item: its name and exact parameters, in order.
@@ -187,7 +166,7 @@ func TestHeadersAndDenial(t *testing.T) {
 	require.Equal(t, int64(3), requests(t, b, "perIP", "granted"))
 	require.Equal(t, int64(2), requests(t, b, "perIP", "denied"))
 	lim := func(outcome string) int64 {
-		return counter(t, b.lreader, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"), // one policy: OnPool uses LimitN
+		return metrictest.Counter(t, b.lreader, "txlimit.decisions", attribute.String("txlimit.op", "LimitN"), // one policy: OnPool uses LimitN
 			attribute.String("txlimit.limit", "perIP"), attribute.String("txlimit.outcome", outcome))
 	}
 	require.Equal(t, int64(3), lim("granted"))

@@ -3,12 +3,11 @@ package httplimit
 import (
 	"context"
 	"log/slog"
-	"sync"
 
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/txlimit/txlimit/internal/observe"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -16,14 +15,8 @@ import (
 // Config.MeterProvider.
 const MeterName = "github.com/txlimit/txlimit/httplimit"
 
-// MetricRequests counts requests by policy (txlimit.policy) and outcome (txlimit.outcome), never
-// by key: "granted" for each policy of a granted request, "denied" for each violated policy of a
-// denied request (the other policies of it consumed nothing and are not counted),
-// "shadow_denied" likewise under Config.Shadow (the request went on), "fail_open" and "error"
-// for each policy of a request whose decision failed (let through, or refused with 503),
-// "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and "skipped" for a
-// policy left out by MissingKeySkip.
-const MetricRequests = "txlimit.http.requests"
+// metricRequests is the name of the middleware's counter; Config.MeterProvider says what it counts.
+const metricRequests = "txlimit.http.requests"
 
 const (
 	outcomeGranted      = "granted"
@@ -40,21 +33,16 @@ const (
 // global one, with no Logger it logs to slog.Default(): failures are never silent by default.
 type observer struct {
 	log      *slog.Logger // nil: slog.Default() (logger)
-	sets     sync.Map     // [2]string{policy, outcome} -> []metric.AddOption
+	meter    *observe.Meter
 	requests metric.Int64Counter
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
-	o := &observer{log: log}
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
+	o := &observer{log: log, meter: observe.New(mp, observe.Global, MeterName)}
 	var err error
-	o.requests, err = mp.Meter(MeterName).Int64Counter(MetricRequests, metric.WithUnit("{request}"),
+	o.requests, err = o.meter.Int64Counter(metricRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("HTTP requests by rate limit policy and outcome."))
-	if err != nil { // the API still returns a working no-op counter
-		o.logger().Warn("httplimit: creating metric instruments", "error", err)
-	}
+	observe.Created(o.logger(), "httplimit", err)
 	return o
 }
 
@@ -83,15 +71,10 @@ func (o *observer) countDenied(ctx context.Context, results []ratelimit.Result, 
 }
 
 // add counts one request of policy with outcome. The attribute sets are built once each: there
-// are as many as policies (configured) times outcomes. Each is kept as the slice Add takes, so
-// that a call allocates nothing, not even when the provider records nothing (the global one
-// before the application sets it).
+// are as many as policies (configured) times outcomes; passing them allocates nothing, not even
+// when the provider records nothing (the global one before the application sets it).
 func (o *observer) add(ctx context.Context, policy, outcome string) {
-	k := [2]string{policy, outcome}
-	opts, ok := o.sets.Load(k)
-	if !ok {
-		opts, _ = o.sets.LoadOrStore(k, []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(
-			attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)))})
-	}
-	o.requests.Add(ctx, 1, opts.([]metric.AddOption)...)
+	o.requests.Add(ctx, 1, o.meter.Attrs([2]string{policy, outcome}, func() []attribute.KeyValue {
+		return []attribute.KeyValue{attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome)}
+	}).Add...)
 }

@@ -93,6 +93,7 @@ func proxy(t *testing.T, ip string, target *url.URL, style, header string, first
 	rp := &httputil.ReverseProxy{Transport: dialFrom(ip)}
 	switch style {
 	case "Director":
+		//lint:ignore SA1019 plays proxies that still use Director (deprecated since Go 1.26, in use)
 		rp.Director = func(r *http.Request) { // r is the outbound request, with the inbound RemoteAddr
 			r.URL.Scheme, r.URL.Host, r.Host = target.Scheme, target.Host, ""
 			switch {

@@ -147,7 +147,7 @@ $$;
 -- answer: granted there, refused a microsecond before; for one row before anything else), and only
 -- when float8 rounding or a cap puts the answer elsewhere gallops and bisects, ending within about
 -- 130 tests for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
--- years, ratelimit.MaxRetryWaitMicros); a request not granted by then returns that bound. This is
+-- years, maxRetryWaitMicros in ratelimit); a request not granted by then returns that bound. This is
 -- the only place a RetryAt is computed.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_retry_at(rate double precision, period_us bigint, step_us bigint, cap double precision,

@@ -45,13 +45,13 @@ func TestBadInputs(t *testing.T) {
 		{what: "count -Inf", call: limitN("ok", "k", math.Inf(-1), nil), wantArg: true, contains: "count must be finite"},
 		{what: "count negative", call: limitN("ok", "k", -1, nil), wantArg: true, contains: "count must be > 0"},
 		{what: "count zero", call: limitN("ok", "k", 0, nil), wantArg: true, contains: "count must be > 0"},
-		{what: "count above MaxAmount", call: limitN("ok", "k", 1e16, &ratelimit.LimitOpts{Reserve: true}), wantArg: true, contains: "MaxAmount"},
+		{what: "count above MaxAmount", call: limitN("ok", "k", 1e16, &ratelimit.LimitOpts{Reserve: true}), wantArg: true, contains: "at most 1e+15"},
 		{what: "count above capacity without reserve", call: limitN("ok", "k", 11, nil), wantArg: true, contains: "could never be granted"},
 		{what: "count above capacity + MaxReserved", call: limitN("bounded", "k", 15.5, &ratelimit.LimitOpts{Reserve: true}), wantArg: true, contains: "plus MaxReserved"},
 		{what: "count above two shards", call: limitN("sharded", "k", 4.5, nil), wantArg: true, contains: "two shards"},
 		{what: "check count above capacity", call: func() error { _, err := lim.CheckN(ctx, pool, "ok", "k", 20, nil); return err }, wantArg: true, contains: "could never be granted"},
 		{what: "empty name", call: limitN("", "k", 1, nil), wantArg: true, contains: "name must not be empty"},
-		{what: "over-long name", call: limitN(strings.Repeat("n", ratelimit.MaxNameLen+1), "k", 1, nil), wantArg: true, contains: "MaxNameLen"},
+		{what: "over-long name", call: limitN(strings.Repeat("n", ratelimit.MaxNameLen+1), "k", 1, nil), wantArg: true, contains: "more than 256"},
 		{what: "name with NUL", call: limitN("o\x00k", "k", 1, nil), wantArg: true, contains: "NUL"},
 		{what: "name not UTF-8", call: limitN("ok\xff", "k", 1, nil), wantArg: true, contains: "UTF-8"},
 		{what: "over-long key", call: limitN("ok", strings.Repeat("k", ratelimit.MaxKeyLen+1), 1, nil), wantArg: true, contains: "MaxKeyLen"},
@@ -80,6 +80,14 @@ func TestBadInputs(t *testing.T) {
 		{what: "nil executor", call: func() error { _, err := lim.Limit(ctx, nil, "ok", "k", nil); return err }, wantArg: true, contains: "db is nil"},
 		{what: "typed nil pool", call: func() error { _, err := lim.Limit(ctx, nilPool, "ok", "k", nil); return err }, wantArg: true, contains: "nil *pgxpool.Pool"},
 		{what: "many: no requests", call: func() error { _, err := lim.LimitMany(ctx, pool, nil, nil); return err }, wantArg: true, contains: "requests must not be empty"},
+		{what: "many: Reserve in opts", call: func() error {
+			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}}, &ratelimit.LimitOpts{Reserve: true})
+			return err
+		}, wantArg: true, contains: "opts sets Config or Reserve, which a LimitMany or CheckMany takes in each Request"},
+		{what: "many: Config in opts", call: func() error {
+			_, err := lim.CheckMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}}, &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Second}})
+			return err
+		}, wantArg: true, contains: "opts sets Config or Reserve"},
 		{what: "many: the same limit twice", call: func() error {
 			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}, {Name: "ok", Key: "k"}}, nil)
 			return err

@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -33,7 +31,8 @@ type BatcherConfig struct {
 
 	// Retry bounds how a batch whose statement failed with a serialization failure (40001) or a
 	// deadlock (40P01) is run again, whole, after a full-jitter backoff, exactly as InSerializableTx
-	// retries a transaction. Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms.
+	// retries a transaction; when attempts run out the batch's calls fail with a
+	// *RetriesExhaustedError. Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms.
 	Retry TxOpts
 }
 
@@ -141,20 +140,6 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 	return b, nil
 }
 
-// retryDefaults applies InSerializableTx's defaults to o.
-func retryDefaults(o TxOpts) TxOpts {
-	if o.MaxAttempts <= 0 {
-		o.MaxAttempts = 10
-	}
-	if o.MinBackoff <= 0 {
-		o.MinBackoff = 2 * time.Millisecond
-	}
-	if o.MaxBackoff <= 0 {
-		o.MaxBackoff = 200 * time.Millisecond
-	}
-	return o
-}
-
 // Limit is Limiter.Limit decided in a batch on the pool. It is shorthand for
 // LimitN(ctx, name, key, 1, opts).
 func (b *Batcher) Limit(ctx context.Context, name, key string, opts *LimitOpts) (Result, error) {
@@ -178,61 +163,31 @@ func (b *Batcher) CheckN(ctx context.Context, name, key string, count float64, o
 }
 
 // LimitMany is Limiter.LimitMany decided in a batch on the pool: every request or none.
-func (b *Batcher) LimitMany(ctx context.Context, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return b.many(ctx, "LimitMany", reqs, opts, false)
+func (b *Batcher) LimitMany(ctx context.Context, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return b.many(ctx, "LimitMany", reqs, false, false, opts)
 }
 
 // CheckMany is Limiter.CheckMany decided in a batch on the pool: it consumes nothing.
-func (b *Batcher) CheckMany(ctx context.Context, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return b.many(ctx, "CheckMany", reqs, opts, true)
+func (b *Batcher) CheckMany(ctx context.Context, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return b.many(ctx, "CheckMany", reqs, false, true, opts)
 }
 
 func (b *Batcher) single(ctx context.Context, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
-	start := time.Now()
-	c, err := b.lim.prepareSingle(op, name, key, count, opts, dry)
-	if err != nil {
-		b.lim.obs.decided(ctx, op, start, []Request{{Name: name}}, ManyResult{}, err)
-		return Result{}, err
-	}
-	m, err := b.submit(ctx, c, name, key)
-	b.lim.obs.decided(ctx, op, start, c.reqs, m, err)
-	if err != nil {
-		return Result{}, err
-	}
-	r := m.Results[0]
-	if limitThrows(opts) && !r.OK {
-		return r, r.Err()
-	}
-	return r, nil
+	return firstResult(b.many(ctx, op, singleRequest(name, key, count, opts), true, dry, opts))
 }
 
-func (b *Batcher) many(ctx context.Context, op string, reqs []Request, opts *ManyOpts, dry bool) (ManyResult, error) {
-	start := time.Now()
-	c, err := b.lim.prepareMany(op, reqs, dry)
-	if err != nil {
-		b.lim.obs.decided(ctx, op, start, reqs, ManyResult{}, err)
-		return ManyResult{}, err
-	}
-	name, key := reqs[0].Name, reqs[0].Key
-	for _, r := range reqs[1:] {
-		if r.Name < name || (r.Name == name && r.Key < key) {
-			name, key = r.Name, r.Key
+// many is Limiter.many with the statement on the lane of the call's smallest (name, key).
+func (b *Batcher) many(ctx context.Context, op string, reqs []Request, single, dry bool, opts *LimitOpts) (ManyResult, error) {
+	return b.lim.decide(ctx, op, reqs, single, dry, opts, func(c *call) (ManyResult, error) {
+		name, key := reqs[0].Name, reqs[0].Key
+		for _, r := range reqs[1:] {
+			if r.Name < name || (r.Name == name && r.Key < key) {
+				name, key = r.Name, r.Key
+			}
 		}
-	}
-	m, err := b.submit(ctx, c, name, key)
-	b.lim.obs.decided(ctx, op, start, reqs, m, err)
-	if err != nil {
-		return ManyResult{}, err
-	}
-	if manyThrows(opts) && !m.OK {
-		return m, m.Err()
-	}
-	return m, nil
+		return b.submit(ctx, c, name, key)
+	})
 }
-
-// The only two places the Batcher reads the option that turns a denial into an error.
-func limitThrows(o *LimitOpts) bool { return o != nil && o.AsError }
-func manyThrows(o *ManyOpts) bool   { return o != nil && o.AsError }
 
 // laneOf returns the lane of (name, key).
 func (b *Batcher) laneOf(name, key string) *lane {
@@ -404,26 +359,18 @@ func (b *Batcher) decide(batch []*pending) {
 }
 
 // decideRetrying decides calls, running them again whole after a serialization failure or a
-// deadlock, with full-jitter backoff bounded by b.retry.
+// deadlock, as b.retry bounds (the loop of InSerializableTx).
 func (b *Batcher) decideRetrying(ctx context.Context, calls []*call) ([]outcome, error) {
-	ceiling := b.retry.MinBackoff
-	for attempt := 1; ; attempt++ {
-		outs, err := b.decideOnce(ctx, calls)
-		if err == nil || !IsRetryable(err) {
-			return outs, err
-		}
-		if attempt == b.retry.MaxAttempts {
-			return nil, fmt.Errorf("ratelimit: batch of %d calls gave up after %d attempts: %w", len(calls), attempt, err)
-		}
-		t := time.NewTimer(rand.N(ceiling + 1))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil, errors.Join(ctx.Err(), err)
-		case <-t.C:
-		}
-		ceiling = min(2*ceiling, b.retry.MaxBackoff)
+	var outs []outcome
+	err := retrying(ctx, b.retry, nil, fmt.Sprintf("batch of %d calls", len(calls)), func() error {
+		var err error
+		outs, err = b.decideOnce(ctx, calls)
+		return err
+	}, nil)
+	if err != nil {
+		return nil, err
 	}
+	return outs, nil
 }
 
 // decideOnce decides calls on one connection of the pool, in one autocommit statement.

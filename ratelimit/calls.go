@@ -37,35 +37,18 @@ func metricOp(op string) string {
 	return op
 }
 
-// prepareSingle validates a Limit, LimitN, Check or CheckN call. Nothing is sent to the database.
-func (l *Limiter) prepareSingle(op, name, key string, count float64, opts *LimitOpts, dry bool) (*call, error) {
-	if opts == nil {
-		opts = &LimitOpts{}
-	}
-	if err := checkCount(op, count); err != nil {
-		return nil, err
-	}
-	s, err := l.resolve(op, name, key, opts.Config)
-	if err != nil {
-		return nil, err
-	}
-	if err := s.checkRequest(op, count, opts.Reserve); err != nil {
-		return nil, err
-	}
-	return &call{
-		op: op, dry: dry, single: true,
-		reqs:   []Request{{Name: name, Key: key, Count: count, Config: opts.Config, Reserve: opts.Reserve}},
-		specs:  []spec{s},
-		counts: []float64{count},
-	}, nil
-}
-
-// prepareMany validates a LimitMany or CheckMany call. Nothing is sent to the database.
-func (l *Limiter) prepareMany(op string, reqs []Request, dry bool) (*call, error) {
+// prepareCall validates a call of op over reqs. Nothing is sent to the database. A single call
+// (Limit, LimitN, Check, CheckN) is one request whose count is checked first and has no default.
+func (l *Limiter) prepareCall(op string, reqs []Request, single, dry bool) (*call, error) {
 	if len(reqs) == 0 {
 		return nil, &ArgumentError{Op: op, Arg: "requests", Reason: "must not be empty"}
 	}
-	c := &call{op: op, dry: dry, reqs: reqs, specs: make([]spec, len(reqs)), counts: make([]float64, len(reqs))}
+	if single {
+		if err := checkCount(op, reqs[0].Count); err != nil {
+			return nil, err
+		}
+	}
+	c := &call{op: op, dry: dry, single: single, reqs: reqs, specs: make([]spec, len(reqs)), counts: make([]float64, len(reqs))}
 	var seen map[[2]string]bool // past a few requests; fewer are compared pairwise
 	if len(reqs) > 8 {
 		seen = make(map[[2]string]bool, len(reqs))

@@ -33,33 +33,32 @@ func (k Kind) String() string {
 	return fmt.Sprintf("Kind(%d)", int(k))
 }
 
-// Bounds on arguments. They keep every value exact in float8 arithmetic and every key indexable.
+// MaxKeyLen is the longest key accepted, in bytes of UTF-8: 1024, so that every key is indexable.
+// A longer key (a header, say) is an *ArgumentError; hash it first.
+const MaxKeyLen = 1024
+
+// Bounds on arguments, stated on the fields and calls they bound. They keep every value exact in
+// float8 arithmetic.
 const (
-	// MaxAmount bounds Rate, Capacity, MaxReserved and every count: 10^15 tokens, so that sums of
+	// maxAmount bounds Rate, Capacity, MaxReserved and every count: 10^15 tokens, so that sums of
 	// tokens stay exact to well below one token in float8.
-	MaxAmount = 1e15
+	maxAmount = 1e15
 
-	// MinAmount is the smallest Rate, Capacity, MaxReserved or count accepted (when set): 10^-9
+	// minAmount is the smallest Rate, Capacity, MaxReserved or count accepted (when set): 10^-9
 	// tokens. Smaller values would underflow float8 arithmetic in the database.
-	MinAmount = 1e-9
+	minAmount = 1e-9
 
-	// MaxKeyLen is the longest key accepted, in bytes of UTF-8.
-	MaxKeyLen = 1024
+	// maxNameLen is the longest limit name accepted, in bytes of UTF-8.
+	maxNameLen = 256
 
-	// MaxNameLen is the longest limit name accepted, in bytes of UTF-8.
-	MaxNameLen = 256
+	// maxShards is the largest Config.Shards accepted.
+	maxShards = 1024
 
-	// MaxShards is the largest Config.Shards accepted.
-	MaxShards = 1024
+	// maxPeriod is the longest Config.Period accepted: 100 years of 365 days.
+	maxPeriod = 100 * 365 * 24 * time.Hour
 
-	// MaxPeriod is the longest Config.Period accepted: 100 years of 365 days.
-	MaxPeriod = 100 * 365 * 24 * time.Hour
-
-	// MaxRetryWaitMicros bounds every wait a decision reports, in microseconds: Result.RetryAt is
-	// at most Result.Time plus 2^61 µs (about 73,000 years; more than a time.Duration holds, so
-	// RetryAfter saturates there). A wait that would be longer (a huge debt on a tiny rate, say) is
-	// reported as this bound.
-	MaxRetryWaitMicros = 1 << 61
+	// maxRetryWaitMicros bounds every wait a decision reports, in microseconds (Result.RetryAt).
+	maxRetryWaitMicros = 1 << 61
 )
 
 // Unbounded is the value of Config.MaxReserved that puts no bound on reservations.
@@ -69,8 +68,8 @@ var Unbounded = math.Inf(1)
 // takes effect on the next call (see Shards for what a change of shard count does). The zero value
 // is not valid: Rate and Period are required.
 type Config struct {
-	// Capacity is the most tokens the limit holds at once, its burst. Must be > 0 when set.
-	// Defaults to Rate.
+	// Capacity is the most tokens the limit holds at once, its burst. Must be between 10^-9 and
+	// 10^15 when set. Defaults to Rate.
 	Capacity float64
 
 	// Kind is the algorithm. Defaults to TokenBucket.
@@ -78,16 +77,17 @@ type Config struct {
 
 	// MaxReserved bounds how far below zero a reservation (LimitOpts.Reserve) may take the limit:
 	// a reservation that would leave more than MaxReserved tokens owed is refused, with the RetryAt
-	// at which it would fit. Must be >= 0, or Unbounded for no bound (every reservation is granted
-	// and only its RetryAt grows). Defaults to 0: no reservations; a call with Reserve on such a
-	// limit is an *ArgumentError. Calls without Reserve never go below zero, whatever this is.
+	// at which it would fit. Must be 0, between 10^-9 and 10^15, or Unbounded for no bound (every
+	// reservation is granted and only its RetryAt grows). Defaults to 0: no reservations; a call
+	// with Reserve on such a limit is an *ArgumentError. Calls without Reserve never go below zero,
+	// whatever this is.
 	MaxReserved float64
 
 	// Period is the time over which Rate tokens are added. Must be > 0 and a whole number of
-	// microseconds (Postgres's timestamp precision), at most MaxPeriod. Required.
+	// microseconds (Postgres's timestamp precision), at most 100 years of 365 days. Required.
 	Period time.Duration
 
-	// Rate is the number of tokens added per Period. Must be > 0. Required.
+	// Rate is the number of tokens added per Period. Must be between 10^-9 and 10^15. Required.
 	Rate float64
 
 	// Shards splits the limit over this many rows so that a hot key does not serialise every
@@ -96,7 +96,7 @@ type Config struct {
 	// both when neither alone suffices but both together do. Changing Shards while rows exist never
 	// grants more than the new config allows: each shard row is capped at the new per-shard
 	// capacity, missing shards count as full, and rows of shards >= the new count are ignored
-	// (their debt forgiven) until Reset removes them. Must be between 1 and MaxShards.
+	// (their debt forgiven) until Reset removes them. Must be between 1 and 1024.
 	// Defaults to 1.
 	Shards int
 
@@ -169,10 +169,10 @@ func (c Config) validate(name string) error {
 			return bad(field, v, "must not be negative")
 		case v == 0 && !zeroOK:
 			return bad(field, v, "must be > 0")
-		case v != 0 && v < MinAmount:
-			return bad(field, v, fmt.Sprintf("must be at least MinAmount (%g) when set", float64(MinAmount)))
-		case v > MaxAmount:
-			return bad(field, v, fmt.Sprintf("must be at most MaxAmount (%g)", float64(MaxAmount)))
+		case v != 0 && v < minAmount:
+			return bad(field, v, fmt.Sprintf("must be at least %g when set", float64(minAmount)))
+		case v > maxAmount:
+			return bad(field, v, fmt.Sprintf("must be at most %g", float64(maxAmount)))
 		}
 		return nil
 	}
@@ -187,8 +187,8 @@ func (c Config) validate(name string) error {
 		return bad("Period", c.Period, "must be > 0 (e.g. time.Second)")
 	case c.Period%time.Microsecond != 0:
 		return bad("Period", c.Period, "must be a whole number of microseconds")
-	case c.Period > MaxPeriod:
-		return bad("Period", c.Period, "must be at most MaxPeriod (100 years)")
+	case c.Period > maxPeriod:
+		return bad("Period", c.Period, "must be at most 100 years of 365 days")
 	}
 	if err := amount("Capacity", c.Capacity, true); err != nil {
 		return err
@@ -198,8 +198,8 @@ func (c Config) validate(name string) error {
 			return err
 		}
 	}
-	if c.Shards < 0 || c.Shards > MaxShards {
-		return bad("Shards", c.Shards, fmt.Sprintf("must be between 1 and MaxShards (%d); 0 means 1", MaxShards))
+	if c.Shards < 0 || c.Shards > maxShards {
+		return bad("Shards", c.Shards, fmt.Sprintf("must be between 1 and %d; 0 means 1", maxShards))
 	}
 	if !c.Start.IsZero() && c.Kind != FixedWindow {
 		return bad("Start", c.Start, "is only used by FixedWindow; leave it zero for a token bucket")
@@ -212,8 +212,8 @@ func checkName(op, name string) error {
 	switch {
 	case name == "":
 		return &ArgumentError{Op: op, Arg: "name", Reason: "must not be empty"}
-	case len(name) > MaxNameLen:
-		return &ArgumentError{Op: op, Arg: "name", Reason: fmt.Sprintf("is %d bytes, more than MaxNameLen (%d)", len(name), MaxNameLen)}
+	case len(name) > maxNameLen:
+		return &ArgumentError{Op: op, Arg: "name", Reason: fmt.Sprintf("is %d bytes, more than %d", len(name), maxNameLen)}
 	}
 	return checkText(op, "name", name)
 }
@@ -245,10 +245,10 @@ func checkCount(op string, n float64) error {
 		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be finite, got %g", n)}
 	case n <= 0:
 		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be > 0, got %g", n)}
-	case n > MaxAmount:
-		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at most MaxAmount (%g), got %g", float64(MaxAmount), n)}
-	case n < MinAmount:
-		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at least MinAmount (%g), got %g", float64(MinAmount), n)}
+	case n > maxAmount:
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at most %g, got %g", float64(maxAmount), n)}
+	case n < minAmount:
+		return &ArgumentError{Op: op, Arg: "count", Reason: fmt.Sprintf("must be at least %g, got %g", float64(minAmount), n)}
 	}
 	return nil
 }

@@ -28,7 +28,7 @@
 // fits. In real arithmetic that is ts' + debt/r for a token bucket and ts' + Period·ceil(debt/Rate)
 // for a fixed window; the database computes it on the very rules a decision applies, in float8,
 // so one microsecond earlier the same call is still refused. Waits are bounded: RetryAt is at most
-// Time plus MaxRetryWaitMicros (about 73,000 years), and a longer wait is reported as that bound.
+// Time plus 2^61 µs (about 73,000 years), and a longer wait is reported as that bound.
 // Beyond 2^53 µs (about 285 years) float8 counts time in steps of more than a microsecond, so such
 // a RetryAt can lie a few microseconds before the real-arithmetic instant.
 //
@@ -109,9 +109,9 @@
 //
 // Bad input returns a typed error (*ConfigError, *ArgumentError, *UnknownLimitError, all matching
 // errors.Is(err, ErrInvalid)) before any SQL runs. A denial is a Result with OK false, not an error,
-// unless LimitOpts.AsError asks for a *LimitedError. Names are 1 to MaxNameLen bytes, keys 0 to
-// MaxKeyLen bytes, both valid UTF-8 without NUL bytes; counts are finite, > 0 and at most
-// MaxAmount.
+// unless LimitOpts.AsError asks for a *LimitedError. Names are 1 to 256 bytes, keys 0 to
+// MaxKeyLen bytes, both valid UTF-8 without NUL bytes; counts are finite, between 10^-9 and
+// 10^15.
 //
 // A context that ends while a decision waits (for a row lock, say) makes the call return the
 // context's error. Inside a transaction nothing is then written: pgx gives the connection up, so

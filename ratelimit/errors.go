@@ -41,8 +41,8 @@ type ArgumentError struct {
 	Arg string
 	// Reason says what is wrong.
 	Reason string
-	// Err is the error of the library that refused the value (River, for a job's arguments or
-	// insert options), when it was not this package. Defaults to nil.
+	// Err is the error of the other library that refused the value, when the refusal was not
+	// this package's own. Defaults to nil.
 	Err error
 }
 
@@ -104,12 +104,7 @@ func (e *LimitedError) Error() string {
 
 // RetryAfter returns RetryAt - Time, the wait before retrying on the clock the denial was decided
 // with (0 when there is none).
-func (e *LimitedError) RetryAfter() time.Duration {
-	if e.RetryAt.IsZero() || !e.RetryAt.After(e.Time) {
-		return 0
-	}
-	return e.RetryAt.Sub(e.Time)
-}
+func (e *LimitedError) RetryAfter() time.Duration { return waitUntil(e.RetryAt, e.Time) }
 
 // IsLimited reports whether err is, or wraps, a *LimitedError.
 func IsLimited(err error) bool {
@@ -117,18 +112,24 @@ func IsLimited(err error) bool {
 	return errors.As(err, &le)
 }
 
-// RetriesExhaustedError is returned by InSerializableTx when every attempt failed with a
-// serialization failure or deadlock. It wraps the last cause.
+// RetriesExhaustedError is returned by InSerializableTx, and by a Batcher's calls, when every
+// attempt failed with a serialization failure or deadlock. It wraps the last cause.
 type RetriesExhaustedError struct {
-	// Attempts is how many times the function ran.
+	// Attempts is how many times the transaction or batch ran.
 	Attempts int
 	// Err is the last cause.
 	Err error
+
+	what string // what gave up: "serializable transaction", "batch of 3 calls"
 }
 
-// Error says how many attempts were made and what the last one failed with.
+// Error says what gave up, after how many attempts, and what the last one failed with.
 func (e *RetriesExhaustedError) Error() string {
-	return fmt.Sprintf("ratelimit: serializable transaction gave up after %d attempts: %v", e.Attempts, e.Err)
+	what := e.what
+	if what == "" {
+		what = "serializable transaction"
+	}
+	return fmt.Sprintf("ratelimit: %s gave up after %d attempts: %v", what, e.Attempts, e.Err)
 }
 
 // Unwrap returns the last cause, so errors.Is and errors.As see through the give-up.

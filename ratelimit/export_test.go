@@ -18,17 +18,16 @@ type ListCall struct {
 func DecideList(ctx context.Context, l *Limiter, db Executor, calls []ListCall) ([]ManyResult, []error, error) {
 	prepared := make([]*call, len(calls))
 	for i, c := range calls {
-		var err error
+		reqs, op := c.Reqs, "LimitMany"
 		if c.Single {
 			r := c.Reqs[0]
-			count := r.Count
-			if count == 0 {
-				count = 1
+			if r.Count == 0 {
+				r.Count = 1
 			}
-			prepared[i], err = l.prepareSingle("LimitN", r.Name, r.Key, count, &LimitOpts{Config: r.Config, Reserve: r.Reserve}, c.Dry)
-		} else {
-			prepared[i], err = l.prepareMany("LimitMany", c.Reqs, c.Dry)
+			reqs, op = []Request{r}, "LimitN"
 		}
+		var err error
+		prepared[i], err = l.prepareCall(op, reqs, c.Single, c.Dry)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -48,3 +47,13 @@ func DecideList(ctx context.Context, l *Limiter, db Executor, calls []ListCall) 
 // ShardLockBase is the hash of (name, key) from which the decision function derives the advisory
 // lock of each of the limit's rows (see the package doc, "Shards"), so tests can find it in pg_locks.
 func ShardLockBase(name, key string) int64 { return shardLockBase(name, key) }
+
+// The bounds on arguments, for tests.
+const (
+	MaxAmount          = maxAmount
+	MinAmount          = minAmount
+	MaxNameLen         = maxNameLen
+	MaxShards          = maxShards
+	MaxPeriod          = maxPeriod
+	MaxRetryWaitMicros = maxRetryWaitMicros
+)

@@ -495,6 +495,29 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 	r.compareResult(op, got, want)
 }
 
+// modelRequest is the model of the validation of one request of a call (prepareCall) and the
+// request it gives: a lone call (single) checks its count before its name, as LimitN does, a
+// group its name first, as LimitMany does, and a (name, key) may appear only once in a group
+// (seen records it).
+func modelRequest(q fzReq, name, key string, cfg *ratelimit.Config, count float64, single bool, seen map[[2]string]bool) (modelReq, error) {
+	m, err := modelResolve(name, key, cfg)
+	switch {
+	case single && modelCheckCount(count) != nil:
+		err = errModelArgument
+	case err != nil:
+	case seen[[2]string{name, key}]:
+		err = errModelArgument
+	case modelCheckCount(count) != nil, count > m.maxGrant(q.reserve):
+		err = errModelArgument
+	}
+	seen[[2]string{name, key}] = true
+	mr := modelReq{lim: m, count: count, reserve: q.reserve, a: 0, b: -1}
+	if m.shards >= 2 {
+		mr.a, mr.b = fzPick(q, m.shards)
+	}
+	return mr, err
+}
+
 // many runs LimitMany/CheckMany.
 func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	var reqs []ratelimit.Request
@@ -510,24 +533,12 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 		if wantErr != nil {
 			continue
 		}
-		m, err := modelResolve(name, key, cfg)
 		count := q.count
 		if count == 0 {
 			count = 1 // Request.Count defaults to 1
 		}
-		switch {
-		case err != nil:
-			wantErr = err
-		case seen[[2]string{name, key}]:
-			wantErr = errModelArgument // a (name, key) may appear only once
-		case modelCheckCount(count) != nil, count > m.maxGrant(q.reserve):
-			wantErr = errModelArgument
-		}
-		seen[[2]string{name, key}] = true
-		mr := modelReq{lim: m, count: count, reserve: q.reserve, a: 0, b: -1}
-		if m.shards >= 2 {
-			mr.a, mr.b = fzPick(q, m.shards)
-		}
+		mr, err := modelRequest(q, name, key, cfg, count, false, seen)
+		wantErr = err
 		mreqs = append(mreqs, mr)
 	}
 	throw := qs[0].throw
@@ -545,9 +556,9 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	var got ratelimit.ManyResult
 	var err error
 	if dry {
-		got, err = r.lim.CheckMany(r.ctx, r.db, reqs, &ratelimit.ManyOpts{AsError: throw})
+		got, err = r.lim.CheckMany(r.ctx, r.db, reqs, &ratelimit.LimitOpts{AsError: throw})
 	} else {
-		got, err = r.lim.LimitMany(r.ctx, r.db, reqs, &ratelimit.ManyOpts{AsError: throw})
+		got, err = r.lim.LimitMany(r.ctx, r.db, reqs, &ratelimit.LimitOpts{AsError: throw})
 	}
 	if wantErr != nil {
 		r.expectErr(op, err, wantErr)
@@ -636,24 +647,8 @@ func (r *fzRunner) list(op fzOp) {
 			if wantErr != nil {
 				continue
 			}
-			m, err := modelResolve(name, key, cfg)
-			// A lone call checks its count before its name (as LimitN does), a group its name
-			// first (as LimitMany does).
-			switch {
-			case len(g) == 1 && modelCheckCount(count) != nil:
-				wantErr = errModelArgument
-			case err != nil:
-				wantErr = err
-			case seen[[2]string{name, key}]:
-				wantErr = errModelArgument
-			case modelCheckCount(count) != nil, count > m.maxGrant(q.reserve):
-				wantErr = errModelArgument
-			}
-			seen[[2]string{name, key}] = true
-			mr := modelReq{lim: m, count: count, reserve: q.reserve, a: 0, b: -1}
-			if m.shards >= 2 {
-				mr.a, mr.b = fzPick(q, m.shards)
-			}
+			mr, err := modelRequest(q, name, key, cfg, count, len(g) == 1, seen)
+			wantErr = err
 			mc.reqs = append(mc.reqs, mr)
 		}
 		calls = append(calls, lc)

@@ -32,10 +32,24 @@ type LimiterConfig struct {
 	// in TxOpts.Limiter. Defaults to nil: silent.
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) of the Limiter's metrics: decisions by limit
-	// and outcome, their duration, serialization retries, busy shards and batch sizes (the
-	// Metric* constants). Attributes never include a key. Defaults to nil: no metrics (a no-op
-	// provider, not the global one).
+	// MeterProvider provides the meter (MeterName) of the Limiter's instruments. Their attributes
+	// are the limit's name (txlimit.limit), the call (txlimit.op: LimitN, CheckN, LimitMany,
+	// CheckMany), the outcome (txlimit.outcome) and, for errors, error.type; never a key, so their
+	// cardinality is bounded by the number of limits.
+	//   - txlimit.decisions counts requests decided by limit, call and outcome: "granted" or
+	//     "reserved" for each request of a granted call, "denied" for each denied request of a
+	//     denied call (the others of that call consumed nothing and are not counted), "error" for
+	//     each request of a call that failed (with error.type "invalid", "busy", "canceled" or
+	//     "database"; an invalid call carries no limit name, which may be the invalid input).
+	//   - txlimit.decision.duration is the time a call took, in seconds, by call and outcome of
+	//     the call as a whole.
+	//   - txlimit.tx.retries counts the transactions InSerializableTx ran again after a
+	//     serialization failure or deadlock (with this Limiter in TxOpts.Limiter).
+	//   - txlimit.busy counts sharded decisions that found every candidate shard taken
+	//     (*BusyError), by limit.
+	//   - txlimit.batch.size is the number of calls a Batcher decided together in one statement.
+	//
+	// Defaults to nil: no metrics (a no-op provider, not the global one).
 	MeterProvider metric.MeterProvider
 
 	// Now, when set, supplies the time every decision is evaluated at instead of the database's
@@ -84,7 +98,10 @@ func New(config *LimiterConfig) (*Limiter, error) {
 	return l, nil
 }
 
-// LimitOpts are the options of Limit, LimitN, Check and CheckN. A nil *LimitOpts is the zero value.
+// LimitOpts are the options of every decision: Limit, LimitN, Check, CheckN, LimitMany and
+// CheckMany, on the Limiter and the Batcher. A nil *LimitOpts is the zero value. LimitMany and
+// CheckMany read only AsError: their requests carry their own Config and Reserve, and setting
+// either here is an *ArgumentError.
 type LimitOpts struct {
 	// Config, when set, is used instead of the limit registered under the name (and makes an
 	// unregistered name valid). Defaults to nil: the registered config.
@@ -95,7 +112,8 @@ type LimitOpts struct {
 	Reserve bool
 
 	// AsError turns a denial into a *LimitedError, so that a caller inside a transaction can return
-	// it and roll back. A granted reservation is never an error. Defaults to false.
+	// it and roll back; for LimitMany and CheckMany the error lists every denied limit. A granted
+	// reservation is never an error. Defaults to false.
 	AsError bool
 }
 
@@ -114,9 +132,10 @@ type Result struct {
 	// RetryAt is when the call can go ahead: for a reservation, when the rows it charged are out
 	// of debt and the caller should act; for a denial, the first microsecond at which the same call
 	// is granted, all else equal (for a reservation refused over MaxReserved: when its debt fits).
-	// See docs/spec.md §3 and §4. Zero when OK and not Reserved. At most Time plus
-	// MaxRetryWaitMicros. For a 10/minute token bucket holding 0.5 tokens, a call for 1 is denied
-	// with RetryAt three seconds after the decision.
+	// See docs/spec.md §3 and §4. Zero when OK and not Reserved. At most Time plus 2^61 µs (about
+	// 73,000 years; more than a time.Duration holds, so RetryAfter saturates there): a longer wait
+	// (a huge debt on a tiny rate, say) is reported as that bound. For a 10/minute token bucket
+	// holding 0.5 tokens, a call for 1 is denied with RetryAt three seconds after the decision.
 	RetryAt time.Time
 
 	// Value is the number of tokens left after the call (negative after a reservation). With
@@ -149,12 +168,7 @@ type Result struct {
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
-func (r Result) RetryAfter() time.Duration {
-	if r.RetryAt.IsZero() || !r.RetryAt.After(r.Time) {
-		return 0
-	}
-	return r.RetryAt.Sub(r.Time)
-}
+func (r Result) RetryAfter() time.Duration { return waitUntil(r.RetryAt, r.Time) }
 
 // Err returns nil when the result is OK, else the denial as a *LimitedError.
 func (r Result) Err() error {
@@ -190,36 +204,63 @@ func (l *Limiter) CheckN(ctx context.Context, db Executor, name, key string, cou
 }
 
 func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string, count float64, opts *LimitOpts, dry bool) (Result, error) {
-	if err := checkExecutor(op, db); err != nil {
-		return Result{}, err
-	}
-	start := time.Now()
-	c, err := l.prepareSingle(op, name, key, count, opts, dry)
-	if err != nil {
-		l.obs.decided(ctx, metricOp(op), start, []Request{{Name: name}}, ManyResult{}, err)
-		return Result{}, err
-	}
-	out, err := l.decideCalls(ctx, db, []*call{c})
-	if err != nil {
-		err = dbError(ctx, db, op, err)
-	} else {
-		err = out[0].err
-	}
-	var res ManyResult
-	var r Result
-	if err == nil {
-		res = out[0].res
-		r = res.Results[0]
-	}
-	l.obs.decided(ctx, metricOp(op), start, c.reqs, res, err)
-	if err != nil {
-		return Result{}, err
-	}
-	if opts != nil && opts.AsError && !r.OK {
-		return r, r.Err()
-	}
-	return r, nil
+	return firstResult(l.many(ctx, db, op, singleRequest(name, key, count, opts), true, dry, opts))
 }
+
+func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Request, single, dry bool, opts *LimitOpts) (ManyResult, error) {
+	if err := checkExecutor(op, db); err != nil {
+		return ManyResult{}, err
+	}
+	return l.decide(ctx, op, reqs, single, dry, opts, func(c *call) (ManyResult, error) {
+		out, err := l.decideCalls(ctx, db, []*call{c})
+		if err != nil {
+			return ManyResult{}, dbError(ctx, db, op, err)
+		}
+		return out[0].res, out[0].err
+	})
+}
+
+// decide is the one path of every decision call, on the Limiter and on the Batcher: it validates
+// the call (prepareCall), has run decide it, records its metrics and, when opts.AsError, turns a
+// denial into a *LimitedError (returned with the result). A single call's opts are in its request.
+func (l *Limiter) decide(ctx context.Context, op string, reqs []Request, single, dry bool, opts *LimitOpts, run func(*call) (ManyResult, error)) (ManyResult, error) {
+	start := time.Now()
+	c, err := l.prepareCall(op, reqs, single, dry)
+	if err == nil && !single && opts != nil && (opts.Config != nil || opts.Reserve) {
+		err = &ArgumentError{Op: op, Arg: "opts", Reason: "sets Config or Reserve, which a LimitMany or CheckMany takes in each Request"}
+	}
+	var m ManyResult
+	if err == nil {
+		m, err = run(c)
+	}
+	l.obs.decided(ctx, metricOp(op), start, reqs, m, err)
+	if err != nil {
+		return ManyResult{}, err
+	}
+	if opts.asError() && !m.OK {
+		return m, m.Err()
+	}
+	return m, nil
+}
+
+// singleRequest is the request of a Limit, LimitN, Check or CheckN call.
+func singleRequest(name, key string, count float64, opts *LimitOpts) []Request {
+	r := Request{Name: name, Key: key, Count: count}
+	if opts != nil {
+		r.Config, r.Reserve = opts.Config, opts.Reserve
+	}
+	return []Request{r}
+}
+
+// firstResult is the Result of a single call from its ManyResult.
+func firstResult(m ManyResult, err error) (Result, error) {
+	if len(m.Results) == 0 {
+		return Result{}, err
+	}
+	return m.Results[0], err
+}
+
+func (o *LimitOpts) asError() bool { return o != nil && o.AsError }
 
 // Request is one limit of a LimitMany or CheckMany call.
 type Request struct {
@@ -233,12 +274,6 @@ type Request struct {
 	Config *Config
 	// Reserve allows a reservation, as LimitOpts.Reserve. Defaults to false.
 	Reserve bool
-}
-
-// ManyOpts are the options of LimitMany and CheckMany. A nil *ManyOpts is the zero value.
-type ManyOpts struct {
-	// AsError turns a denial into a *LimitedError listing every denied limit. Defaults to false.
-	AsError bool
 }
 
 // ManyResult is the outcome of LimitMany or CheckMany.
@@ -259,11 +294,14 @@ type ManyResult struct {
 }
 
 // RetryAfter returns RetryAt - Time, the wait before acting or retrying (0 when there is none).
-func (m ManyResult) RetryAfter() time.Duration {
-	if m.RetryAt.IsZero() || !m.RetryAt.After(m.Time) {
+func (m ManyResult) RetryAfter() time.Duration { return waitUntil(m.RetryAt, m.Time) }
+
+// waitUntil is retryAt - now, or 0 when retryAt is zero or not after now: every RetryAfter.
+func waitUntil(retryAt, now time.Time) time.Duration {
+	if retryAt.IsZero() || !retryAt.After(now) {
 		return 0
 	}
-	return m.RetryAt.Sub(m.Time)
+	return retryAt.Sub(now)
 }
 
 // Denied returns the results that were not granted.
@@ -293,43 +331,13 @@ func (m ManyResult) Err() error {
 // LimitMany consumes every request or none, in one round trip: if any is denied, nothing is
 // written. Rows are locked in one global order (name, key, shard), so two calls naming the same
 // limits in different orders never deadlock. A (name, key) may appear only once.
-func (l *Limiter) LimitMany(ctx context.Context, db Executor, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return l.manyOpts(ctx, db, "LimitMany", reqs, opts, false)
+func (l *Limiter) LimitMany(ctx context.Context, db Executor, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return l.many(ctx, db, "LimitMany", reqs, false, false, opts)
 }
 
 // CheckMany answers what LimitMany would, without consuming anything or taking a lock.
-func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, opts *ManyOpts) (ManyResult, error) {
-	return l.manyOpts(ctx, db, "CheckMany", reqs, opts, true)
-}
-
-func (l *Limiter) manyOpts(ctx context.Context, db Executor, op string, reqs []Request, opts *ManyOpts, dry bool) (ManyResult, error) {
-	if err := checkExecutor(op, db); err != nil {
-		return ManyResult{}, err
-	}
-	start := time.Now()
-	c, err := l.prepareMany(op, reqs, dry)
-	if err != nil {
-		l.obs.decided(ctx, op, start, reqs, ManyResult{}, err)
-		return ManyResult{}, err
-	}
-	out, err := l.decideCalls(ctx, db, []*call{c})
-	if err != nil {
-		err = dbError(ctx, db, op, err)
-	} else {
-		err = out[0].err
-	}
-	var res ManyResult
-	if err == nil {
-		res = out[0].res
-	}
-	l.obs.decided(ctx, op, start, reqs, res, err)
-	if err != nil {
-		return ManyResult{}, err
-	}
-	if opts != nil && opts.AsError && !res.OK {
-		return res, res.Err()
-	}
-	return res, nil
+func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, opts *LimitOpts) (ManyResult, error) {
+	return l.many(ctx, db, "CheckMany", reqs, false, true, opts)
 }
 
 // clock is the instant a statement decides at, as sent to the database: LimiterConfig.Now in

@@ -386,7 +386,7 @@ func TestLimitMany(t *testing.T) {
 	b.clock.Set(t0.Add(time.Second))
 	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{
 		{Name: "perUser", Key: "u1", Count: 3}, {Name: "daily", Key: "u1", Count: 2}, {Name: "global"},
-	}, &ratelimit.ManyOpts{AsError: true})
+	}, &ratelimit.LimitOpts{AsError: true})
 	var le *ratelimit.LimitedError
 	require.ErrorAs(t, err, &le)
 	require.False(t, m.OK)

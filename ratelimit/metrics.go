@@ -4,41 +4,25 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/txlimit/txlimit/internal/observe"
 )
 
 // MeterName is the name of the OpenTelemetry meter the Limiter takes from
 // LimiterConfig.MeterProvider.
 const MeterName = "github.com/txlimit/txlimit/ratelimit"
 
-// Instruments of the Limiter (LimiterConfig.MeterProvider). Their attributes are the limit's name
-// (txlimit.limit), the call (txlimit.op: LimitN, CheckN, LimitMany, CheckMany), the outcome
-// (txlimit.outcome) and, for errors, error.type; never a key, so their cardinality is bounded by
-// the number of limits.
+// The names of the Limiter's instruments; LimiterConfig.MeterProvider says what each measures.
 const (
-	// MetricDecisions counts requests decided by limit, call and outcome: "granted" or "reserved"
-	// for each request of a granted call, "denied" for each denied request of a denied call (the
-	// others of that call consumed nothing and are not counted), "error" for each request of a call
-	// that failed (with error.type "invalid", "busy", "canceled" or "database"; an invalid call
-	// carries no limit name, which may be the invalid input).
-	MetricDecisions = "txlimit.decisions"
-	// MetricDecisionDuration is the time a call took, in seconds, by call and outcome of the
-	// call as a whole.
-	MetricDecisionDuration = "txlimit.decision.duration"
-	// MetricTxRetries counts the transactions InSerializableTx ran again after a serialization
-	// failure or deadlock.
-	MetricTxRetries = "txlimit.tx.retries"
-	// MetricBusy counts sharded decisions that found every candidate shard taken (*BusyError), by
-	// limit.
-	MetricBusy = "txlimit.busy"
-	// MetricBatchSize is the number of calls decided together in one statement.
-	MetricBatchSize = "txlimit.batch.size"
+	metricDecisions        = "txlimit.decisions"
+	metricDecisionDuration = "txlimit.decision.duration"
+	metricTxRetries        = "txlimit.tx.retries"
+	metricBusy             = "txlimit.busy"
+	metricBatchSize        = "txlimit.batch.size"
 )
 
 // Outcomes recorded in the txlimit.outcome attribute.
@@ -53,9 +37,7 @@ const (
 // costs a few no-op calls per decision.
 type observer struct {
 	log       *slog.Logger
-	metrics   bool     // a MeterProvider was given: record measurements
-	sets      sync.Map // attrKey -> metric.MeasurementOption
-	nsets     atomic.Int32
+	meter     *observe.Meter // meter.Given: a MeterProvider was given, record measurements
 	decisions metric.Int64Counter
 	duration  metric.Float64Histogram
 	retries   metric.Int64Counter
@@ -64,31 +46,23 @@ type observer struct {
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
-	o := &observer{metrics: mp != nil}
-	if mp == nil {
-		mp = noop.NewMeterProvider()
-	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	o.log = log
-	m := mp.Meter(MeterName)
-	// The API returns a working no-op instrument along with any error (an invalid name, which
-	// these constants are not), so the errors are only logged.
+	o := &observer{log: log, meter: observe.New(mp, observe.NoOp, MeterName)}
+	m := o.meter
 	var errs [5]error
-	o.decisions, errs[0] = m.Int64Counter(MetricDecisions, metric.WithUnit("{request}"),
+	o.decisions, errs[0] = m.Int64Counter(metricDecisions, metric.WithUnit("{request}"),
 		metric.WithDescription("Rate limit requests decided, by limit, call and outcome."))
-	o.duration, errs[1] = m.Float64Histogram(MetricDecisionDuration, metric.WithUnit("s"),
+	o.duration, errs[1] = m.Float64Histogram(metricDecisionDuration, metric.WithUnit("s"),
 		metric.WithDescription("Duration of a rate limit call, by call and outcome."))
-	o.retries, errs[2] = m.Int64Counter(MetricTxRetries, metric.WithUnit("{retry}"),
+	o.retries, errs[2] = m.Int64Counter(metricTxRetries, metric.WithUnit("{retry}"),
 		metric.WithDescription("Serializable transactions run again after a serialization failure or deadlock."))
-	o.busyCount, errs[3] = m.Int64Counter(MetricBusy, metric.WithUnit("{decision}"),
+	o.busyCount, errs[3] = m.Int64Counter(metricBusy, metric.WithUnit("{decision}"),
 		metric.WithDescription("Sharded decisions that found every candidate shard taken, by limit."))
-	o.batchSize, errs[4] = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{call}"),
+	o.batchSize, errs[4] = m.Int64Histogram(metricBatchSize, metric.WithUnit("{call}"),
 		metric.WithDescription("Calls decided together in one statement."))
-	if err := errors.Join(errs[:]...); err != nil {
-		log.Warn("ratelimit: creating metric instruments", "error", err)
-	}
+	observe.Created(log, "ratelimit", errs[:]...)
 	return o
 }
 
@@ -103,13 +77,13 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 	case err != nil:
 		callOutcome = outcomeError
 		errType := errorType(err)
-		if o.metrics {
+		if o.meter.Given {
 			for _, r := range reqs {
 				name := r.Name
 				if errType == "invalid" {
 					name = "" // an invalid name is not a label
 				}
-				o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: name, outcome: outcomeError, errType: errType}))
+				o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: name, outcome: outcomeError, errType: errType}).Add...)
 			}
 		}
 		if errType == "database" {
@@ -118,7 +92,7 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 	case !res.OK:
 		callOutcome = outcomeDenied
 	}
-	if !o.metrics {
+	if !o.meter.Given {
 		return
 	}
 	if err == nil {
@@ -132,10 +106,10 @@ func (o *observer) decided(ctx context.Context, op string, start time.Time, reqs
 			case r.Reserved:
 				out = outcomeReserved
 			}
-			o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: r.Name, outcome: out}))
+			o.decisions.Add(ctx, 1, o.attrs(attrKey{op: op, limit: r.Name, outcome: out}).Add...)
 		}
 	}
-	o.duration.Record(ctx, time.Since(start).Seconds(), o.attrs(attrKey{op: op, outcome: callOutcome, call: true}))
+	o.duration.Record(ctx, time.Since(start).Seconds(), o.attrs(attrKey{op: op, outcome: callOutcome, call: true}).Record...)
 }
 
 // attrKey names one attribute set of a measurement: an empty field is not an attribute.
@@ -144,29 +118,18 @@ type attrKey struct {
 	call                        bool // the set of a call's duration (no limit)
 }
 
-// maxAttrSets bounds the attribute sets an observer keeps (they are few: calls × outcomes × limit
-// names); past it, sets are built per measurement.
-const maxAttrSets = 4096
-
-// attrs returns the measurement option of k's attributes, built once.
-func (o *observer) attrs(k attrKey) metric.MeasurementOption {
-	if v, ok := o.sets.Load(k); ok {
-		return v.(metric.MeasurementOption)
-	}
-	kvs := []attribute.KeyValue{attribute.String("txlimit.op", k.op), attribute.String("txlimit.outcome", k.outcome)}
-	if k.errType != "" {
-		kvs = append(kvs, attribute.String("error.type", k.errType))
-	}
-	if !k.call && k.errType != "invalid" {
-		kvs = append(kvs, attribute.String("txlimit.limit", k.limit))
-	}
-	opt := metric.WithAttributeSet(attribute.NewSet(kvs...))
-	if o.nsets.Load() < maxAttrSets {
-		if _, loaded := o.sets.LoadOrStore(k, opt); !loaded {
-			o.nsets.Add(1)
+// attrs returns the measurement options of k's attributes, built once.
+func (o *observer) attrs(k attrKey) observe.Options {
+	return o.meter.Attrs(k, func() []attribute.KeyValue {
+		kvs := []attribute.KeyValue{attribute.String("txlimit.op", k.op), attribute.String("txlimit.outcome", k.outcome)}
+		if k.errType != "" {
+			kvs = append(kvs, attribute.String("error.type", k.errType))
 		}
-	}
-	return opt
+		if !k.call && k.errType != "invalid" {
+			kvs = append(kvs, attribute.String("txlimit.limit", k.limit))
+		}
+		return kvs
+	})
 }
 
 // errorType names the kind of a call's error for the error.type attribute.
@@ -185,7 +148,7 @@ func errorType(err error) string {
 
 // busy records a sharded decision that found every candidate shard taken.
 func (o *observer) busy(ctx context.Context, name string) {
-	if o == nil || !o.metrics {
+	if o == nil || !o.meter.Given {
 		return
 	}
 	o.busyCount.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.limit", name)))

@@ -14,28 +14,10 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/txlimit/txlimit/internal/metrictest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
-
-// sumOf returns the value of the counter name at the point with exactly attrs (0 if none).
-func sumOf(t *testing.T, rm metricdata.ResourceMetrics, name string, attrs ...attribute.KeyValue) int64 {
-	t.Helper()
-	want := attribute.NewSet(attrs...)
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if m.Name != name {
-				continue
-			}
-			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				if dp.Attributes.Equals(&want) {
-					return dp.Value
-				}
-			}
-		}
-	}
-	return 0
-}
 
 func TestMetrics(t *testing.T) {
 	t.Parallel()
@@ -81,13 +63,13 @@ func TestMetrics(t *testing.T) {
 		{[]attribute.KeyValue{op("LimitMany"), lim("a"), out("denied")}, 0},
 		{[]attribute.KeyValue{op("LimitN"), out("error"), attribute.String("error.type", "invalid")}, 1},
 	} {
-		require.Equal(t, c.want, sumOf(t, rm, ratelimit.MetricDecisions, c.attrs...), "case %d: %v", i, c.attrs)
+		require.Equal(t, c.want, metrictest.Sum(t, rm, "txlimit.decisions", c.attrs...), "case %d: %v", i, c.attrs)
 	}
 	// The duration histogram saw every call: 3 + 1 LimitN granted/denied..., 6 calls in all.
 	var calls uint64
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name == ratelimit.MetricDecisionDuration {
+			if m.Name == "txlimit.decision.duration" {
 				for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
 					calls += dp.Count
 				}
@@ -158,7 +140,7 @@ func TestMetricsTxRetries(t *testing.T) {
 
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))
-	require.Equal(t, int64(4), sumOf(t, rm, ratelimit.MetricTxRetries))
+	require.Equal(t, int64(4), metrictest.Sum(t, rm, "txlimit.tx.retries"))
 	require.Equal(t, 1, strings.Count(logs.String(), "retries exhausted"), logs.String())
 }
 
@@ -192,9 +174,9 @@ func TestMetricsBusy(t *testing.T) {
 
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))
-	require.Equal(t, int64(1), sumOf(t, rm, ratelimit.MetricBusy, attribute.String("txlimit.limit", "s")))
-	require.Equal(t, int64(1), sumOf(t, rm, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"),
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.busy", attribute.String("txlimit.limit", "s")))
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.decisions", attribute.String("txlimit.op", "LimitN"),
 		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "error"), attribute.String("error.type", "busy")))
-	require.Equal(t, int64(2), sumOf(t, rm, ratelimit.MetricDecisions, attribute.String("txlimit.op", "LimitN"),
+	require.Equal(t, int64(2), metrictest.Sum(t, rm, "txlimit.decisions", attribute.String("txlimit.op", "LimitN"),
 		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "granted")))
 }

@@ -207,23 +207,6 @@ func (m modelLimit) level(r modelRow, now int64) (float64, int64) {
 	return v, ts
 }
 
-// missing is how a missing row looks at now: full, with ts now (token bucket) or the start of
-// the window holding now (fixed window).
-func (m modelLimit) missing(now int64) (float64, int64) {
-	if !m.fixed {
-		return m.cap, now
-	}
-	return m.cap, m.anchorUs + floorDiv(now-m.anchorUs, m.periodUs)*m.periodUs
-}
-
-func floorDiv(a, b int64) int64 {
-	q := a / b
-	if (a%b != 0) && ((a < 0) != (b < 0)) {
-		q--
-	}
-	return q
-}
-
 // missingRow is how a missing row is evaluated: full, stamped so that it refills nothing and its
 // ts moves to now (token bucket) or to the start of now's window (fixed window).
 func (m modelLimit) missingRow() modelRow {

@@ -30,7 +30,7 @@ type Row struct {
 // a reservation left (Result.Value, Result.TS), its Result.RetryAt; with tokens credited since
 // added to Value, when those credits make it due. It is computed by the SQL that computes every
 // RetryAt (txlimit_retry_at), on each config resolved as a decision resolves it, so it is as exact
-// and as bounded (at most from plus MaxRetryWaitMicros). A sharded limit's numbers are per shard,
+// and as bounded (at most from plus 2^61 µs). A sharded limit's numbers are per shard,
 // so a Row there stands for one shard's row. The rows are evaluated in one statement and the
 // answers come in their order; nothing is locked or written.
 //

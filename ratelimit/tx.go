@@ -20,7 +20,7 @@ type TxBeginner interface {
 
 // TxOpts are the options of InSerializableTx. A nil *TxOpts is the zero value.
 type TxOpts struct {
-	// Limiter, when set, counts the retries in its metrics (MetricTxRetries) and logs them and a
+	// Limiter, when set, counts the retries in its metrics (txlimit.tx.retries) and logs them and a
 	// give-up through its Logger. Defaults to nil: not counted, not logged.
 	Limiter *Limiter
 	// MaxAttempts is how many times fn may run. Defaults to 10.
@@ -55,32 +55,50 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 	if fn == nil {
 		return &ArgumentError{Op: op, Arg: "fn", Reason: "is nil: pass the function to run in the transaction"}
 	}
-	o := TxOpts{MaxAttempts: 10, MinBackoff: 2 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}
+	o := retryDefaults(TxOpts{})
 	var obs *observer
-	if opts != nil && opts.Limiter != nil {
-		obs = opts.Limiter.obs
-	}
 	if opts != nil {
-		if opts.MaxAttempts > 0 {
-			o.MaxAttempts = opts.MaxAttempts
-		}
-		if opts.MinBackoff > 0 {
-			o.MinBackoff = opts.MinBackoff
-		}
-		if opts.MaxBackoff > 0 {
-			o.MaxBackoff = opts.MaxBackoff
+		o = retryDefaults(*opts)
+		if opts.Limiter != nil {
+			obs = opts.Limiter.obs
 		}
 	}
+	waiter, _ := db.(dbsqlc.DBTX) // a pool or a connection: a pgx handle that runs a statement of its own
+	return retrying(ctx, o, obs, "serializable transaction", func() error { return runTx(ctx, db, fn) }, waiter)
+}
+
+// retryDefaults applies TxOpts' defaults to o.
+func retryDefaults(o TxOpts) TxOpts {
+	if o.MaxAttempts <= 0 {
+		o.MaxAttempts = 10
+	}
+	if o.MinBackoff <= 0 {
+		o.MinBackoff = 2 * time.Millisecond
+	}
+	if o.MaxBackoff <= 0 {
+		o.MaxBackoff = 200 * time.Millisecond
+	}
+	return o
+}
+
+// retrying is the retry loop of InSerializableTx and of the Batcher's batches. It runs try until
+// it returns nil or an error that IsRetryable does not accept, at most o.MaxAttempts times,
+// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff and doubles
+// up to o.MaxBackoff); when attempts run out it returns a *RetriesExhaustedError naming what gave
+// up. A *BusyError is not a failed attempt when waiter is set: it waits there, outside any
+// transaction, for the first shard the busy call tried, and tries again at once, up to
+// maxBusyWaits times. obs, when set, counts and logs the retries and the give-up.
+func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try func() error, waiter dbsqlc.DBTX) error {
 	ceiling := o.MinBackoff
 	var last error
 	waits := 0
 	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
-		last = runTx(ctx, db, fn)
+		last = try()
 		if last == nil || !IsRetryable(last) {
 			return last
 		}
 		var busy *BusyError
-		if waiter, ok := db.(dbsqlc.DBTX); ok && waits < maxBusyWaits && errors.As(last, &busy) {
+		if waiter != nil && waits < maxBusyWaits && errors.As(last, &busy) {
 			waits++
 			attempt--
 			if err := dbsqlc.New().WaitForShard(ctx, waiter, dbsqlc.WaitForShardParams{
@@ -104,7 +122,7 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 		ceiling = min(2*ceiling, o.MaxBackoff)
 	}
 	obs.exhausted(ctx, o.MaxAttempts, last)
-	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last}
+	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
 }
 
 // maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without

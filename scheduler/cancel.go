@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/txlimit/txlimit/internal/schedsql"
@@ -20,8 +21,8 @@ import (
 var ErrNotCancellable = errors.New("scheduler: job cannot be cancelled with a refund")
 
 // ErrNotReserved matches (errors.Is) the error of CancelTx or SettleTx on a job that ReserveTx or
-// ReserveManyTx did not insert: it has no reservation recorded (ReservedKey). It also matches
-// ratelimit.ErrInvalid.
+// ReserveManyTx did not insert: it has no reservation recorded (job metadata "txlimit_reserved").
+// It also matches ratelimit.ErrInvalid.
 var ErrNotReserved = errors.New("scheduler: job has no reservation recorded by ReserveTx")
 
 // NotCancellableError is CancelTx's answer for a job that has started, finished or was cancelled
@@ -67,54 +68,36 @@ type notReservedError struct {
 }
 
 func (e *notReservedError) Error() string {
-	return fmt.Sprintf("scheduler: %s: job %d has no reservation recorded by ReserveTx (metadata key %q)", e.op, e.jobID, ReservedKey)
+	return fmt.Sprintf("scheduler: %s: job %d has no reservation recorded by ReserveTx (metadata key %q)", e.op, e.jobID, reservedKey)
 }
 
 func (e *notReservedError) Is(target error) bool {
 	return target == ErrNotReserved || target == ratelimit.ErrInvalid
 }
 
-// Refund is one limit given back by CancelTx.
-type Refund struct {
-	// Name and Key identify the limit.
-	Name, Key string
-	// Reserved is the count the job reserved.
-	Reserved float64
-	// Credited is what was given back: Reserved, or less where the limit was too full to take it
-	// all (it never goes above capacity).
-	Credited float64
-}
-
-// CancelResult is the outcome of CancelTx.
-type CancelResult struct {
-	// Job is the cancelled job, as River's JobCancelTx returned it.
-	Job *rivertype.JobRow
-	// Refunds are the limits given back, one per limit the job reserved, in request order.
-	Refunds []Refund
-	// PulledForward is how many other waiting jobs the refund moved earlier (see docs/scheduler.md).
-	PulledForward int
-}
-
 // CancelTx cancels, in tx, a job that ReserveTx or ReserveManyTx inserted and that has not started,
-// and gives back every token it reserved (Limiter.Credit of each limit, never above capacity).
+// and gives back every token it reserved (Limiter.Credit of each limit, never above capacity). It
+// returns the job's settlement with Cancelled set: Job is the cancelled job, and each of Limits says
+// what the job reserved and what was given back (Credited: Reserved, or less where the limit was
+// too full to take it all).
 // Jobs waiting on those limits are then pulled forward to when their tokens accrue given the
 // refund, in the same tx. The job is cancelled with River's own Client.JobCancelTx, so everything
 // commits or rolls back with tx.
 //
-// The cancel is recorded as the job's settlement (SettledKey, nothing used), so a later SettleTx of
-// the job changes nothing and returns it. A job that is running, has run (completed, discarded,
-// retryable, or snoozed after it started), was settled or was cancelled already is left as it is,
-// nothing is credited, and the error is a *NotCancellableError (errors.Is(err,
-// ErrNotCancellable)). A job that does not exist is an error
-// matching rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The
-// call works in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
+// The cancel is recorded as the job's settlement (job metadata "txlimit_settled", nothing used), so
+// a later SettleTx of the job changes nothing and returns it. A job that is running, has run
+// (completed, discarded, retryable, or snoozed after it started), was settled or was cancelled
+// already is left as it is, nothing is credited, and the error is a *NotCancellableError
+// (errors.Is(err, ErrNotCancellable)). A job that does not exist is an error matching
+// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The call works
+// in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
 // The job's row stays locked until tx ends, so that no worker starts it meanwhile.
-func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*CancelResult, error) {
+func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobSettlement, error) {
 	const op = "CancelTx"
 	if tx == nil {
 		return nil, argError(op, "tx", "is nil: pass the pgx.Tx to cancel in", nil)
 	}
-	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*CancelResult, error) {
+	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
 		job, err := schedsql.New().LockJob(ctx, sp, jobID)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil, fmt.Errorf("scheduler: %s: job %d: %w", op, jobID, rivertype.ErrNotFound)
@@ -142,7 +125,6 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 		if row.State != rivertype.JobStateCancelled { // cannot happen while the row is locked
 			return nil, fmt.Errorf("scheduler: %s: River left job %d %s", op, jobID, row.State)
 		}
-		res := &CancelResult{Job: row, Refunds: make([]Refund, len(rec.Limits))}
 		amounts := make([]float64, len(rec.Limits))
 		for i, l := range rec.Limits {
 			amounts[i] = l.Count
@@ -151,23 +133,19 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*Canc
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
-		for i, l := range rec.Limits {
-			res.Refunds[i] = Refund{Name: l.Name, Key: l.Key, Reserved: l.Count, Credited: credited[i]}
-		}
-		res.PulledForward = n
 		// The cancel is the job's settlement (nothing used): a later SettleTx returns it.
-		out := JobSettlement{JobID: jobID, Cancelled: true, PulledForward: n, Limits: make([]SettledLimit, len(rec.Limits))}
-		for i, r := range res.Refunds {
-			out.Limits[i] = SettledLimit{Name: r.Name, Key: r.Key, Reserved: r.Reserved, Credited: r.Credited}
+		out := &JobSettlement{JobID: jobID, Job: row, Cancelled: true, PulledForward: n, Limits: make([]SettledLimit, len(rec.Limits))}
+		for i, l := range rec.Limits {
+			out.Limits[i] = SettledLimit{Name: l.Name, Key: l.Key, Reserved: l.Count, Credited: credited[i]}
 		}
-		b, err := json.Marshal(&out)
+		b, err := json.Marshal(out)
 		if err != nil {
 			return nil, err
 		}
 		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
-		return res, nil
+		return out, nil
 	})
 }
 
@@ -218,8 +196,10 @@ func (s *Scheduler) give(ctx context.Context, tx pgx.Tx, jobID int64, limits []r
 	return credited, n, nil
 }
 
-// inSavepoint runs fn in a savepoint of tx, rolled back when fn fails. A missing River table is
-// returned as a *SetupError.
+// inSavepoint runs fn in a savepoint of tx, rolled back when fn fails, so that a call either
+// writes everything or leaves tx as it was. A missing River table is returned as a *SetupError.
+// River refusing a job without a database error (arguments it cannot encode, invalid insert
+// options) is bad input: an *ratelimit.ArgumentError wrapping River's error.
 func inSavepoint[T any](ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (T, error)) (T, error) {
 	var zero T
 	sp, err := tx.Begin(ctx)
@@ -238,6 +218,11 @@ func inSavepoint[T any](ctx context.Context, op string, tx pgx.Tx, fn func(sp pg
 	}
 	if se := missingRiverTable(ctx, op, tx, err); se != nil {
 		return zero, se
+	}
+	var refused *insertError
+	var pgErr *pgconn.PgError
+	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
+		return zero, argError(op, "args or insert options", "were refused by River (nothing was reserved)", refused.err)
 	}
 	return zero, err
 }

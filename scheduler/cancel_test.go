@@ -71,7 +71,7 @@ func cancelTx(t *testing.T, c conn) {
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		res, err := b.sched.CancelTx(ctx, tx, jb.Job.ID)
 		require.NoError(t, err)
-		require.Equal(t, []scheduler.Refund{{Name: "calls", Key: "u1", Reserved: 5, Credited: 5}}, res.Refunds)
+		require.Equal(t, []scheduler.SettledLimit{{Name: "calls", Key: "u1", Reserved: 5, Credited: 5}}, res.Limits)
 		require.Equal(t, 1, res.PulledForward)
 		return nil
 	}))
@@ -150,10 +150,10 @@ func cancelTxManyLimits(t *testing.T, c conn) {
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		c, err := b.sched.CancelTx(ctx, tx, res.Job.ID)
 		require.NoError(t, err)
-		require.Equal(t, []scheduler.Refund{
+		require.Equal(t, []scheduler.SettledLimit{
 			{Name: "calls", Key: "org", Reserved: 1, Credited: 1},
 			{Name: "tokens", Key: "org", Reserved: 3000, Credited: 3000},
-		}, c.Refunds)
+		}, c.Limits)
 		return nil
 	}))
 	require.Equal(t, 2.0, value(t, b, "calls", "org"))

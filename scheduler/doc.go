@@ -35,13 +35,11 @@
 //
 // # Housekeeping
 //
-// PrunePeriodicJob and PruneWorker run Limiter.PruneAll as a River periodic job, every DefaultPruneInterval
-// unless PruneConfig.Interval says otherwise.
-//
-// A reserved job holds its tokens until it runs, settles or is cancelled. StrandedPeriodicJob and
-// StrandedWorker find, every minute, the reserved jobs that have not started 5 minutes past their
-// time (StrandedConfig), count each once (MetricStranded, OpenTelemetry) and log a warning per
-// queue with the fix.
+// Housekeeping registers two River periodic jobs (HousekeepingConfig): one runs Limiter.PruneAll
+// every hour, the other finds, every minute, the reserved jobs that have not started 5 minutes past
+// their time (a reserved job holds its tokens until it runs, settles or is cancelled), counts each
+// once (the OpenTelemetry counter txlimit.scheduler.stranded) and logs a warning per queue with the
+// fix.
 //
 // # Setup
 //

@@ -3,8 +3,8 @@ package scheduler_test
 import (
 	"context"
 	"testing"
-	"time"
 
+	"github.com/riverqueue/river"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/ratelimit"
@@ -30,8 +30,7 @@ func TestArgumentErrorsNameTheCall(t *testing.T) {
 		{err: second(sched.SettleTx(ctx, nil, 1, 1)), want: "scheduler: SettleTx: tx is nil: pass the pgx.Tx to settle in"},
 		{err: sched.Check(ctx, nil, nil), want: "scheduler: Check: db is nil: pass the *pgxpool.Pool of the River client"},
 		{err: second(scheduler.NewGate(nil)), want: "scheduler: NewGate: config is nil: set DB, Limit and Limiter"},
-		{err: second(scheduler.NewPruneWorker(lim, nil, nil)), want: "scheduler: NewPruneWorker: db is nil: pass a *pgxpool.Pool"},
-		{err: second(scheduler.PrunePeriodicJob(&scheduler.PruneConfig{Interval: -time.Second})), want: "scheduler: PrunePeriodicJob: PruneConfig.Interval must not be negative, got -1s"},
+		{err: second(scheduler.Housekeeping(river.NewWorkers(), lim, nil, nil)), want: "scheduler: Housekeeping: db is nil: pass the *pgxpool.Pool of the River client"},
 		{err: scheduler.Migrate(ctx, nil, nil), want: "scheduler: Migrate: pool is nil: pass the *pgxpool.Pool to migrate"},
 		{err: second(scheduler.Settlement{Name: "calls"}.Settle(ctx, nil, nil, 1, nil)), want: "scheduler: Settle: limiter is nil: pass the *ratelimit.Limiter the tokens were reserved with"},
 	} {

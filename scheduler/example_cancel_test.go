@@ -76,7 +76,7 @@ func Example_cancelAndSettle() {
 
 	inTx(func(tx pgx.Tx) error {
 		res, err := sched.CancelTx(ctx, tx, ids[1])
-		fmt.Printf("cancel job 1: refunded %.0f, %d waiting job pulled forward\n", res.Refunds[0].Credited, res.PulledForward)
+		fmt.Printf("cancel job 1: refunded %.0f, %d waiting job pulled forward\n", res.Limits[0].Credited, res.PulledForward)
 		return err
 	})
 	fmt.Println("job 2 due in", at(ids[2]))

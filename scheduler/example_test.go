@@ -128,9 +128,9 @@ func ExamplePreciseHook() {
 	for _, ctx := range []context.Context{context.Background(), scheduler.WithPrecise(context.Background())} {
 		params := &rivertype.JobInsertParams{State: rivertype.JobStateScheduled, ScheduledAt: &at}
 		_ = hook.InsertBegin(ctx, params)
-		fmt.Println(scheduler.IsPrecise(ctx), params.State, params.ScheduledAt.Format(time.RFC3339))
+		fmt.Println(params.State, params.ScheduledAt.Format(time.RFC3339))
 	}
 	// Output:
-	// false scheduled 2030-01-01T00:00:00Z
-	// true available 2030-01-01T00:00:00Z
+	// scheduled 2030-01-01T00:00:00Z
+	// available 2030-01-01T00:00:00Z
 }

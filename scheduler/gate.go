@@ -11,12 +11,12 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// MaxSnooze is the longest single snooze a Gate asks for. River stores a snooze of up to its
+// maxSnooze is the longest single snooze a Gate asks for. River stores a snooze of up to its
 // scheduler interval (5 s) as available with a future scheduled_at, so a PreciseQueue fetches the
 // job on time; a longer snooze would be stored as scheduled and promoted up to 5 s late. A longer
-// wait is therefore split into snoozes of at most MaxSnooze; each wake-up of a job whose tokens are
+// wait is therefore split into snoozes of at most maxSnooze; each wake-up of a job whose tokens are
 // already paid for only snoozes again.
-const MaxSnooze = 4500 * time.Millisecond
+const maxSnooze = 4500 * time.Millisecond
 
 // GateRequest names the limit a job pays to run.
 type GateRequest struct {
@@ -64,7 +64,7 @@ type GateConfig struct {
 // a worker's Middleware method for one kind.
 //
 // When the job's tokens are there, it takes them and runs the job. When they are not, it reserves
-// them (ratelimit.LimitOpts.Reserve), records the payment in the job's metadata (MetadataKey) and
+// them (ratelimit.LimitOpts.Reserve), records the payment in the job's metadata ("txlimit_paid") and
 // snoozes the job until they are due; when the job comes back it runs without paying again. So
 // jobs start at the limit's rate, each one once, in the order they asked. When the reservation
 // would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
@@ -117,7 +117,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	}
 	if p, ok := paidFor(job); ok {
 		if wait := p.Due.Sub(g.now()); !p.Due.IsZero() && wait > 0 {
-			return river.JobSnooze(min(wait, MaxSnooze))
+			return river.JobSnooze(min(wait, maxSnooze))
 		}
 		return g.run(ctx, doInner)
 	}
@@ -137,20 +137,20 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
 		wait := res.RetryAfter() + jitter(req.JitterKey, g.jitter)
-		return river.JobSnooze(min(max(wait, time.Millisecond), MaxSnooze))
+		return river.JobSnooze(min(max(wait, time.Millisecond), maxSnooze))
 	case !res.Reserved:
 		return g.run(ctx, doInner)
 	}
 	wait := res.RetryAfter()
-	if err := river.MetadataSet(ctx, MetadataKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
+	if err := river.MetadataSet(ctx, paidKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, err)
 	}
-	return river.JobSnooze(min(wait, MaxSnooze))
+	return river.JobSnooze(min(wait, maxSnooze))
 }
 
 // run clears the job's payment, so that a snooze from the worker itself pays again, and works it.
 func (g *Gate) run(ctx context.Context, doInner func(context.Context) error) error {
-	if err := river.MetadataSet(ctx, MetadataKey, nil); err != nil {
+	if err := river.MetadataSet(ctx, paidKey, nil); err != nil {
 		return fmt.Errorf("scheduler: Gate: %w", err)
 	}
 	return doInner(ctx)

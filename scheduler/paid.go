@@ -8,13 +8,13 @@ import (
 	"github.com/riverqueue/river/rivertype"
 )
 
-// MetadataKey is the key of job metadata under which a job records that one of its attempts has
+// paidKey is the key of job metadata under which a job records that one of its attempts has
 // already paid for its tokens: ReserveTx sets it for attempt 1, Gate for an attempt it reserved
 // and snoozed. Gate lets such an attempt run without taking tokens again, and clears the key when
 // it does. River UI shows it with the job's other metadata.
-const MetadataKey = "txlimit_paid"
+const paidKey = "txlimit_paid"
 
-// paid is the value stored under MetadataKey.
+// paid is the value stored under paidKey.
 type paid struct {
 	// Attempt is the attempt the tokens were paid for. River keeps a job's attempt number across
 	// snoozes and increments it for a retry, so a retry pays again.
@@ -35,8 +35,8 @@ func paidFor(job *rivertype.JobRow) (paid, bool) {
 	return *m.Paid, m.Paid.Attempt == job.Attempt
 }
 
-// withPaid returns metadata (a JSON object, or empty) with MetadataKey set to p.
-func withPaid(metadata []byte, p paid) ([]byte, error) { return withKey(metadata, MetadataKey, p) }
+// withPaid returns metadata (a JSON object, or empty) with paidKey set to p.
+func withPaid(metadata []byte, p paid) ([]byte, error) { return withKey(metadata, paidKey, p) }
 
 // withKey returns metadata (a JSON object, or empty) with key set to v.
 func withKey(metadata []byte, key string, v any) ([]byte, error) {

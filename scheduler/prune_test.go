@@ -50,21 +50,27 @@ type mutableClock struct {
 func (c *mutableClock) Now() time.Time  { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
 func (c *mutableClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
 
-// workPrune runs one prune job with rivertest's worker and returns its recorded output.
-func workPrune(t *testing.T, b *testBundle, w *scheduler.PruneWorker) scheduler.PruneOutput {
+// workJob runs one job of w with rivertest's worker, in a transaction that commits (or rolls back
+// when rollback is set), and returns the output it recorded.
+func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
 	t.Helper()
-	ctx := context.Background()
 	tw := rivertest.NewWorker(t, riverpgxv5.New(b.pool), &river.Config{Logger: quietLogger()}, w)
 	var res *rivertest.WorkResult
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+	require.NoError(t, inTx(t, b.pool, rollback, func(tx pgx.Tx) error {
 		var err error
-		res, err = tw.Work(ctx, t, tx, scheduler.PruneArgs{}, nil)
+		res, err = tw.Work(context.Background(), t, tx, args, nil)
 		return err
 	}))
 	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
-	var out scheduler.PruneOutput
+	var out O
 	require.NoError(t, json.Unmarshal(res.Job.Output(), &out))
 	return out
+}
+
+// workPrune runs one prune job and returns its recorded output.
+func workPrune(t *testing.T, b *testBundle, w *scheduler.PruneWorker) scheduler.PruneOutput {
+	t.Helper()
+	return workJob[scheduler.PruneArgs, scheduler.PruneOutput](t, b, w, scheduler.PruneArgs{}, false)
 }
 
 func TestPruneJob(t *testing.T) {
@@ -83,8 +89,8 @@ func TestPruneJob(t *testing.T) {
 	take("fws", "a", 5)
 	take("llm", "org", 350) // 250 owed: refilled after 3m30s
 	var logs syncBuffer
-	w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.PruneConfig{
-		BatchSize: 1, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{
+		PruneBatchSize: 1, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	require.NoError(t, err)
 
@@ -101,60 +107,45 @@ func TestPruneJob(t *testing.T) {
 	require.Equal(t, 0, testdb.CountRows(t, b.pool))
 }
 
-func TestPruneConfigErrors(t *testing.T) {
+func TestHousekeepingErrors(t *testing.T) {
 	t.Parallel()
 	lim, err := ratelimit.New(nil)
 	require.NoError(t, err)
-	_, err = scheduler.NewPruneWorker(nil, nil, nil)
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = scheduler.NewPruneWorker(lim, nil, nil)
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = scheduler.PrunePeriodicJob(&scheduler.PruneConfig{Interval: -time.Second})
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	job, err := scheduler.PrunePeriodicJob(nil)
-	require.NoError(t, err)
-	require.NotNil(t, job)
-}
-
-// TestPrunePeriodicJob runs the periodic job in a real client: inserted on start, worked, output
-// recorded.
-func TestPrunePeriodicJob(t *testing.T) {
-	t.Parallel()
-	b := setup(t, &setupOpts{limits: pruneLimits, now: frozen(t0)})
-	ctx := context.Background()
-	_, err := b.limiter.LimitN(ctx, b.pool, "tb", "a", 3, nil)
-	require.NoError(t, err)
-	// A second limiter whose clock is an hour later does the pruning: the row is full by then.
-	later, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: pruneLimits, Now: frozen(t0.Add(time.Hour))})
-	require.NoError(t, err)
-	w, err := scheduler.NewPruneWorker(later, b.pool, &scheduler.PruneConfig{Logger: quietLogger()})
-	require.NoError(t, err)
-	workers := river.NewWorkers()
-	river.AddWorker(workers, w)
-	job, err := scheduler.PrunePeriodicJob(&scheduler.PruneConfig{RunOnStart: true})
-	require.NoError(t, err)
-	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
-		Logger:       quietLogger(),
-		PeriodicJobs: []*river.PeriodicJob{job},
-		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
-		TestOnly:     true,
-		Workers:      workers,
-	})
-	require.NoError(t, err)
-	events, cancel := client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed)
-	defer cancel()
-	startClient(t, client)
-	select {
-	case ev := <-events:
-		require.Equal(t, river.EventKindJobCompleted, ev.Kind)
-		require.Equal(t, "txlimit_prune", ev.Job.Kind)
-		var out scheduler.PruneOutput
-		require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
-		require.Equal(t, int64(1), out.Deleted["tb"])
-	case <-time.After(60 * time.Second): // a generous bound for a loaded machine: leader election
-		t.Fatal("the periodic prune job did not complete")
+	pool := testdb.Pool(t, nil)
+	for i, c := range []struct {
+		workers *river.Workers
+		lim     *ratelimit.Limiter
+		db      ratelimit.Executor
+		config  *scheduler.HousekeepingConfig
+		want    string
+	}{
+		{lim: lim, db: pool, want: "scheduler: Housekeeping: workers is nil: pass the *river.Workers of the client that works HousekeepingConfig.Queue"},
+		{workers: river.NewWorkers(), db: pool, want: "scheduler: Housekeeping: limiter is nil: pass the *ratelimit.Limiter whose limits to prune"},
+		{workers: river.NewWorkers(), lim: lim, want: "scheduler: Housekeeping: db is nil: pass the *pgxpool.Pool of the River client"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneInterval: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneInterval must not be negative, got -1s"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneTimeout: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneTimeout must not be negative, got -1s"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneBatchSize: -1},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneBatchSize must not be negative, got -1"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{StrandedAfter: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedAfter must not be negative, got -1s"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{StrandedInterval: -time.Second},
+			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedInterval must not be negative, got -1s"},
+	} {
+		jobs, err := scheduler.Housekeeping(c.workers, c.lim, c.db, c.config)
+		require.EqualError(t, err, c.want, "case %d", i)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid, "case %d", i)
+		require.Nil(t, jobs, "case %d", i)
 	}
-	require.Equal(t, 0, testdb.CountRows(t, b.pool))
+	workers := river.NewWorkers()
+	jobs, err := scheduler.Housekeeping(workers, lim, pool, nil)
+	require.NoError(t, err)
+	require.Len(t, jobs, 2)
+	// The workers are registered: a second registration on the same Workers is River's error.
+	_, err = scheduler.Housekeeping(workers, lim, pool, nil)
+	require.ErrorContains(t, err, "txlimit_prune")
+	require.NotErrorIs(t, err, ratelimit.ErrInvalid)
 }
 
 // TestPruneJobNeverChangesADecision runs the same calls at the same injected times on two schemas;
@@ -193,7 +184,7 @@ func TestPruneJobNeverChangesADecision(t *testing.T) {
 		clock := &mutableClock{t: t0}
 		b := setup(t, &setupOpts{limits: pruneLimits, now: clock.Now})
 		ctx := context.Background()
-		w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.PruneConfig{Logger: quietLogger()})
+		w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()})
 		require.NoError(t, err)
 		var out []any
 		var pruned int64

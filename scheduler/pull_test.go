@@ -52,13 +52,7 @@ func (l *mLimit) add(op mOp) float64 {
 	if op.job < 0 {
 		level, at := l.cfg.Rate, t0
 		for _, o := range l.ops {
-			level = l.refill(level, at, o.at)
-			at = o.at
-			if o.job >= 0 {
-				level -= o.count
-			} else {
-				level += o.credited
-			}
+			level, at = l.apply(level, at, o)
 		}
 		level = l.refill(level, at, op.at)
 		op.credited = math.Min(level+op.count, l.cfg.Rate) - level
@@ -67,19 +61,23 @@ func (l *mLimit) add(op mOp) float64 {
 	return op.credited
 }
 
+// apply is the ledger after o: the level refilled from at to o.at, then charged o's reservation
+// or given its credit.
+func (l *mLimit) apply(level float64, at time.Time, o mOp) (float64, time.Time) {
+	level = l.refill(level, at, o.at)
+	if o.job >= 0 {
+		return level - o.count, o.at
+	}
+	return level + o.credited, o.at
+}
+
 // earliest returns when job's tokens of l have accrued, and whether it had to wait for them.
 func (l *mLimit) earliest(job int) (time.Time, bool) {
 	level, at := l.cfg.Rate, t0
 	i := 0
 	for ; i < len(l.ops); i++ { // the ledger as it was, up to the job's reservation
 		o := l.ops[i]
-		level = l.refill(level, at, o.at)
-		at = o.at
-		if o.job >= 0 {
-			level -= o.count
-		} else {
-			level += o.credited
-		}
+		level, at = l.apply(level, at, o)
 		if o.job == job {
 			break
 		}
@@ -234,7 +232,7 @@ func pullForwardModel(t *testing.T, c conn, seed uint64) {
 				require.NoError(t, err)
 				for i, name := range j.limits {
 					want := limits[name].add(mOp{at: now(), job: -1, from: index(j), count: j.counts[i]})
-					require.Equal(t, want, res.Refunds[i].Credited, "step %d: refund of %s", step, name)
+					require.Equal(t, want, res.Limits[i].Credited, "step %d: refund of %s", step, name)
 				}
 				moved += res.PulledForward
 				return nil

@@ -15,16 +15,16 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// ReservedKey is the key of job metadata under which ReserveTx and ReserveManyTx record what the
+// reservedKey is the key of job metadata under which ReserveTx and ReserveManyTx record what the
 // job reserved, for CancelTx, SettleTx and the pull-forward of waiting jobs. River UI shows it
 // with the job's other metadata; do not edit it.
-const ReservedKey = "txlimit_reserved"
+const reservedKey = "txlimit_reserved"
 
-// SettledKey is the key of job metadata under which SettleTx records the job's settlement, so that
+// settledKey is the key of job metadata under which SettleTx records the job's settlement, so that
 // a second settlement of the job changes nothing.
-const SettledKey = "txlimit_settled"
+const settledKey = "txlimit_settled"
 
-// reservation is the value stored under ReservedKey.
+// reservation is the value stored under reservedKey.
 type reservation struct {
 	// Limits are the reserved limits, in request order.
 	Limits []reservedLimit `json:"limits"`
@@ -82,14 +82,18 @@ func (r *reservation) scheduledAt() time.Time {
 	return at
 }
 
+// largestMaxReserved is the largest finite Config.MaxReserved ratelimit accepts (10^15), which
+// stands for Unbounded in a recorded config.
+const largestMaxReserved = 1e15
+
 // newReservedLimit records a granted decision of count tokens of (name, key), with its inline
 // config, if any.
 func newReservedLimit(res ratelimit.Result, count float64, inline *ratelimit.Config) reservedLimit {
 	l := reservedLimit{Name: res.Name, Key: res.Key, Count: count}
 	if inline != nil {
 		c := *inline
-		if !(c.MaxReserved <= ratelimit.MaxAmount) { // an unbounded MaxReserved (+Inf) has no JSON
-			c.MaxReserved = ratelimit.MaxAmount
+		if !(c.MaxReserved <= largestMaxReserved) { // an unbounded MaxReserved (+Inf) has no JSON
+			c.MaxReserved = largestMaxReserved
 		}
 		l.Config = &c
 	}
@@ -133,7 +137,7 @@ func (s *Scheduler) pullForward(ctx context.Context, tx pgx.Tx, from int64, cred
 	var found []schedsql.WaitingRow
 	seen := map[int64]bool{}
 	for _, id := range ids { // one query per limit, so that River's GIN index on metadata can serve it
-		filter, err := json.Marshal(map[string]any{ReservedKey: map[string]any{"limits": []map[string]string{{"name": id.name, "key": id.key}}}})
+		filter, err := json.Marshal(map[string]any{reservedKey: map[string]any{"limits": []map[string]string{{"name": id.name, "key": id.key}}}})
 		if err != nil {
 			return 0, err
 		}

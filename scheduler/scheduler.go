@@ -2,14 +2,12 @@ package scheduler
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 
@@ -35,8 +33,8 @@ type Config struct {
 	// write each queue they work there when they start and every 10 minutes after, and River deletes
 	// a queue 24 h after its last report; a queue found there is trusted for a minute. A table that
 	// lists no queue at all (no client has worked one on this database yet, e.g. before the first
-	// worker starts) refuses nothing: StrandedWorker reports the jobs that then wait in a queue no
-	// client works.
+	// worker starts) refuses nothing: the stranded check (Housekeeping) reports the jobs that then
+	// wait in a queue no client works.
 	Queues []string
 }
 
@@ -85,7 +83,7 @@ type ReserveOpts struct {
 	Config *ratelimit.Config
 
 	// InsertOpts are the job's River insert options. Their ScheduledAt is honoured when it is later
-	// than the reservation's; Metadata, when set, must be a JSON object and gets MetadataKey added.
+	// than the reservation's; Metadata, when set, must be a JSON object and gets "txlimit_paid" added.
 	// Defaults to nil: River's defaults and the args' own InsertOpts.
 	InsertOpts *river.InsertOpts
 
@@ -145,32 +143,11 @@ type Reservation struct {
 // transaction that reserves more than 64 times makes Postgres track its subtransactions in a
 // slower way (a "suboverflowed" snapshot) until it ends.
 func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, count float64, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
-	const op = "ReserveTx"
-	if opts == nil {
-		opts = &ReserveOpts{}
+	var config *ratelimit.Config
+	if opts != nil {
+		config = opts.Config
 	}
-	insertOpts, err := prepare(op, tx, args, opts)
-	if err != nil {
-		return nil, err
-	}
-	queue := jobQueue(args, insertOpts)
-	if err := s.configuredQueue(op, queue); err != nil {
-		return nil, err
-	}
-	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
-		if err := s.workedQueue(ctx, op, tx, queue); err != nil {
-			return nil, err
-		}
-		res, err := s.limiter.LimitN(ctx, tx, name, key, count, &ratelimit.LimitOpts{Config: opts.Config, Reserve: true})
-		if err == nil {
-			err = res.Err() // past MaxReserved: a *LimitedError, nothing written
-		}
-		if err != nil {
-			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
-		}
-		credits := []credit{{name: name, key: key, count: count, config: opts.Config}}
-		return s.schedule(ctx, op, tx, []ratelimit.Result{res}, res.RetryAt, credits, args, insertOpts, opts)
-	})
+	return s.reserve(ctx, "ReserveTx", tx, []ratelimit.Request{{Name: name, Key: key, Count: count, Config: config}}, true, args, opts)
 }
 
 // ReserveManyTx is ReserveTx for several limits at once: it reserves every request (each as with
@@ -178,7 +155,11 @@ func (s *Scheduler) ReserveTx(ctx context.Context, tx pgx.Tx, name, key string, 
 // for the latest RetryAt. When any limit is past its MaxReserved nothing is reserved, no job is
 // inserted, and the *ratelimit.LimitedError names every such limit.
 func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelimit.Request, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
-	const op = "ReserveManyTx"
+	return s.reserve(ctx, "ReserveManyTx", tx, reqs, false, args, opts)
+}
+
+// reserve is ReserveTx (single: one request, decided by LimitN) and ReserveManyTx (LimitMany).
+func (s *Scheduler) reserve(ctx context.Context, op string, tx pgx.Tx, reqs []ratelimit.Request, single bool, args river.JobArgs, opts *ReserveOpts) (*Reservation, error) {
 	if opts == nil {
 		opts = &ReserveOpts{}
 	}
@@ -190,59 +171,36 @@ func (s *Scheduler) ReserveManyTx(ctx context.Context, tx pgx.Tx, reqs []ratelim
 	if err := s.configuredQueue(op, queue); err != nil {
 		return nil, err
 	}
-	reqs = append([]ratelimit.Request(nil), reqs...)
+	reqs = slices.Clone(reqs)
 	credits := make([]credit, len(reqs))
 	for i := range reqs {
 		reqs[i].Reserve = true
 		credits[i] = credit{name: reqs[i].Name, key: reqs[i].Key, count: reqs[i].Count, config: reqs[i].Config}
-		if credits[i].count == 0 {
+		if credits[i].count == 0 && !single {
 			credits[i].count = 1 // ratelimit.Request's default
 		}
 	}
-	return atomically(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
+	return inSavepoint(ctx, op, tx, func(tx pgx.Tx) (*Reservation, error) {
 		if err := s.workedQueue(ctx, op, tx, queue); err != nil {
 			return nil, err
 		}
-		res, err := s.limiter.LimitMany(ctx, tx, reqs, nil)
+		var res ratelimit.ManyResult
+		if single {
+			r := reqs[0]
+			var one ratelimit.Result
+			one, err = s.limiter.LimitN(ctx, tx, r.Name, r.Key, r.Count, &ratelimit.LimitOpts{Config: r.Config, Reserve: true})
+			res = ratelimit.ManyResult{OK: one.OK, RetryAt: one.RetryAt, Results: []ratelimit.Result{one}, Time: one.Time}
+		} else {
+			res, err = s.limiter.LimitMany(ctx, tx, reqs, nil)
+		}
 		if err == nil {
-			err = res.Err()
+			err = res.Err() // past MaxReserved: a *LimitedError, nothing written
 		}
 		if err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return s.schedule(ctx, op, tx, res.Results, res.RetryAt, credits, args, insertOpts, opts)
 	})
-}
-
-// atomically runs fn, which reserves and inserts the job, in a savepoint of tx: when fn fails,
-// the savepoint is rolled back, so the call either writes the reservation and the job together or
-// leaves tx as it was. River refusing the job without a database error (arguments it cannot
-// encode, invalid insert options) is then bad input: an *ratelimit.ArgumentError wrapping River's
-// error.
-func atomically(ctx context.Context, op string, tx pgx.Tx, fn func(sp pgx.Tx) (*Reservation, error)) (*Reservation, error) {
-	sp, err := tx.Begin(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: %s: savepoint: %w", op, err)
-	}
-	r, err := fn(sp)
-	if err == nil {
-		if err := sp.Commit(ctx); err != nil {
-			return nil, fmt.Errorf("scheduler: %s: release savepoint (roll tx back): %w", op, err)
-		}
-		return r, nil
-	}
-	if rbErr := sp.Rollback(ctx); rbErr != nil {
-		return nil, errors.Join(err, fmt.Errorf("scheduler: %s: roll back to savepoint (roll tx back): %w", op, rbErr))
-	}
-	if se := missingRiverTable(ctx, op, tx, err); se != nil {
-		return nil, se
-	}
-	var refused *insertError
-	var pgErr *pgconn.PgError
-	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
-		return nil, argError(op, "args or insert options", "were refused by River (nothing was reserved)", refused.err)
-	}
-	return nil, err
 }
 
 // insertError is River's error from inserting the job.
@@ -259,7 +217,7 @@ type credit struct {
 }
 
 // schedule inserts the job of a granted reservation, with what it reserved recorded in its
-// metadata (ReservedKey).
+// metadata (reservedKey).
 func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results []ratelimit.Result, retryAt time.Time, credits []credit, args river.JobArgs, insertOpts river.InsertOpts, opts *ReserveOpts) (*Reservation, error) {
 	r := &Reservation{Results: results}
 	rec := reservation{NotBefore: insertOpts.ScheduledAt.UTC()}
@@ -281,7 +239,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
-	md, err := withKey(insertOpts.Metadata, ReservedKey, &rec)
+	md, err := withKey(insertOpts.Metadata, reservedKey, &rec)
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: %s: record the reservation: %w", op, err)
 	}

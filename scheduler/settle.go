@@ -32,69 +32,55 @@ type Settlement struct {
 	Reserved float64 `json:"reserved"`
 }
 
-// SettleOpts are the options of Settle. A nil *SettleOpts is the zero value.
-type SettleOpts struct {
-	// Config, when set, is used instead of the limit registered under the name, as
-	// ratelimit.LimitOpts.Config; pass the same one as to ReserveTx. Defaults to nil: the
-	// registered config.
-	Config *ratelimit.Config
-}
-
-// SettleResult is the outcome of Settle.
-type SettleResult struct {
-	// Charged is the overrun charged: Actual - Reserved when positive, else 0.
-	Charged float64
-	// Credited is the tokens given back: Reserved - Actual when positive, less where the limit was
-	// too full to take them all (it never goes above capacity), else 0.
-	Credited float64
-}
-
 // Settle makes the limit reflect actual, the real cost of the work that reserved s.Reserved
 // tokens. When actual is less, the difference is credited back (ratelimit.Limiter.Credit). When it
 // is more, the overrun is charged as a reservation (LimitN with Reserve) that is never denied: the
 // work has been done, so its cost is booked even past MaxReserved, and later reservations wait for
-// it to be repaid. Equal costs write nothing. actual must be finite and >= 0.
+// it to be repaid. Equal costs write nothing. actual must be finite and >= 0. opts.Config, when
+// set, is used instead of the limit registered under the name (pass the same one as to ReserveTx);
+// a nil opts is the registered config. The result says what was charged or credited.
 //
 // Settle records nothing, so a second call credits or charges again: for a job inserted by
 // ReserveTx or ReserveManyTx, prefer Scheduler.SettleTx, which settles each job exactly once and
 // pulls waiting jobs forward. Otherwise settle once per job, in the transaction that completes it
 // (river.JobCompleteTx).
-func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, actual float64, opts *SettleOpts) (SettleResult, error) {
+func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, actual float64, opts *ratelimit.KeyOpts) (SettledLimit, error) {
 	const op = "Settle"
 	if l == nil {
-		return SettleResult{}, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter the tokens were reserved with", nil)
+		return SettledLimit{}, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter the tokens were reserved with", nil)
 	}
 	if math.IsNaN(actual) || math.IsInf(actual, 0) || actual < 0 {
-		return SettleResult{}, argError(op, "actual", fmt.Sprintf("must be finite and >= 0, got %g", actual), nil)
+		return SettledLimit{}, argError(op, "actual", fmt.Sprintf("must be finite and >= 0, got %g", actual), nil)
 	}
 	if math.IsNaN(s.Reserved) || math.IsInf(s.Reserved, 0) || s.Reserved < 0 {
-		return SettleResult{}, argError(op, "Settlement.Reserved", fmt.Sprintf("must be finite and >= 0, got %g", s.Reserved), nil)
+		return SettledLimit{}, argError(op, "Settlement.Reserved", fmt.Sprintf("must be finite and >= 0, got %g", s.Reserved), nil)
 	}
 	if opts == nil {
-		opts = &SettleOpts{}
+		opts = &ratelimit.KeyOpts{}
 	}
 	if db == nil {
-		return SettleResult{}, argError(op, "db", "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn", nil)
+		return SettledLimit{}, argError(op, "db", "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn", nil)
 	}
 	// Refuse a bad name, key or config even when there is nothing to settle.
 	cfg, err := l.Lookup(s.Name, s.Key, opts.Config)
 	if err != nil {
-		return SettleResult{}, fmt.Errorf("scheduler: %s: %w", op, err)
+		return SettledLimit{}, fmt.Errorf("scheduler: %s: %w", op, err)
 	}
+	out := SettledLimit{Name: s.Name, Key: s.Key, Reserved: s.Reserved, Actual: actual}
 	switch diff := actual - s.Reserved; {
 	case diff < 0:
-		res, err := l.Credit(ctx, db, s.Name, s.Key, -diff, &ratelimit.KeyOpts{Config: opts.Config})
+		res, err := l.Credit(ctx, db, s.Name, s.Key, -diff, opts)
 		if err != nil {
-			return SettleResult{}, fmt.Errorf("scheduler: %s: %w", op, err)
+			return SettledLimit{}, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
-		return SettleResult{Credited: res.Credited}, nil
+		out.Credited = res.Credited
 	case diff > 0:
 		if err := charge(ctx, db, l, s.Name, s.Key, diff, cfg); err != nil {
-			return SettleResult{}, fmt.Errorf("scheduler: %s: %w", op, err)
+			return SettledLimit{}, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
-		return SettleResult{Charged: diff}, nil
+		out.Charged = diff
 	}
-	return SettleResult{}, nil
+	return out, nil
 }
 
 // charge books count tokens of (name, key), whose config is cfg, as a reservation that
@@ -117,7 +103,8 @@ func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, na
 	return err
 }
 
-// SettledLimit is the settlement of one limit of a job.
+// SettledLimit is the settlement of one limit: of a job (SettleTx, CancelTx) or of a Settlement
+// (Settle).
 type SettledLimit struct {
 	// Name and Key identify the limit.
 	Name string `json:"name"`
@@ -132,10 +119,13 @@ type SettledLimit struct {
 	Credited float64 `json:"credited"`
 }
 
-// JobSettlement is the outcome of SettleTx and SettleManyTx.
+// JobSettlement is the outcome of SettleTx, SettleManyTx and CancelTx.
 type JobSettlement struct {
 	// JobID is the settled job.
 	JobID int64 `json:"job_id"`
+	// Job is the cancelled job, as River's JobCancelTx returned it, when CancelTx settled it in
+	// this call. Defaults to nil.
+	Job *rivertype.JobRow `json:"-"`
 	// Limits are the limits settled, in the order the job reserved them.
 	Limits []SettledLimit `json:"limits"`
 	// PulledForward is how many waiting jobs the credits moved earlier (see docs/scheduler.md).
@@ -152,8 +142,8 @@ type JobSettlement struct {
 // reservation that MaxReserved cannot deny (the work is done). Credited tokens pull the jobs
 // waiting on the limit forward, in the same tx (see CancelTx).
 //
-// The settlement is recorded in the job's metadata (SettledKey) in the same tx as its credit or
-// charge, so it happens exactly once per job: a second SettleTx of the job, after the first
+// The settlement is recorded in the job's metadata ("txlimit_settled") in the same tx as its credit
+// or charge, so it happens exactly once per job: a second SettleTx of the job, after the first
 // committed, changes nothing and returns the first outcome with Repeated set; one racing with it
 // waits for it (the job's row lock), then does the same. So a retried job, a worker that crashed
 // after settling, or two processes settling at once cannot credit twice. Call it from the worker,
@@ -198,7 +188,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 			}
 			var out JobSettlement
 			if err := json.Unmarshal(prev[0], &out); err != nil || out.JobID != jobID {
-				return nil, fmt.Errorf("scheduler: %s: job %d has an unreadable settlement (metadata key %q): %s", op, jobID, SettledKey, prev[0])
+				return nil, fmt.Errorf("scheduler: %s: job %d has an unreadable settlement (metadata key %q): %s", op, jobID, settledKey, prev[0])
 			}
 			out.Repeated = true
 			return &out, nil

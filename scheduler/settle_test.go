@@ -32,14 +32,14 @@ func TestSettle(t *testing.T) {
 
 	steps := []struct {
 		take, reserved, actual float64
-		want                   scheduler.SettleResult
+		charged, credited      float64
 		value                  float64
 	}{
-		{take: 80, reserved: 80, actual: 50, want: scheduler.SettleResult{Credited: 30}, value: 50},  // unused part back
-		{take: 30, reserved: 30, actual: 30, want: scheduler.SettleResult{}, value: 20},              // exact: nothing written
-		{take: 60, reserved: 60, actual: 70, want: scheduler.SettleResult{Charged: 10}, value: -50},  // overrun within MaxReserved
-		{take: 0, reserved: 0, actual: 25, want: scheduler.SettleResult{Charged: 25}, value: -75},    // past MaxReserved: booked anyway
-		{take: 0, reserved: 500, actual: 0, want: scheduler.SettleResult{Credited: 175}, value: 100}, // never above capacity
+		{take: 80, reserved: 80, actual: 50, credited: 30, value: 50},  // unused part back
+		{take: 30, reserved: 30, actual: 30, value: 20},                // exact: nothing written
+		{take: 60, reserved: 60, actual: 70, charged: 10, value: -50},  // overrun within MaxReserved
+		{take: 0, reserved: 0, actual: 25, charged: 25, value: -75},    // past MaxReserved: booked anyway
+		{take: 0, reserved: 500, actual: 0, credited: 175, value: 100}, // never above capacity
 	}
 	for i, s := range steps {
 		if s.take > 0 {
@@ -47,13 +47,14 @@ func TestSettle(t *testing.T) {
 		}
 		got, err := scheduler.Settlement{Name: "tokens", Key: "k", Reserved: s.reserved}.Settle(ctx, b.pool, b.limiter, s.actual, nil)
 		require.NoError(t, err, "step %d", i)
-		require.Equal(t, s.want, got, "step %d", i)
+		want := scheduler.SettledLimit{Name: "tokens", Key: "k", Reserved: s.reserved, Actual: s.actual, Charged: s.charged, Credited: s.credited}
+		require.Equal(t, want, got, "step %d", i)
 		require.Equal(t, s.value, value(t, b, "tokens", "k"), "step %d", i)
 	}
 
 	// An inline config, unknown to the limiter, is used as given, for the forced overrun too.
 	inline := &ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 1}
-	_, err := scheduler.Settlement{Name: "inline", Reserved: 1}.Settle(ctx, b.pool, b.limiter, 20, &scheduler.SettleOpts{Config: inline})
+	_, err := scheduler.Settlement{Name: "inline", Reserved: 1}.Settle(ctx, b.pool, b.limiter, 20, &ratelimit.KeyOpts{Config: inline})
 	require.NoError(t, err)
 	st, err := b.limiter.State(ctx, b.pool, "inline", "", &ratelimit.KeyOpts{Config: inline})
 	require.NoError(t, err)

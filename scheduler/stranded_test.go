@@ -11,37 +11,23 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertest"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/txlimit/txlimit/internal/metrictest"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
 
-// strandedCount returns the counter MetricStranded of queue (0 if none).
+// strandedCount returns the counter txlimit.scheduler.stranded of queue (0 if none).
 func strandedCount(t *testing.T, reader *sdkmetric.ManualReader, queue string) int64 {
 	t.Helper()
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, reader.Collect(context.Background(), &rm))
-	want := attribute.NewSet(attribute.String("txlimit.queue", queue))
+	rm := metrictest.Collect(t, reader)
 	for _, sm := range rm.ScopeMetrics {
 		require.Equal(t, scheduler.MeterName, sm.Scope.Name)
-		for _, m := range sm.Metrics {
-			if m.Name != scheduler.MetricStranded {
-				continue
-			}
-			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				if dp.Attributes.Equals(&want) {
-					return dp.Value
-				}
-			}
-		}
 	}
-	return 0
+	return metrictest.Sum(t, rm, "txlimit.scheduler.stranded", attribute.String("txlimit.queue", queue))
 }
 
 // TestStrandedWorker (issue 31, item 2): reserved jobs not started a minute (After) past their
@@ -87,26 +73,15 @@ func stranded(t *testing.T, c conn) {
 		return a
 	}}))
 	reader := sdkmetric.NewManualReader()
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.StrandedConfig{
-		After: time.Minute, Logger: logger, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-	})
-	require.NoError(t, err)
 	var now time.Time
-	scheduler.SetStrandedNow(w, func() time.Time { return now })
-	tw := rivertest.NewWorker(t, riverpgxv5.New(b.pool), &river.Config{Logger: quietLogger()}, w)
+	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{
+		StrandedAfter: time.Minute, Logger: logger, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	}, func() time.Time { return now })
+	require.NoError(t, err)
 	check := func(at time.Time) scheduler.StrandedOutput {
 		t.Helper()
 		now = at
-		var res *rivertest.WorkResult
-		require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
-			var err error
-			res, err = tw.Work(ctx, t, tx, scheduler.StrandedArgs{}, nil)
-			return err
-		}))
-		require.Equal(t, river.EventKindJobCompleted, res.EventKind)
-		var out scheduler.StrandedOutput
-		require.NoError(t, json.Unmarshal(res.Job.Output(), &out))
-		return out
+		return workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
 	}
 	orphanFix := `"no River client works queue \"orphan\": add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens"`
 	defaultFix := `"River's clients work queue \"default\" but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind"`
@@ -119,7 +94,7 @@ func stranded(t *testing.T, c conn) {
 		now      time.Time
 		want     scheduler.StrandedOutput
 		logs     []string
-		counters map[string]int64 // MetricStranded by queue, cumulative
+		counters map[string]int64 // txlimit.scheduler.stranded by queue, cumulative
 	}{
 		// step 0: the first job was due at t0+30s, exactly After ago: not yet stranded.
 		{now: t0.Add(90 * time.Second), want: scheduler.StrandedOutput{Queues: []scheduler.StrandedQueue{}},
@@ -151,7 +126,7 @@ func stranded(t *testing.T, c conn) {
 		}
 		require.Equal(t, s.logs, lines, "step %d", i)
 		for queue, n := range s.counters {
-			require.Equal(t, n, strandedCount(t, reader, queue), "step %d: %s of %s", i, scheduler.MetricStranded, queue)
+			require.Equal(t, n, strandedCount(t, reader, queue), "step %d: %s of %s", i, "txlimit.scheduler.stranded", queue)
 		}
 	}
 
@@ -162,65 +137,4 @@ func stranded(t *testing.T, c conn) {
 	require.NoError(t, json.Unmarshal(metadataValue(t, jobRow(t, b, ids[0]).Metadata, scheduler.StrandedKey), &mark))
 	require.True(t, mark.At.Equal(t0.Add(90*time.Second+time.Microsecond)), "marked at %s", mark.At)
 	require.Nil(t, metadataValue(t, jobRow(t, b, ids[3]).Metadata, scheduler.StrandedKey))
-}
-
-// TestStrandedPeriodicJob runs the periodic check in a real client, with the database's clock: a
-// reservation due in 2024 is long stranded, in a queue no client works.
-func TestStrandedPeriodicJob(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
-	sched, err := scheduler.New(insertOnly(t, b.pool), b.limiter, nil)
-	require.NoError(t, err)
-	var id int64
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-		res, err := sched.ReserveTx(ctx, tx, "calls", "k", 15, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Queue: "orphan"}})
-		if err == nil {
-			id = res.Job.ID
-		}
-		return err
-	}))
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.StrandedConfig{Logger: quietLogger()})
-	require.NoError(t, err)
-	workers := river.NewWorkers()
-	river.AddWorker(workers, w)
-	job, err := scheduler.StrandedPeriodicJob(&scheduler.StrandedConfig{RunOnStart: true})
-	require.NoError(t, err)
-	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
-		Logger:       quietLogger(),
-		PeriodicJobs: []*river.PeriodicJob{job},
-		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
-		TestOnly:     true,
-		Workers:      workers,
-	})
-	require.NoError(t, err)
-	events, cancel := client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed)
-	defer cancel()
-	startClient(t, client)
-	select {
-	case ev := <-events:
-		require.Equal(t, river.EventKindJobCompleted, ev.Kind)
-		require.Equal(t, "txlimit_stranded", ev.Job.Kind)
-		var out scheduler.StrandedOutput
-		require.NoError(t, json.Unmarshal(ev.Job.Output(), &out))
-		require.Equal(t, scheduler.StrandedOutput{Total: 1, Queues: []scheduler.StrandedQueue{
-			{Queue: "orphan", Jobs: 1, FirstJobID: id, FirstScheduledAt: t0.Add(30 * time.Second)},
-		}}, out)
-	case <-time.After(60 * time.Second): // a generous bound for a loaded machine: leader election
-		t.Fatal("the periodic stranded check did not complete")
-	}
-}
-
-func TestStrandedConfigErrors(t *testing.T) {
-	t.Parallel()
-	_, err := scheduler.NewStrandedWorker(nil, nil)
-	require.EqualError(t, err, "scheduler: NewStrandedWorker: db is nil: pass the *pgxpool.Pool of the River client")
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = scheduler.StrandedPeriodicJob(&scheduler.StrandedConfig{After: -time.Second})
-	require.EqualError(t, err, "scheduler: StrandedPeriodicJob: StrandedConfig.After must not be negative, got -1s")
-	_, err = scheduler.StrandedPeriodicJob(&scheduler.StrandedConfig{Interval: -time.Second})
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	job, err := scheduler.StrandedPeriodicJob(nil)
-	require.NoError(t, err)
-	require.NotNil(t, job)
 }

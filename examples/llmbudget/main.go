@@ -320,7 +320,7 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 		if err != nil {
 			return err
 		}
-		tl.cancelled(i, res.Refunds[0].Credited, res.PulledForward)
+		tl.cancelled(i, res.Limits[0].Credited, res.PulledForward)
 		return nil
 	})
 }

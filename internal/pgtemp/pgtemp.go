@@ -104,7 +104,7 @@ func Start(ctx context.Context) (*Cluster, error) {
 			return nil, fmt.Errorf("private cluster: give %s to %s: %w", dir, owner, err)
 		}
 	}
-	port, err := freePort()
+	port, err := FreePort()
 	if err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, fmt.Errorf("private cluster: %w", err)
@@ -258,8 +258,8 @@ func credential() (*syscall.Credential, string, error) {
 	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), NoSetGroups: true}, "postgres", nil
 }
 
-// freePort asks the kernel for a free loopback TCP port.
-func freePort() (int, error) {
+// FreePort asks the kernel for a free loopback TCP port (free a moment ago).
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err

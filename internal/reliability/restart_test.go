@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -27,6 +26,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 	"go.uber.org/goleak"
 
+	"github.com/txlimit/txlimit/internal/pgtemp"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
@@ -121,16 +121,6 @@ func restartBindir() (string, error) {
 		strings.Join(tried, ", "), restartEnvBindir)
 }
 
-// restartFreePort returns a TCP port of 127.0.0.1 that was free a moment ago.
-func restartFreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
 // restartNewCluster initdb's a cluster and starts it. The cluster is stopped (immediate mode) and
 // its directory removed when the test ends, whether it passed or not.
 func restartNewCluster(t *testing.T) *restartCluster {
@@ -180,7 +170,7 @@ func restartNewCluster(t *testing.T) *restartCluster {
 		t.Fatalf("initdb: %v\n%s", err, out)
 	}
 	for attempt := 1; ; attempt++ {
-		if c.port, err = restartFreePort(); err != nil {
+		if c.port, err = pgtemp.FreePort(); err != nil {
 			t.Fatal(err)
 		}
 		// The last setting of a name wins, so a retry on another port appends again.

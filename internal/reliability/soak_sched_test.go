@@ -167,11 +167,11 @@ func (ss *soakSched) cancel(ctx context.Context, tx pgx.Tx, op, jobID int64, req
 	if err != nil {
 		return err
 	}
-	if len(res.Refunds) != len(reqs) {
-		ss.s.failf("op %d: CancelTx of job %d refunded %d limits, it reserved %d", op, jobID, len(res.Refunds), len(reqs))
+	if len(res.Limits) != len(reqs) {
+		ss.s.failf("op %d: CancelTx of job %d refunded %d limits, it reserved %d", op, jobID, len(res.Limits), len(reqs))
 		return errors.New("soak: bad refund")
 	}
-	for i, r := range res.Refunds {
+	for i, r := range res.Limits {
 		if r.Credited != reqs[i].count || r.Name != reqs[i].lim.name || r.Key != reqs[i].key {
 			// Only the capacity can cut a credit short, and no shard ever gets near it.
 			ss.s.failf("op %d: CancelTx of job %d refunded %+v, it reserved %s/%s %g", op, jobID, r, reqs[i].lim.name, reqs[i].key, reqs[i].count)
@@ -254,8 +254,8 @@ func soakJobReserved(job *rivertype.JobRow) []soakReserved {
 	return args.Reserved
 }
 
-// soakWaiting reports whether the reservation recorded on job (scheduler.ReservedKey) is due
-// after now on one of its limits.
+// soakWaiting reports whether the reservation recorded on job (job metadata "txlimit_reserved") is
+// due after now on one of its limits.
 func soakWaiting(job *rivertype.JobRow, now time.Time) bool {
 	var md map[string]struct {
 		Limits []struct {
@@ -265,7 +265,7 @@ func soakWaiting(job *rivertype.JobRow, now time.Time) bool {
 	if jsonUnmarshalSoak(job.Metadata, &md) != nil {
 		return false
 	}
-	for _, l := range md[scheduler.ReservedKey].Limits {
+	for _, l := range md["txlimit_reserved"].Limits {
 		if l.RetryAt.After(now) {
 			return true
 		}

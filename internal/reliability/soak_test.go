@@ -685,7 +685,7 @@ func (s *soakRun) body(ctx context.Context, tx pgx.Tx, op int64, p *soakPlan) er
 		for i, r := range p.reqs {
 			reqs[i] = ratelimit.Request{Name: r.lim.name, Key: r.key, Count: r.count, Reserve: r.reserve}
 		}
-		res, err := s.lim.LimitMany(ctx, tx, reqs, &ratelimit.ManyOpts{AsError: p.throw})
+		res, err := s.lim.LimitMany(ctx, tx, reqs, &ratelimit.LimitOpts{AsError: p.throw})
 		if err != nil && res.OK {
 			s.failf("op %d: LimitMany said OK with error %v", op, err)
 		}

@@ -133,16 +133,6 @@ func (s *soakTally) add(err error) {
 	}
 }
 
-func (s *soakTally) total() int64 {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var n int64
-	for _, c := range s.count {
-		n += c
-	}
-	return n
-}
-
 // String lists the classes by count, each with its first example.
 func (s *soakTally) String() string {
 	s.mu.Lock()

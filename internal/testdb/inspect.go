@@ -63,11 +63,17 @@ func RowLocker(tb testing.TB, db Querier, name, key string, shard int) uint32 {
 // CountRows returns the number of rows in txlimit_state.
 func CountRows(tb testing.TB, db Querier) int {
 	tb.Helper()
-	var n int
-	if err := db.QueryRow(context.Background(), "SELECT count(*) FROM txlimit_state").Scan(&n); err != nil {
-		tb.Fatalf("testdb: count rows: %v", err)
+	return scalar[int](tb, db, "count rows", "SELECT count(*) FROM txlimit_state")
+}
+
+// scalar returns the one value sql selects, failing tb with what it read when it cannot.
+func scalar[T any](tb testing.TB, db Querier, what, sql string, args ...any) T {
+	tb.Helper()
+	var v T
+	if err := db.QueryRow(context.Background(), sql, args...).Scan(&v); err != nil {
+		tb.Fatalf("testdb: %s: %v", what, err)
 	}
-	return n
+	return v
 }
 
 // LockRow takes the row lock of one state row in tx (SELECT … FOR UPDATE), as a concurrent
