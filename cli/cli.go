@@ -884,7 +884,7 @@ func (c *command) inspect(ctx context.Context, name, key string) error {
 		return err
 	}
 	defer pool.Close()
-	st, err := lim.State(ctx, pool, name, key, &ratelimit.KeyOpts{Config: adhoc})
+	st, err := lim.State(ctx, pool, name, key, &ratelimit.LimitOpts{Config: adhoc})
 	if err != nil {
 		return dbError(err)
 	}

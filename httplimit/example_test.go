@@ -41,7 +41,7 @@ func Example_middleware() {
 		Decider: batcher,
 		Policies: []httplimit.Policy{
 			{Name: "perIP", Config: ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3}, Key: clientIP},
-			{Name: "perUser", Config: ratelimit.PerHour(100), Key: httplimit.Header("X-User"), MissingKey: httplimit.MissingKeySkip},
+			{Name: "perUser", Config: ratelimit.Config{Rate: 100, Period: time.Hour}, Key: httplimit.Header("X-User"), MissingKey: httplimit.MissingKeySkip},
 		},
 		Secret: []byte("the same secret on every replica"), // keys the pk hashes
 	})

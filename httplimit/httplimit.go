@@ -114,14 +114,14 @@ type Config struct {
 	// (info). Defaults to nil: slog.Default(), as it is when a record is logged.
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) of the counter txlimit.http.requests, which
-	// counts requests by policy (txlimit.policy) and outcome (txlimit.outcome), never by key:
-	// "granted" for each policy of a granted request, "denied" for each violated policy of a
-	// denied request (the other policies of it consumed nothing and are not counted),
-	// "shadow_denied" likewise under Config.Shadow (the request went on), "fail_open" and "error"
-	// for each policy of a request whose decision failed (let through, or refused with 503),
-	// "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and "skipped" for a
-	// policy left out by MissingKeySkip. Defaults to nil: the global provider
+	// MeterProvider provides the meter (named "github.com/txlimit/txlimit/httplimit", the package's
+	// path) of the counter txlimit.http.requests, which counts requests by policy (txlimit.policy) and
+	// outcome (txlimit.outcome), never by key: "granted" for each policy of a granted request,
+	// "denied" for each violated policy of a denied request (the other policies of it consumed nothing
+	// and are not counted), "shadow_denied" likewise under Config.Shadow (the request went on),
+	// "fail_open" and "error" for each policy of a request whose decision failed (let through, or
+	// refused with 503), "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and
+	// "skipped" for a policy left out by MissingKeySkip. Defaults to nil: the global provider
 	// (otel.GetMeterProvider()), which records nothing until the application sets one with
 	// otel.SetMeterProvider.
 	MeterProvider metric.MeterProvider

@@ -11,9 +11,9 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// MeterName is the name of the OpenTelemetry meter the middleware takes from
+// meterName is the name of the OpenTelemetry meter the middleware takes from
 // Config.MeterProvider.
-const MeterName = "github.com/txlimit/txlimit/httplimit"
+const meterName = "github.com/txlimit/txlimit/httplimit"
 
 // metricRequests is the name of the middleware's counter; Config.MeterProvider says what it counts.
 const metricRequests = "txlimit.http.requests"
@@ -38,7 +38,7 @@ type observer struct {
 }
 
 func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
-	o := &observer{log: log, meter: observe.New(mp, observe.Global, MeterName)}
+	o := &observer{log: log, meter: observe.New(mp, observe.Global, meterName)}
 	var err error
 	o.requests, err = o.meter.Int64Counter(metricRequests, metric.WithUnit("{request}"),
 		metric.WithDescription("HTTP requests by rate limit policy and outcome."))

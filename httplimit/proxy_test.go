@@ -178,7 +178,7 @@ func TestClientIPThroughReverseProxies(t *testing.T) {
 						}
 						key := httplimit.ClientIP(opts)
 						m, err := httplimit.New(&httplimit.Config{Decider: httplimit.OnPool(b.limiter, b.pool), Secret: secret,
-							Policies: []httplimit.Policy{{Name: policy, Config: ratelimit.PerHour(100), Key: key}}})
+							Policies: []httplimit.Policy{{Name: policy, Config: ratelimit.Config{Rate: 100, Period: time.Hour}, Key: key}}})
 						require.NoError(t, err)
 						server := listenOn(t, "127.0.0.1", m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 							k, err := key(r)

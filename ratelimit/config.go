@@ -107,15 +107,6 @@ type Config struct {
 	Start time.Time
 }
 
-// PerSecond returns a token bucket Config of rate tokens per second.
-func PerSecond(rate float64) Config { return Config{Rate: rate, Period: time.Second} }
-
-// PerMinute returns a token bucket Config of rate tokens per minute.
-func PerMinute(rate float64) Config { return Config{Rate: rate, Period: time.Minute} }
-
-// PerHour returns a token bucket Config of rate tokens per hour.
-func PerHour(rate float64) Config { return Config{Rate: rate, Period: time.Hour} }
-
 // String describes the config, e.g. "token bucket 10/1m0s cap 20".
 func (c Config) String() string {
 	s := fmt.Sprintf("%s %g/%s", c.Kind, c.Rate, c.Period)

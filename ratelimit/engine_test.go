@@ -358,7 +358,7 @@ func TestRefusedRetryAtIsTheEarliestGrant(t *testing.T) {
 // Calls report the config in force: Capacity and Shards with their defaults applied.
 func TestConfigInForce(t *testing.T) {
 	t.Parallel()
-	b := setup(t, map[string]ratelimit.Config{"pm": ratelimit.PerMinute(5)})
+	b := setup(t, map[string]ratelimit.Config{"pm": ratelimit.Config{Rate: 5, Period: time.Minute}})
 	want := ratelimit.Config{Rate: 5, Period: time.Minute, Capacity: 5, Shards: 1}
 	cfg, err := b.lim.Lookup("pm", "k", nil)
 	require.NoError(t, err)
@@ -370,7 +370,7 @@ func TestConfigInForce(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, res.Config)
 	require.Equal(t, 4.0, res.Value)
-	require.Equal(t, "token bucket 5/1m0s", ratelimit.PerMinute(5).String())
+	require.Equal(t, "token bucket 5/1m0s", ratelimit.Config{Rate: 5, Period: time.Minute}.String())
 }
 
 // docs/spec.md §5: every call returns within its context: at once when it has already ended, and

@@ -702,7 +702,7 @@ func (r *fzRunner) credit(q fzReq) {
 	if wantErr == nil {
 		r.touched[[2]string{name, key}] = true
 	}
-	got, err := r.lim.Credit(r.ctx, r.pool, name, key, q.count, &ratelimit.KeyOpts{Config: inline})
+	got, err := r.lim.Credit(r.ctx, r.pool, name, key, q.count, &ratelimit.LimitOpts{Config: inline})
 	if r.expectErr("Credit", err, wantErr) {
 		return
 	}
@@ -726,7 +726,7 @@ func (r *fzRunner) credit(q fzReq) {
 func (r *fzRunner) value(what string, name, key string, inline, cfg *ratelimit.Config) {
 	r.t.Helper()
 	m, wantErr := modelResolve(name, key, cfg)
-	got, err := r.lim.State(r.ctx, r.pool, name, key, &ratelimit.KeyOpts{Config: inline})
+	got, err := r.lim.State(r.ctx, r.pool, name, key, &ratelimit.LimitOpts{Config: inline})
 	if r.expectErr(what, err, wantErr) {
 		return
 	}

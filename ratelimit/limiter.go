@@ -32,10 +32,10 @@ type LimiterConfig struct {
 	// in TxOpts.Limiter. Defaults to nil: silent.
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) of the Limiter's instruments. Their attributes
-	// are the limit's name (txlimit.limit), the call (txlimit.op: LimitN, CheckN, LimitMany,
-	// CheckMany), the outcome (txlimit.outcome) and, for errors, error.type; never a key, so their
-	// cardinality is bounded by the number of limits.
+	// MeterProvider provides the meter (named "github.com/txlimit/txlimit/ratelimit", the package's
+	// path) of the Limiter's instruments. Their attributes are the limit's name (txlimit.limit), the
+	// call (txlimit.op: LimitN, CheckN, LimitMany, CheckMany), the outcome (txlimit.outcome) and,
+	// for errors, error.type; never a key, so their cardinality is bounded by the number of limits.
 	//   - txlimit.decisions counts requests decided by limit, call and outcome: "granted" or
 	//     "reserved" for each request of a granted call, "denied" for each denied request of a
 	//     denied call (the others of that call consumed nothing and are not counted), "error" for
@@ -98,10 +98,11 @@ func New(config *LimiterConfig) (*Limiter, error) {
 	return l, nil
 }
 
-// LimitOpts are the options of every decision: Limit, LimitN, Check, CheckN, LimitMany and
-// CheckMany, on the Limiter and the Batcher. A nil *LimitOpts is the zero value. LimitMany and
-// CheckMany read only AsError: their requests carry their own Config and Reserve, and setting
-// either here is an *ArgumentError.
+// LimitOpts are the options of every call on a limit: the decisions (Limit, LimitN, Check, CheckN,
+// LimitMany and CheckMany, on the Limiter and the Batcher), State, Credit and Prune. A nil
+// *LimitOpts is the zero value. LimitMany and CheckMany read only AsError: their requests carry
+// their own Config and Reserve. State, Credit and Prune read only Config. Setting a field a call
+// does not read is an *ArgumentError.
 type LimitOpts struct {
 	// Config, when set, is used instead of the limit registered under the name (and makes an
 	// unregistered name valid). Defaults to nil: the registered config.

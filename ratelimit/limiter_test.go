@@ -318,7 +318,7 @@ func TestInlineConfigAndUnknownName(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
 	require.Contains(t, err.Error(), `"unknown"`)
 
-	inline := ratelimit.PerMinute(2)
+	inline := ratelimit.Config{Rate: 2, Period: time.Minute}
 	for i, want := range []bool{true, true, false} {
 		res, err := b.lim.Limit(b.ctx, b.pool, "unknown", "k", &ratelimit.LimitOpts{Config: &inline})
 		require.NoError(t, err)

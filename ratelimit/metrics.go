@@ -12,9 +12,9 @@ import (
 	"github.com/txlimit/txlimit/internal/observe"
 )
 
-// MeterName is the name of the OpenTelemetry meter the Limiter takes from
+// meterName is the name of the OpenTelemetry meter the Limiter takes from
 // LimiterConfig.MeterProvider.
-const MeterName = "github.com/txlimit/txlimit/ratelimit"
+const meterName = "github.com/txlimit/txlimit/ratelimit"
 
 // The names of the Limiter's instruments; LimiterConfig.MeterProvider says what each measures.
 const (
@@ -49,7 +49,7 @@ func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	o := &observer{log: log, meter: observe.New(mp, observe.NoOp, MeterName)}
+	o := &observer{log: log, meter: observe.New(mp, observe.NoOp, meterName)}
 	m := o.meter
 	var errs [5]error
 	o.decisions, errs[0] = m.Int64Counter(metricDecisions, metric.WithUnit("{request}"),

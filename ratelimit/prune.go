@@ -33,7 +33,7 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 	if batch <= 0 {
 		batch = 1000
 	}
-	s, err := l.prepare(op, db, name, "", &KeyOpts{Config: opts.Config})
+	s, err := l.prepare(op, db, name, "", &LimitOpts{Config: opts.Config})
 	if err != nil {
 		return 0, err
 	}

@@ -160,7 +160,7 @@ func runShardSteps(t *testing.T, e *shardEnv, name, key string, cfg ratelimit.Co
 				t.Fatalf("step %d (t%d): decision time %v, want the injected %v", i, s.at, res.Time, at)
 			}
 		case shardCredit:
-			res, err := e.lim.Credit(e.ctx, e.pool, name, key, s.count, &ratelimit.KeyOpts{Config: &c})
+			res, err := e.lim.Credit(e.ctx, e.pool, name, key, s.count, &ratelimit.LimitOpts{Config: &c})
 			if err != nil {
 				t.Fatalf("step %d (t%d): Credit(%g): %v", i, s.at, s.count, err)
 			}
@@ -181,7 +181,7 @@ func runShardSteps(t *testing.T, e *shardEnv, name, key string, cfg ratelimit.Co
 // are full) and their sum.
 func checkShardLevels(t *testing.T, e *shardEnv, where, name, key string, c ratelimit.Config, levels map[int]float64) {
 	t.Helper()
-	st, err := e.lim.State(e.ctx, e.pool, name, key, &ratelimit.KeyOpts{Config: &c})
+	st, err := e.lim.State(e.ctx, e.pool, name, key, &ratelimit.LimitOpts{Config: &c})
 	if err != nil {
 		t.Fatalf("%s: Value: %v", where, err)
 	}
@@ -475,7 +475,7 @@ func TestShardCountChange(t *testing.T) {
 			}
 			for _, m := range []int{1, 2, 3, 4, 16} {
 				read := ratelimit.Config{Rate: 16, Period: time.Second, Capacity: 16, Shards: m}
-				st, err := e.lim.State(e.ctx, e.pool, "bound", "k", &ratelimit.KeyOpts{Config: &read})
+				st, err := e.lim.State(e.ctx, e.pool, "bound", "k", &ratelimit.LimitOpts{Config: &read})
 				if err != nil {
 					t.Fatal(err)
 				}

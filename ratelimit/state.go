@@ -27,15 +27,9 @@ type State struct {
 	Time time.Time
 }
 
-// KeyOpts are the options of State and Credit. A nil *KeyOpts is the zero value.
-type KeyOpts struct {
-	// Config, when set, is used instead of the limit registered under the name. Defaults to nil.
-	Config *Config
-}
-
 // State returns the current state of (name, key) without locking or writing. Rows of shards beyond
 // Config.Shards (left by an earlier, larger shard count) are ignored, as decisions ignore them.
-func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts *KeyOpts) (State, error) {
+func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts *LimitOpts) (State, error) {
 	const op = "State"
 	s, err := l.prepare(op, db, name, key, opts)
 	if err != nil {
@@ -104,7 +98,7 @@ type CreditResult struct {
 // Credit gives count tokens back to (name, key), e.g. to settle a reservation with the actual
 // usage: the value becomes min(value + count, capacity), never above capacity. With shards, the
 // tokens go to the emptiest shards first. To charge more instead, call LimitN with Reserve.
-func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *KeyOpts) (CreditResult, error) {
+func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *LimitOpts) (CreditResult, error) {
 	const op = "Credit"
 	s, err := l.prepare(op, db, name, key, opts)
 	if err != nil {
@@ -137,13 +131,17 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	return res, nil
 }
 
-// prepare validates the common arguments of State and Credit and resolves the config.
-func (l *Limiter) prepare(op string, db Executor, name, key string, opts *KeyOpts) (spec, error) {
+// prepare validates the common arguments of State, Credit and Prune and resolves the config: of
+// opts, they read only Config.
+func (l *Limiter) prepare(op string, db Executor, name, key string, opts *LimitOpts) (spec, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return spec{}, err
 	}
 	var inline *Config
 	if opts != nil {
+		if opts.Reserve || opts.AsError {
+			return spec{}, &ArgumentError{Op: op, Arg: "opts", Reason: "sets Reserve or AsError, which only a decision reads: " + op + " reads only opts.Config"}
+		}
 		inline = opts.Config
 	}
 	return l.resolve(op, name, key, inline)

@@ -179,7 +179,7 @@ func (s *Scheduler) give(ctx context.Context, tx pgx.Tx, jobID int64, limits []r
 		if amounts[i] == 0 {
 			continue
 		}
-		res, err := s.limiter.Credit(ctx, tx, l.Name, l.Key, amounts[i], &ratelimit.KeyOpts{Config: l.Config})
+		res, err := s.limiter.Credit(ctx, tx, l.Name, l.Key, amounts[i], &ratelimit.LimitOpts{Config: l.Config})
 		if err != nil {
 			return nil, 0, err
 		}

@@ -18,11 +18,12 @@ type HousekeepingConfig struct {
 	// per queue with jobs found stranded, with the fix. Defaults to nil: slog.Default().
 	Logger *slog.Logger
 
-	// MeterProvider provides the meter (MeterName) of the counter txlimit.scheduler.stranded: the
-	// reserved jobs the stranded check found not started more than StrandedAfter past their time,
-	// each once, by queue (attribute txlimit.queue). An increase means tokens reserved for work
-	// that is not running: alert on it. Defaults to nil: the global one, otel.GetMeterProvider()
-	// (a no-op until the application sets one with otel.SetMeterProvider).
+	// MeterProvider provides the meter (named "github.com/txlimit/txlimit/scheduler", the package's
+	// path) of the counter txlimit.scheduler.stranded: the reserved jobs the stranded check found not
+	// started more than StrandedAfter past their time, each once, by queue (attribute txlimit.queue).
+	// An increase means tokens reserved for work that is not running: alert on it. Defaults to nil:
+	// the global one, otel.GetMeterProvider() (a no-op until the application sets one with
+	// otel.SetMeterProvider).
 	MeterProvider metric.MeterProvider
 
 	// PruneBatchSize is how many rows each round of the prune reads and deletes, as

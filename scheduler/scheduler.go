@@ -254,7 +254,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 	if ins.UniqueSkippedAsDuplicate {
 		r.Duplicate = true
 		for _, c := range credits {
-			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.KeyOpts{Config: c.config}); err != nil {
+			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.LimitOpts{Config: c.config}); err != nil {
 				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job: %w", op, err)
 			}
 		}

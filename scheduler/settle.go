@@ -38,13 +38,14 @@ type Settlement struct {
 // work has been done, so its cost is booked even past MaxReserved, and later reservations wait for
 // it to be repaid. Equal costs write nothing. actual must be finite and >= 0. opts.Config, when
 // set, is used instead of the limit registered under the name (pass the same one as to ReserveTx);
-// a nil opts is the registered config. The result says what was charged or credited.
+// a nil opts is the registered config; opts.Reserve or opts.AsError is an *ratelimit.ArgumentError.
+// The result says what was charged or credited.
 //
 // Settle records nothing, so a second call credits or charges again: for a job inserted by
 // ReserveTx or ReserveManyTx, prefer Scheduler.SettleTx, which settles each job exactly once and
 // pulls waiting jobs forward. Otherwise settle once per job, in the transaction that completes it
 // (river.JobCompleteTx).
-func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, actual float64, opts *ratelimit.KeyOpts) (SettledLimit, error) {
+func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, actual float64, opts *ratelimit.LimitOpts) (SettledLimit, error) {
 	const op = "Settle"
 	if l == nil {
 		return SettledLimit{}, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter the tokens were reserved with", nil)
@@ -56,7 +57,10 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 		return SettledLimit{}, argError(op, "Settlement.Reserved", fmt.Sprintf("must be finite and >= 0, got %g", s.Reserved), nil)
 	}
 	if opts == nil {
-		opts = &ratelimit.KeyOpts{}
+		opts = &ratelimit.LimitOpts{}
+	}
+	if opts.Reserve || opts.AsError {
+		return SettledLimit{}, argError(op, "opts", "sets Reserve or AsError: Settle reads only opts.Config", nil)
 	}
 	if db == nil {
 		return SettledLimit{}, argError(op, "db", "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn", nil)

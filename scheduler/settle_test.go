@@ -54,9 +54,9 @@ func TestSettle(t *testing.T) {
 
 	// An inline config, unknown to the limiter, is used as given, for the forced overrun too.
 	inline := &ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 1}
-	_, err := scheduler.Settlement{Name: "inline", Reserved: 1}.Settle(ctx, b.pool, b.limiter, 20, &ratelimit.KeyOpts{Config: inline})
+	_, err := scheduler.Settlement{Name: "inline", Reserved: 1}.Settle(ctx, b.pool, b.limiter, 20, &ratelimit.LimitOpts{Config: inline})
 	require.NoError(t, err)
-	st, err := b.limiter.State(ctx, b.pool, "inline", "", &ratelimit.KeyOpts{Config: inline})
+	st, err := b.limiter.State(ctx, b.pool, "inline", "", &ratelimit.LimitOpts{Config: inline})
 	require.NoError(t, err)
 	require.Equal(t, -9.0, st.Value)
 

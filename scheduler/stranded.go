@@ -17,9 +17,9 @@ import (
 	"github.com/txlimit/txlimit/internal/schedsql"
 )
 
-// MeterName is the name of the OpenTelemetry meter of this package
+// meterName is the name of the OpenTelemetry meter of this package
 // (HousekeepingConfig.MeterProvider).
-const MeterName = "github.com/txlimit/txlimit/scheduler"
+const meterName = "github.com/txlimit/txlimit/scheduler"
 
 // metricStranded is the name of the stranded check's counter; HousekeepingConfig.MeterProvider
 // says what it counts.
@@ -72,7 +72,7 @@ type strandedWorker struct {
 // newStrandedWorker returns the worker of the stranded check, which reads and marks River's jobs
 // through db, with cfg's defaults applied.
 func newStrandedWorker(db schedsql.DBTX, cfg HousekeepingConfig) *strandedWorker {
-	w := &strandedWorker{db: db, cfg: cfg, meter: observe.New(cfg.MeterProvider, observe.Global, MeterName)}
+	w := &strandedWorker{db: db, cfg: cfg, meter: observe.New(cfg.MeterProvider, observe.Global, meterName)}
 	var err error
 	w.stranded, err = w.meter.Int64Counter(metricStranded, metric.WithUnit("{job}"),
 		metric.WithDescription("Reserved jobs found not started long past their scheduled time, each once, by queue."))

@@ -25,7 +25,7 @@ func strandedCount(t *testing.T, reader *sdkmetric.ManualReader, queue string) i
 	t.Helper()
 	rm := metrictest.Collect(t, reader)
 	for _, sm := range rm.ScopeMetrics {
-		require.Equal(t, scheduler.MeterName, sm.Scope.Name)
+		require.Equal(t, "github.com/txlimit/txlimit/scheduler", sm.Scope.Name)
 	}
 	return metrictest.Sum(t, rm, "txlimit.scheduler.stranded", attribute.String("txlimit.queue", queue))
 }

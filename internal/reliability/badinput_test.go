@@ -160,7 +160,7 @@ func badCases() []badCase {
 			return err
 		}
 	}
-	credit := func(name, key string, n float64, opts *ratelimit.KeyOpts) func(context.Context, *badBundle) error {
+	credit := func(name, key string, n float64, opts *ratelimit.LimitOpts) func(context.Context, *badBundle) error {
 		return func(ctx context.Context, b *badBundle) error {
 			_, err := b.lim.Credit(ctx, b.pool, name, key, n, opts)
 			return err
@@ -257,29 +257,29 @@ func badCases() []badCase {
 
 		// Names.
 		{name: "name over MaxNameLen through Credit", want: badArgument, contains: []string{"name", "more than 256"},
-			call: credit(strings.Repeat("n", 257), "k", 1, &ratelimit.KeyOpts{Config: cfg(ratelimit.PerSecond(1))})},
+			call: credit(strings.Repeat("n", 257), "k", 1, &ratelimit.LimitOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second})})},
 		{name: "name with a NUL byte through Reset", want: badArgument, contains: []string{"name", "NUL"},
 			call: func(ctx context.Context, b *badBundle) error { return b.lim.Reset(ctx, b.pool, "ok\x00", "seed") }},
 		{name: "name not UTF-8 through Prune", want: badArgument, contains: []string{"name", "UTF-8"},
 			call: func(ctx context.Context, b *badBundle) error {
-				_, err := b.lim.Prune(ctx, b.pool, "\xfe\xff", &ratelimit.PruneOpts{Config: cfg(ratelimit.PerSecond(1))})
+				_, err := b.lim.Prune(ctx, b.pool, "\xfe\xff", &ratelimit.PruneOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second})})
 				return err
 			}},
 		{name: "empty name through Prune", want: badArgument, contains: []string{"name must not be empty"},
 			call: func(ctx context.Context, b *badBundle) error {
-				_, err := b.lim.Prune(ctx, b.pool, "", &ratelimit.PruneOpts{Config: cfg(ratelimit.PerSecond(1))})
+				_, err := b.lim.Prune(ctx, b.pool, "", &ratelimit.PruneOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second})})
 				return err
 			}},
 		{name: "zero-value Request (empty name) in LimitMany", want: badArgument, contains: []string{"name must not be empty"},
 			call: many(ratelimit.Request{Name: "ok", Key: "a"}, ratelimit.Request{})},
 		{name: "New: a registered name with a NUL byte", want: badArgument, contains: []string{"name", "NUL"},
 			call: func(context.Context, *badBundle) error {
-				_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"a\x00b": ratelimit.PerSecond(1)}})
+				_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"a\x00b": ratelimit.Config{Rate: 1, Period: time.Second}}})
 				return err
 			}},
 		{name: "New: a registered name over MaxNameLen", want: badArgument, contains: []string{"name", "more than 256"},
 			call: func(context.Context, *badBundle) error {
-				_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{strings.Repeat("x", 300): ratelimit.PerSecond(1)}})
+				_, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{strings.Repeat("x", 300): ratelimit.Config{Rate: 1, Period: time.Second}}})
 				return err
 			}},
 
@@ -296,9 +296,9 @@ func badCases() []badCase {
 		// Zero-value and out-of-range configs, through every place a config is passed.
 		{name: "zero-value Config inline in LimitOpts", want: badConfig, contains: []string{"Config.Rate must be > 0"},
 			call: limitN("ok", "k", 1, &ratelimit.LimitOpts{Config: &zero})},
-		{name: "zero-value Config in KeyOpts (Value)", want: badConfig, contains: []string{"Config.Rate must be > 0"},
+		{name: "zero-value Config in LimitOpts (Value)", want: badConfig, contains: []string{"Config.Rate must be > 0"},
 			call: func(ctx context.Context, b *badBundle) error {
-				_, err := b.lim.State(ctx, b.pool, "ok", "seed", &ratelimit.KeyOpts{Config: &zero})
+				_, err := b.lim.State(ctx, b.pool, "ok", "seed", &ratelimit.LimitOpts{Config: &zero})
 				return err
 			}},
 		{name: "zero-value Config in PruneOpts", want: badConfig, contains: []string{"Config.Rate must be > 0"},
@@ -322,7 +322,7 @@ func badCases() []badCase {
 		{name: "Config.Period above MaxPeriod", want: badConfig, contains: []string{"Config.Period", "at most 100 years"},
 			call: limitN("inline", "k", 1, &ratelimit.LimitOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: 200 * 365 * 24 * time.Hour})})},
 		{name: "Config.Capacity +Inf through Credit", want: badConfig, contains: []string{"Config.Capacity must be finite"},
-			call: credit("inline", "k", 1, &ratelimit.KeyOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: math.Inf(1)})})},
+			call: credit("inline", "k", 1, &ratelimit.LimitOpts{Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second, Capacity: math.Inf(1)})})},
 		{name: "Config.MaxReserved NaN in a Request", want: badConfig, contains: []string{"Config.MaxReserved must be finite"},
 			call: many(ratelimit.Request{Name: "inline", Config: cfg(ratelimit.Config{Rate: 1, Period: time.Second, MaxReserved: math.NaN()}), Reserve: true})},
 		{name: "Config.Kind -1", want: badConfig, contains: []string{"Config.Kind"},
@@ -389,7 +389,7 @@ func badCases() []badCase {
 			}},
 		{name: "LimitMany: the same limit twice with different counts and configs", want: badArgument, contains: []string{"appears twice"},
 			call: many(ratelimit.Request{Name: "ok", Key: "seed", Count: 1},
-				ratelimit.Request{Name: "ok", Key: "seed", Count: 2, Config: cfg(ratelimit.PerMinute(100)), Reserve: true})},
+				ratelimit.Request{Name: "ok", Key: "seed", Count: 2, Config: cfg(ratelimit.Config{Rate: 100, Period: time.Minute}), Reserve: true})},
 		{name: "CheckMany: the same limit twice", want: badArgument, contains: []string{"appears twice"},
 			call: func(ctx context.Context, b *badBundle) error {
 				_, err := b.lim.CheckMany(ctx, b.pool, []ratelimit.Request{{Name: "ok"}, {Name: "sharded"}, {Name: "ok"}}, nil)
@@ -689,7 +689,7 @@ func badOrdinaryKeys(t *testing.T, pool *pgxpool.Pool) (checked, failed int) {
 	}
 	value := func(name, key string, c *ratelimit.Config) float64 {
 		t.Helper()
-		st, err := lim.State(ctx, pool, name, key, &ratelimit.KeyOpts{Config: c})
+		st, err := lim.State(ctx, pool, name, key, &ratelimit.LimitOpts{Config: c})
 		if err != nil {
 			t.Errorf("Value(%q, %q): %v", name, key, err)
 		}
