@@ -98,11 +98,11 @@ func New(config *LimiterConfig) (*Limiter, error) {
 	return l, nil
 }
 
-// LimitOpts are the options of every call on a limit: the decisions (Limit, LimitN, Check, CheckN,
-// LimitMany and CheckMany, on the Limiter and the Batcher), State, Credit and Prune. A nil
+// LimitOpts are the options of every call on one limit: the decisions (Limit, LimitN, Check,
+// CheckN, LimitMany and CheckMany, on the Limiter and the Batcher), State and Credit. A nil
 // *LimitOpts is the zero value. LimitMany and CheckMany read only AsError: their requests carry
-// their own Config and Reserve. State, Credit and Prune read only Config. Setting a field a call
-// does not read is an *ArgumentError.
+// their own Config and Reserve. State and Credit read only Config. Setting a field a call does not
+// read is an *ArgumentError.
 type LimitOpts struct {
 	// Config, when set, is used instead of the limit registered under the name (and makes an
 	// unregistered name valid). Defaults to nil: the registered config.

@@ -132,7 +132,7 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 }
 
 // prepare validates the common arguments of State, Credit and Prune and resolves the config: of
-// opts, they read only Config.
+// opts, they read only Config (Prune passes its PruneOpts.Config).
 func (l *Limiter) prepare(op string, db Executor, name, key string, opts *LimitOpts) (spec, error) {
 	if err := checkExecutor(op, db); err != nil {
 		return spec{}, err
