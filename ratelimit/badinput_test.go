@@ -88,6 +88,14 @@ func TestBadInputs(t *testing.T) {
 			_, err := lim.CheckMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}}, &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Second}})
 			return err
 		}, wantArg: true, contains: "opts sets Config or Reserve"},
+		{what: "State: Reserve in opts", call: func() error {
+			_, err := lim.State(ctx, pool, "ok", "k", &ratelimit.LimitOpts{Reserve: true})
+			return err
+		}, wantArg: true, contains: "opts sets Reserve or AsError, which only a decision reads: State reads only opts.Config"},
+		{what: "Credit: AsError in opts", call: func() error {
+			_, err := lim.Credit(ctx, pool, "ok", "k", 1, &ratelimit.LimitOpts{AsError: true})
+			return err
+		}, wantArg: true, contains: "Credit reads only opts.Config"},
 		{what: "many: the same limit twice", call: func() error {
 			_, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "ok", Key: "k"}, {Name: "ok", Key: "k"}}, nil)
 			return err
