@@ -7,18 +7,15 @@ import (
 	"github.com/txlimit/txlimit/internal/driver"
 )
 
-// stmts sends the library's statements (internal/driver.Executor) on an Executor's handle. A pgx
-// handle goes straight to sqlc's generated pgx code (package dbsqlc, whose methods take the handle
-// as an argument), so that the pgx path pays no allocation and no interface call for the boundary;
-// the handle of another driver (package sqldb) goes through its driver.Executor.
+// stmts is an Executor's handle resolved to its driver, on which via sends the library's statements
+// (internal/driver.Executor). A pgx handle goes straight to sqlc's generated pgx code (package
+// dbsqlc, whose methods take the handle as an argument), so that the pgx path pays no allocation
+// and no interface call for the boundary; the handle of another driver (package sqldb) goes
+// through its driver.Executor.
 type stmts struct {
 	pgx   dbsqlc.DBTX     // nil for another driver's handle
 	other driver.Executor // nil for a pgx handle
 }
-
-// stmts sends every statement of the boundary, so that a statement added to driver.Executor is
-// added here too.
-var _ driver.Executor = stmts{}
 
 // queries is stateless: sqlc's pgx methods take the handle as an argument.
 var queries = dbsqlc.New()
@@ -52,55 +49,20 @@ func via[A, R any](s stmts, ctx context.Context, arg A,
 	return viaPgx(queries, ctx, s.pgx, arg)
 }
 
-func (s stmts) DecideOne(ctx context.Context, arg dbsqlc.DecideOneParams) ([]byte, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
+// searchPath and schemaVersion (and their other-driver forms) are the statements without an
+// argument, in via's shape.
+func searchPath(q *dbsqlc.Queries, ctx context.Context, db dbsqlc.DBTX, _ struct{}) (string, error) {
+	return q.SearchPath(ctx, db)
 }
 
-func (s stmts) Decide(ctx context.Context, arg dbsqlc.DecideParams) ([]dbsqlc.DecideRow, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).Decide, driver.Executor.Decide)
+func otherSearchPath(e driver.Executor, ctx context.Context, _ struct{}) (string, error) {
+	return e.SearchPath(ctx)
 }
 
-func (s stmts) WaitForShard(ctx context.Context, arg dbsqlc.WaitForShardParams) error {
-	if s.other != nil {
-		return s.other.WaitForShard(ctx, arg)
-	}
-	return queries.WaitForShard(ctx, s.pgx, arg)
+func schemaVersion(q *dbsqlc.Queries, ctx context.Context, db dbsqlc.DBTX, _ struct{}) (dbsqlc.SchemaVersionRow, error) {
+	return q.SchemaVersion(ctx, db)
 }
 
-func (s stmts) Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsqlc.LevelsRow, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).Levels, driver.Executor.Levels)
-}
-
-func (s stmts) Reset(ctx context.Context, arg dbsqlc.ResetParams) (int64, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).Reset, driver.Executor.Reset)
-}
-
-func (s stmts) Credit(ctx context.Context, arg dbsqlc.CreditParams) ([]dbsqlc.CreditRow, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).Credit, driver.Executor.Credit)
-}
-
-func (s stmts) PruneCandidates(ctx context.Context, arg dbsqlc.PruneCandidatesParams) ([]dbsqlc.PruneCandidatesRow, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).PruneCandidates, driver.Executor.PruneCandidates)
-}
-
-func (s stmts) PruneDelete(ctx context.Context, arg dbsqlc.PruneDeleteParams) (int64, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).PruneDelete, driver.Executor.PruneDelete)
-}
-
-func (s stmts) OutOfDebtAt(ctx context.Context, arg dbsqlc.OutOfDebtAtParams) ([]dbsqlc.OutOfDebtAtRow, error) {
-	return via(s, ctx, arg, (*dbsqlc.Queries).OutOfDebtAt, driver.Executor.OutOfDebtAt)
-}
-
-func (s stmts) SearchPath(ctx context.Context) (string, error) {
-	if s.other != nil {
-		return s.other.SearchPath(ctx)
-	}
-	return queries.SearchPath(ctx, s.pgx)
-}
-
-func (s stmts) SchemaVersion(ctx context.Context) (dbsqlc.SchemaVersionRow, error) {
-	if s.other != nil {
-		return s.other.SchemaVersion(ctx)
-	}
-	return queries.SchemaVersion(ctx, s.pgx)
+func otherSchemaVersion(e driver.Executor, ctx context.Context, _ struct{}) (dbsqlc.SchemaVersionRow, error) {
+	return e.SchemaVersion(ctx)
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
+	"github.com/txlimit/txlimit/internal/driver"
 )
 
 // rowID names one row of txlimit_state.
@@ -82,11 +83,11 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	if s.shards >= 2 {
 		shards = l.candidates(c, s, true)
 	}
-	a, err := on(db).DecideOne(ctx, dbsqlc.DecideOneParams{
+	a, err := via(on(db), ctx, dbsqlc.DecideOneParams{
 		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
 		Shard: 0, Shards: shards, LockKey: shardLockBase(s.name, s.key),
-	})
+	}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
 	if err != nil {
 		return nil, err
 	}
@@ -207,7 +208,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		}
 	}
 
-	answers, err := on(db).Decide(ctx, p)
+	answers, err := via(on(db), ctx, p, (*dbsqlc.Queries).Decide, driver.Executor.Decide)
 	if err != nil {
 		return nil, err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
+	"github.com/txlimit/txlimit/internal/driver"
 )
 
 // PruneOpts are the options of Prune. A nil *PruneOpts is the zero value.
@@ -44,10 +45,10 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 		afterShard int32 = -1
 	)
 	for {
-		rows, err := q.PruneCandidates(ctx, dbsqlc.PruneCandidatesParams{
+		rows, err := via(q, ctx, dbsqlc.PruneCandidatesParams{
 			NowUs: l.clock(), Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
-		})
+		}, (*dbsqlc.Queries).PruneCandidates, driver.Executor.PruneCandidates)
 		if err != nil {
 			return deleted, dbError(ctx, db, op, err)
 		}
@@ -65,7 +66,7 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 			del.Anchors = append(del.Anchors, newSpec(name, r.Key, s.cfg).anchorUs)
 		}
 		if len(del.Keys) > 0 {
-			n, err := q.PruneDelete(ctx, del)
+			n, err := via(q, ctx, del, (*dbsqlc.Queries).PruneDelete, driver.Executor.PruneDelete)
 			if err != nil {
 				return deleted, dbError(ctx, db, op, err)
 			}

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
+	"github.com/txlimit/txlimit/internal/driver"
 )
 
 // Row is the state of one row of a limit (docs/spec.md §1): its value and ts, e.g. as a grant left
@@ -67,7 +68,7 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 		p.Values = append(p.Values, r.Value)
 		p.TsUs = append(p.TsUs, r.TS.UnixMicro())
 	}
-	got, err := on(db).OutOfDebtAt(ctx, p)
+	got, err := via(on(db), ctx, p, (*dbsqlc.Queries).OutOfDebtAt, driver.Executor.OutOfDebtAt)
 	if err != nil {
 		return nil, dbError(ctx, db, op, err)
 	}

@@ -132,7 +132,7 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 		!strings.Contains(pgErr.Message, "txlimit_") {
 		return fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
-	searchPath, _ := on(db).SearchPath(ctx) // fails in an aborted transaction: left empty
+	searchPath, _ := via(on(db), ctx, struct{}{}, searchPath, otherSearchPath) // fails in an aborted transaction: left empty
 	return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
 }
 
@@ -146,7 +146,7 @@ func CheckSchema(ctx context.Context, db Executor) error {
 	if err := checkExecutor(op, db); err != nil {
 		return err
 	}
-	row, err := on(db).SchemaVersion(ctx)
+	row, err := via(on(db), ctx, struct{}{}, schemaVersion, otherSchemaVersion)
 	if err != nil {
 		return dbError(ctx, db, op, err)
 	}

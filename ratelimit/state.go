@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
+	"github.com/txlimit/txlimit/internal/driver"
 )
 
 // State is the current state of one (name, key), as returned by Limiter.State.
@@ -35,10 +36,10 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 	if err != nil {
 		return State{}, err
 	}
-	rows, err := on(db).Levels(ctx, dbsqlc.LevelsParams{
+	rows, err := via(on(db), ctx, dbsqlc.LevelsParams{
 		NowUs: l.clock(), Name: name, Key: key,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
-	})
+	}, (*dbsqlc.Queries).Levels, driver.Executor.Levels)
 	if err != nil {
 		return State{}, dbError(ctx, db, op, err)
 	}
@@ -75,7 +76,7 @@ func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) erro
 	if err := checkKey(op, key); err != nil {
 		return err
 	}
-	if _, err := on(db).Reset(ctx, dbsqlc.ResetParams{Name: name, Key: key}); err != nil {
+	if _, err := via(on(db), ctx, dbsqlc.ResetParams{Name: name, Key: key}, (*dbsqlc.Queries).Reset, driver.Executor.Reset); err != nil {
 		return dbError(ctx, db, op, err)
 	}
 	return nil
@@ -107,10 +108,10 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	if err := checkCount(op, count); err != nil {
 		return CreditResult{}, err
 	}
-	rows, err := on(db).Credit(ctx, dbsqlc.CreditParams{
+	rows, err := via(on(db), ctx, dbsqlc.CreditParams{
 		NowUs: l.clock(), Name: name, Key: key, Shards: int32(s.shards), Count: count,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
-	})
+	}, (*dbsqlc.Queries).Credit, driver.Executor.Credit)
 	if err != nil {
 		return CreditResult{}, dbError(ctx, db, op, err)
 	}

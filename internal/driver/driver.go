@@ -23,7 +23,6 @@ import (
 type Executor interface {
 	DecideOne(ctx context.Context, arg dbsqlc.DecideOneParams) ([]byte, error)
 	Decide(ctx context.Context, arg dbsqlc.DecideParams) ([]dbsqlc.DecideRow, error)
-	WaitForShard(ctx context.Context, arg dbsqlc.WaitForShardParams) error
 	Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsqlc.LevelsRow, error)
 	Reset(ctx context.Context, arg dbsqlc.ResetParams) (int64, error)
 	Credit(ctx context.Context, arg dbsqlc.CreditParams) ([]dbsqlc.CreditRow, error)

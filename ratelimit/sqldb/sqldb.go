@@ -96,18 +96,9 @@ func (e *executor) Decide(ctx context.Context, arg dbsqlc.DecideParams) ([]dbsql
 		AnchorUs: arg.AnchorUs, RowA: arg.RowA, RowB: arg.RowB, RowName: arg.RowName, RowKey: arg.RowKey,
 		RowShard: arg.RowShard,
 	})
-	if err != nil {
-		return nil, pgError(err)
-	}
-	out := make([]dbsqlc.DecideRow, len(rows))
-	for i, r := range rows {
-		out[i] = dbsqlc.DecideRow{I: r.I, Answer: r.Answer}
-	}
-	return out, nil
-}
-
-func (e *executor) WaitForShard(ctx context.Context, arg dbsqlc.WaitForShardParams) error {
-	return pgError(queries.WaitForShard(ctx, e.db, dbsqlcstd.WaitForShardParams{LockKey: arg.LockKey, Shard: arg.Shard}))
+	return convertRows(rows, err, func(r dbsqlcstd.DecideRow) dbsqlc.DecideRow {
+		return dbsqlc.DecideRow{I: r.I, Answer: r.Answer}
+	})
 }
 
 func (e *executor) Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsqlc.LevelsRow, error) {
@@ -115,19 +106,14 @@ func (e *executor) Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsql
 		Rate: arg.Rate, PeriodUs: arg.PeriodUs, StepUs: arg.StepUs, Cap: arg.Cap, Name: arg.Name, Key: arg.Key,
 		NowUs: nullInt8(arg.NowUs),
 	})
-	if err != nil {
-		return nil, pgError(err)
-	}
-	out := make([]dbsqlc.LevelsRow, len(rows))
-	for i, r := range rows {
-		out[i] = dbsqlc.LevelsRow{
+	return convertRows(rows, err, func(r dbsqlcstd.LevelsRow) dbsqlc.LevelsRow {
+		return dbsqlc.LevelsRow{
 			Shard: pgtype.Int4{Int32: r.Shard.Int32, Valid: r.Shard.Valid},
 			Value: pgtype.Float8{Float64: r.Value.Float64, Valid: r.Value.Valid},
 			TsUs:  pgtype.Int8{Int64: r.TsUs.Int64, Valid: r.TsUs.Valid},
 			Level: r.Level, NowUs: r.NowUs,
 		}
-	}
-	return out, nil
+	})
 }
 
 func (e *executor) Reset(ctx context.Context, arg dbsqlc.ResetParams) (int64, error) {
@@ -140,14 +126,9 @@ func (e *executor) Credit(ctx context.Context, arg dbsqlc.CreditParams) ([]dbsql
 		NowUs: nullInt8(arg.NowUs), Name: arg.Name, Key: arg.Key, Shards: arg.Shards, Rate: arg.Rate,
 		PeriodUs: arg.PeriodUs, StepUs: arg.StepUs, Cap: arg.Cap, Count: arg.Count,
 	})
-	if err != nil {
-		return nil, pgError(err)
-	}
-	out := make([]dbsqlc.CreditRow, len(rows))
-	for i, r := range rows {
-		out[i] = dbsqlc.CreditRow{Shard: r.Shard, Before: r.Before, After: r.After, NowUs: r.NowUs, Updated: r.Updated}
-	}
-	return out, nil
+	return convertRows(rows, err, func(r dbsqlcstd.CreditRow) dbsqlc.CreditRow {
+		return dbsqlc.CreditRow{Shard: r.Shard, Before: r.Before, After: r.After, NowUs: r.NowUs, Updated: r.Updated}
+	})
 }
 
 func (e *executor) PruneCandidates(ctx context.Context, arg dbsqlc.PruneCandidatesParams) ([]dbsqlc.PruneCandidatesRow, error) {
@@ -155,14 +136,9 @@ func (e *executor) PruneCandidates(ctx context.Context, arg dbsqlc.PruneCandidat
 		Name: arg.Name, AfterKey: arg.AfterKey, AfterShard: arg.AfterShard, Shards: arg.Shards, Rate: arg.Rate,
 		PeriodUs: arg.PeriodUs, StepUs: arg.StepUs, Cap: arg.Cap, Batch: arg.Batch, NowUs: nullInt8(arg.NowUs),
 	})
-	if err != nil {
-		return nil, pgError(err)
-	}
-	out := make([]dbsqlc.PruneCandidatesRow, len(rows))
-	for i, r := range rows {
-		out[i] = dbsqlc.PruneCandidatesRow{Key: r.Key, Shard: r.Shard, NowUs: r.NowUs}
-	}
-	return out, nil
+	return convertRows(rows, err, func(r dbsqlcstd.PruneCandidatesRow) dbsqlc.PruneCandidatesRow {
+		return dbsqlc.PruneCandidatesRow{Key: r.Key, Shard: r.Shard, NowUs: r.NowUs}
+	})
 }
 
 func (e *executor) PruneDelete(ctx context.Context, arg dbsqlc.PruneDeleteParams) (int64, error) {
@@ -178,14 +154,9 @@ func (e *executor) OutOfDebtAt(ctx context.Context, arg dbsqlc.OutOfDebtAtParams
 		Rates: arg.Rates, PeriodUs: arg.PeriodUs, StepUs: arg.StepUs, Caps: arg.Caps, TsUs: arg.TsUs,
 		Values: arg.Values, NowUs: nullInt8(arg.NowUs),
 	})
-	if err != nil {
-		return nil, pgError(err)
-	}
-	out := make([]dbsqlc.OutOfDebtAtRow, len(rows))
-	for i, r := range rows {
-		out[i] = dbsqlc.OutOfDebtAtRow{I: r.I, RetryAtUs: r.RetryAtUs}
-	}
-	return out, nil
+	return convertRows(rows, err, func(r dbsqlcstd.OutOfDebtAtRow) dbsqlc.OutOfDebtAtRow {
+		return dbsqlc.OutOfDebtAtRow{I: r.I, RetryAtUs: r.RetryAtUs}
+	})
 }
 
 func (e *executor) SearchPath(ctx context.Context) (string, error) {
@@ -238,3 +209,16 @@ type sqlStateError struct {
 
 func (e *sqlStateError) Error() string   { return e.err.Error() }
 func (e *sqlStateError) Unwrap() []error { return []error{e.err, e.pg} }
+
+// convertRows turns the rows of a database/sql statement into the pgx driver's row type, conv
+// converting each; an error is returned as pgError makes it.
+func convertRows[S, D any](rows []S, err error, conv func(S) D) ([]D, error) {
+	if err != nil {
+		return nil, pgError(err)
+	}
+	out := make([]D, len(rows))
+	for i, r := range rows {
+		out[i] = conv(r)
+	}
+	return out, nil
+}
