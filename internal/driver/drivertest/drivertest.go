@@ -59,30 +59,23 @@ func newLimiter(t *testing.T, at time.Time) *ratelimit.Limiter {
 
 // Run runs the contract on the handles open gives, each subtest on a schema of its own.
 func Run(t *testing.T, open Open) {
-	t.Run("Script", func(t *testing.T) {
-		t.Parallel()
-		testScript(t, open(t, true))
-	})
-	t.Run("RollbackAndCommit", func(t *testing.T) {
-		t.Parallel()
-		testRollbackAndCommit(t, open(t, true))
-	})
-	t.Run("DenialWritesNothing", func(t *testing.T) {
-		t.Parallel()
-		testDenialWritesNothing(t, open(t, true))
-	})
-	t.Run("Concurrent", func(t *testing.T) {
-		t.Parallel()
-		testConcurrent(t, open(t, true))
-	})
-	t.Run("SerializationFailure", func(t *testing.T) {
-		t.Parallel()
-		testSerializationFailure(t, open(t, true))
-	})
-	t.Run("NotMigrated", func(t *testing.T) {
-		t.Parallel()
-		testNotMigrated(t, open(t, false))
-	})
+	for _, c := range []struct {
+		name     string
+		migrated bool
+		test     func(*testing.T, Handle)
+	}{
+		{"Script", true, testScript},
+		{"RollbackAndCommit", true, testRollbackAndCommit},
+		{"DenialWritesNothing", true, testDenialWritesNothing},
+		{"Concurrent", true, testConcurrent},
+		{"SerializationFailure", true, testSerializationFailure},
+		{"NotMigrated", false, testNotMigrated},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			c.test(t, open(t, c.migrated))
+		})
+	}
 }
 
 func state(t *testing.T, lim *ratelimit.Limiter, db ratelimit.Executor, name, key string) ratelimit.State {
