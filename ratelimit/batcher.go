@@ -22,8 +22,8 @@ type BatcherConfig struct {
 	// most Lanes connections at once. Every (name, key) always goes to the same lane, so two batches
 	// never wait on each other's row locks. More lanes decide more distinct keys in parallel, on
 	// more database cores, and one lane's round trip and commit overlap another's; fewer lanes give
-	// every key bigger batches, which cost the database less per decision. Defaults to 1 (see the
-	// README section "Batched decisions on the pool" for how it was chosen).
+	// every key bigger batches, which cost the database less per decision. Defaults to 1 (see
+	// docs/design-history.md, "the Batcher keeps one lane by default", for how it was chosen).
 	Lanes int
 
 	// MaxBatch is the most calls one lane decides in one statement. Defaults to 256.
