@@ -56,6 +56,18 @@ func migrated(t *testing.T, maxConns int32) (*pgbouncertest.Bouncer, *pgxpool.Po
 	return b, pool
 }
 
+// generous returns a limiter of one limit, name, of a million a second, for background load.
+func generous(t *testing.T, name string) *ratelimit.Limiter {
+	t.Helper()
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		name: {Rate: 1e6, Period: time.Second},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lim
+}
+
 // decide runs the same decisions in every mode, with exact answers (frozen clock): a plain limit
 // to its capacity and one denial, a credit and the token it gives back, LimitMany all or nothing,
 // two calls of a sharded limit, and 8 goroutines racing for 40 tokens (exactly 40 granted).
@@ -156,12 +168,7 @@ func decide(ctx context.Context, pool *pgxpool.Pool, key string) error {
 func TestExecModes(t *testing.T) {
 	ctx := context.Background()
 	b, _ := migrated(t, 2)
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"load": {Rate: 1e6, Period: time.Second},
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	lim := generous(t, "load")
 	type mode struct {
 		name string
 		mode pgx.QueryExecMode
@@ -249,12 +256,7 @@ func TestMigrationsUpAndDownTwice(t *testing.T) {
 func TestMigrationsUnderLoad(t *testing.T) {
 	ctx := context.Background()
 	_, busyPool := migrated(t, 30)
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"busy": {Rate: 1e6, Period: time.Second},
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	lim := generous(t, "busy")
 	stop := make(chan struct{})
 	var load sync.WaitGroup
 	var decisions atomic.Int64
