@@ -52,14 +52,11 @@ func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
 // reservation whose job would go to the default queue (no InsertOpts.Queue) is refused with
 // ErrQueueNotWorked, and nothing is reserved: the limit has no row, no job exists, and the caller's
 // transaction commits what it did itself.
-func TestReserveTxUnworkedQueue(t *testing.T) {
-	t.Parallel()
-	unworkedQueue(t, conn{})
-}
+func TestReserveTxUnworkedQueue(t *testing.T) { direct(t, unworkedQueue) }
 
 func unworkedQueue(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0), conn: c})
+	b := setupCalls(t, perMinute10, c)
 	client := insertOnly(t, b.pool)
 	sched, err := scheduler.New(client, b.limiter, nil)
 	require.NoError(t, err)

@@ -58,6 +58,20 @@ func setup(t *testing.T, opts *setupOpts) *testBundle {
 	return &testBundle{pool: pool, limiter: limiter, client: client, sched: sched}
 }
 
+// setupCalls is setup with one limit, "calls", of cfg, on the clock frozen at t0, reached by c.
+func setupCalls(t *testing.T, cfg ratelimit.Config, c conn) *testBundle {
+	t.Helper()
+	return setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": cfg}, now: frozen(t0), conn: c})
+}
+
+// noHookScheduler returns a Scheduler of config cfg on b's limiter whose client lacks PreciseHook.
+func (b *testBundle) noHookScheduler(t *testing.T, cfg *scheduler.Config) *scheduler.Scheduler {
+	t.Helper()
+	sched, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, cfg)
+	require.NoError(t, err)
+	return sched
+}
+
 // clientOpts configure newClient. Without queues, the client only inserts.
 type clientOpts struct {
 	queues      map[string]river.QueueConfig
