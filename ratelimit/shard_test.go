@@ -571,21 +571,21 @@ func (l *shardLoad) record(res ratelimit.Result, ok bool, err error) {
 		return
 	}
 	l.calls.Add(1)
-	if l.firstCall.IsZero() || res.Time.Before(l.firstCall) {
-		l.firstCall = res.Time
-	}
-	if res.Time.After(l.lastCall) {
-		l.lastCall = res.Time
-	}
+	widenSpan(&l.firstCall, &l.lastCall, res.Time)
 	if !ok {
 		return
 	}
 	l.granted.Add(1)
-	if l.firstGrant.IsZero() || res.Time.Before(l.firstGrant) {
-		l.firstGrant = res.Time
+	widenSpan(&l.firstGrant, &l.lastGrant, res.Time)
+}
+
+// widenSpan widens the span from *first to *last (none while *first is zero) to include t.
+func widenSpan(first, last *time.Time, t time.Time) {
+	if first.IsZero() || t.Before(*first) {
+		*first = t
 	}
-	if res.Time.After(l.lastGrant) {
-		l.lastGrant = res.Time
+	if t.After(*last) {
+		*last = t
 	}
 }
 
