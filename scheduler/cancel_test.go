@@ -31,14 +31,6 @@ func reserve(t *testing.T, b *testBundle, name, key string, count float64) *sche
 	return res
 }
 
-// jobRow reads one job back.
-func jobRow(t *testing.T, b *testBundle, id int64) *rivertype.JobRow {
-	t.Helper()
-	row, err := b.client.JobGet(context.Background(), id)
-	require.NoError(t, err)
-	return row
-}
-
 func TestCancelTx(t *testing.T) { direct(t, cancelTx) }
 
 func cancelTx(t *testing.T, c conn) {

@@ -8,8 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -38,14 +36,6 @@ func workQueues(t *testing.T, pool *pgxpool.Pool, c conn, queues ...string) {
 	client := newClient(t, pool, &clientOpts{queues: qs, pollOnly: c.bouncer})
 	require.NoError(t, client.Start(ctx))
 	require.NoError(t, client.Stop(ctx))
-}
-
-// insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
-func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
-	t.Helper()
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-	require.NoError(t, err)
-	return client
 }
 
 // TestReserveTxUnworkedQueue (issue 31, item 2): with River's clients working only "llm", a

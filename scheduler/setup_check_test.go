@@ -5,9 +5,6 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -30,9 +27,7 @@ func check(t *testing.T, c conn) {
 	err := b.sched.Check(ctx, b.pool, nil)
 	require.ErrorContains(t, err, "pass args of a kind the client works")
 	require.NotErrorIs(t, err, scheduler.ErrSetup)
-	insertOnly, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-	require.NoError(t, err)
-	s2, err := scheduler.New(insertOnly, b.limiter, nil)
+	s2, err := scheduler.New(insertOnly(t, b.pool), b.limiter, nil)
 	require.NoError(t, err)
 	require.NoError(t, s2.Check(ctx, b.pool, nil), "an insert-only client takes the built-in probe")
 

@@ -110,6 +110,14 @@ func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	return client
 }
 
+// insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
+func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
+	t.Helper()
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
+	require.NoError(t, err)
+	return client
+}
+
 // startClient starts client and stops it when the test ends.
 func startClient(t *testing.T, client *river.Client[pgx.Tx]) {
 	t.Helper()
@@ -143,6 +151,14 @@ func jobs(t *testing.T, client *river.Client[pgx.Tx]) []*rivertype.JobRow {
 	res, err := client.JobList(context.Background(), river.NewJobListParams().First(10_000))
 	require.NoError(t, err)
 	return res.Jobs
+}
+
+// jobRow reads one job back.
+func jobRow(t *testing.T, b *testBundle, id int64) *rivertype.JobRow {
+	t.Helper()
+	row, err := b.client.JobGet(context.Background(), id)
+	require.NoError(t, err)
+	return row
 }
 
 func value(t *testing.T, b *testBundle, name, key string) float64 {
