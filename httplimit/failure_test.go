@@ -138,26 +138,25 @@ func TestDecisionFailure(t *testing.T) {
 		require.Equal(t, int64(1), run.requests("perIP", "error"))
 		require.Equal(t, int64(1), run.requests("perUser", "error"))
 	})
-	t.Run("FailOpen: let through, logged and counted", func(t *testing.T) {
-		t.Parallel()
-		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, FailOpen: true})
-		require.Equal(t, 200, run.res.status)
-		require.Equal(t, "ok", run.res.body)
-		require.Empty(t, run.res.header.Values("Retry-After"))
-		require.Equal(t, []string{"WARN httplimit: rate limit decision failed; request let through (FailOpen) " +
-			"method=GET path=/items policies=[perIP] error=" + errDown.Error()}, run.logs)
-		require.Equal(t, int64(1), run.requests("perIP", "fail_open"))
-		require.Equal(t, int64(0), run.requests("perIP", "error"))
-	})
-	t.Run("Shadow: let through, logged and counted", func(t *testing.T) {
-		t.Parallel()
-		run := serveFailing(t, httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, Shadow: true})
-		require.Equal(t, 200, run.res.status)
-		require.Equal(t, "ok", run.res.body)
-		require.Equal(t, []string{"WARN httplimit: rate limit decision failed; request let through (Shadow) " +
-			"method=GET path=/items policies=[perIP] error=" + errDown.Error()}, run.logs)
-		require.Equal(t, int64(1), run.requests("perIP", "fail_open"))
-	})
+	for _, tc := range []struct {
+		mode string // as the log line names it
+		cfg  httplimit.Config
+	}{
+		{"FailOpen", httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, FailOpen: true}},
+		{"Shadow", httplimit.Config{Policies: []httplimit.Policy{perIPPolicy}, Shadow: true}},
+	} {
+		t.Run(tc.mode+": let through, logged and counted", func(t *testing.T) {
+			t.Parallel()
+			run := serveFailing(t, tc.cfg)
+			require.Equal(t, 200, run.res.status)
+			require.Equal(t, "ok", run.res.body)
+			require.Empty(t, run.res.header.Values("Retry-After"))
+			require.Equal(t, []string{"WARN httplimit: rate limit decision failed; request let through (" + tc.mode + ") " +
+				"method=GET path=/items policies=[perIP] error=" + errDown.Error()}, run.logs)
+			require.Equal(t, int64(1), run.requests("perIP", "fail_open"))
+			require.Equal(t, int64(0), run.requests("perIP", "error"))
+		})
+	}
 }
 
 // With no Logger and no MeterProvider a failed decision still goes to slog.Default() (as it is

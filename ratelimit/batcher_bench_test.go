@@ -2,7 +2,6 @@ package ratelimit_test
 
 import (
 	"strconv"
-	"sync/atomic"
 	"testing"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -20,27 +19,10 @@ func BenchmarkBatcher(b *testing.B) {
 		for _, scenario := range []string{"hot", "peruser"} {
 			for _, limit := range []string{"generous", "tight"} {
 				b.Run("par="+strconv.Itoa(par)+"/"+scenario+"/"+limit, func(b *testing.B) {
-					pool := testdb.Pool(b, &testdb.Options{MaxConns: 8})
-					lim, ctx := benchLimiter(b)
-					bt, err := ratelimit.NewBatcher(pool, lim, nil)
-					if err != nil {
-						b.Fatal(err)
-					}
-					defer bt.Close()
-					var n atomic.Int64
-					b.SetParallelism(par)
-					b.ResetTimer()
-					b.RunParallel(func(pb *testing.PB) {
-						key := "hot"
-						if scenario == "peruser" {
-							key = strconv.FormatInt(n.Add(1), 10)
-						}
-						for pb.Next() {
-							if _, err := bt.Limit(ctx, limit, key, nil); err != nil {
-								b.Error(err)
-								return
-							}
-						}
+					bt, ctx := benchBatcher(b, nil)
+					benchParallel(b, par, scenario == "peruser", func(key string) error {
+						_, err := bt.Limit(ctx, limit, key, nil)
+						return err
 					})
 				})
 			}
@@ -57,24 +39,10 @@ func BenchmarkBatcherLanes(b *testing.B) {
 	for _, limit := range []string{"generous", "tight"} {
 		for _, lanes := range []int{1, 2, 4} {
 			b.Run(limit+"/lanes="+strconv.Itoa(lanes), func(b *testing.B) {
-				pool := testdb.Pool(b, &testdb.Options{MaxConns: 8})
-				lim, ctx := benchLimiter(b)
-				bt, err := ratelimit.NewBatcher(pool, lim, &ratelimit.BatcherConfig{Lanes: lanes})
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer bt.Close()
-				var n atomic.Int64
-				b.SetParallelism(32)
-				b.ResetTimer()
-				b.RunParallel(func(pb *testing.PB) {
-					key := strconv.FormatInt(n.Add(1), 10)
-					for pb.Next() {
-						if _, err := bt.Limit(ctx, limit, key, nil); err != nil {
-							b.Error(err)
-							return
-						}
-					}
+				bt, ctx := benchBatcher(b, &ratelimit.BatcherConfig{Lanes: lanes})
+				benchParallel(b, 32, true, func(key string) error {
+					_, err := bt.Limit(ctx, limit, key, nil)
+					return err
 				})
 				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
 			})

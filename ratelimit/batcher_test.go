@@ -154,6 +154,14 @@ func bSetup(t *testing.T, now func() time.Time) (*pgxpool.Pool, *ratelimit.Limit
 	return pool, lim
 }
 
+// oneLaneBatcher returns a Batcher of one lane on bSetup's limits, with its batch log.
+func oneLaneBatcher(t *testing.T) (context.Context, *pgxpool.Pool, *ratelimit.Batcher, *bLog) {
+	t.Helper()
+	pool, lim := bSetup(t, nil)
+	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	return context.Background(), pool, b, log
+}
+
 // blockLane makes the lane of ("block", key) busy: the row's lock is held by another transaction
 // and a call on it is being decided (id is its call ID). It returns the lock and the blocked call.
 func blockLane(t *testing.T, ctx context.Context, pool *pgxpool.Pool, b *ratelimit.Batcher, log *bLog, key string, id int) (*lockedRow, <-chan bOutcome) {
@@ -339,9 +347,7 @@ func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
 // in that order: exact values on one row.
 func TestBatcherBatchesWhileBusy(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool, b, log := oneLaneBatcher(t)
 	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
 
 	var chans []<-chan bOutcome
@@ -367,9 +373,7 @@ func TestBatcherBatchesWhileBusy(t *testing.T) {
 // A call whose context ends while it waits in the queue is removed and never charged.
 func TestBatcherCancelWhileQueuedChargesNothing(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool, b, log := oneLaneBatcher(t)
 	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
 
 	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
@@ -402,9 +406,7 @@ func TestBatcherCancelWhileQueuedChargesNothing(t *testing.T) {
 // for the others, and the leaving call's grant stands (an under-grant, never an over-grant).
 func TestBatcherCancelInFlight(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool, b, log := oneLaneBatcher(t)
 	_, err := b.Limit(ctx, "tb", "r2", nil) // create the row: 4 left
 	require.NoError(t, err)
 	lock2 := lockRow(t, pool, "tb", "r2")
@@ -431,9 +433,7 @@ func TestBatcherCancelInFlight(t *testing.T) {
 // Bad input is refused before batching: it never fails the calls it would have shared a batch with.
 func TestBatcherPoisonedCall(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool, b, log := oneLaneBatcher(t)
 	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
 
 	good1 := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "tb", "p", nil) })
@@ -468,9 +468,7 @@ func TestBatcherPoisonedCall(t *testing.T) {
 // with it, charges none of them, and the Batcher goes on.
 func TestBatcherFailedBatchFailsClosed(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool, b, log := oneLaneBatcher(t)
 	_, err := b.Limit(ctx, "tb", "f", nil) // 4 left
 	require.NoError(t, err)
 	lock2 := lockRow(t, pool, "tb", "f")

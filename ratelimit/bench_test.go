@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -30,17 +31,9 @@ func benchLimiter(b *testing.B) (*ratelimit.Limiter, context.Context) {
 func BenchmarkLimitPerUser(b *testing.B) {
 	pool := testdb.Pool(b, &testdb.Options{MaxConns: 16})
 	lim, ctx := benchLimiter(b)
-	var n atomic.Int64
-	b.SetParallelism(4)
-	b.ResetTimer()
-	b.RunParallel(func(pb *testing.PB) {
-		key := strconv.FormatInt(n.Add(1), 10)
-		for pb.Next() {
-			if _, err := lim.Limit(ctx, pool, "generous", key, nil); err != nil {
-				b.Error(err)
-				return
-			}
-		}
+	benchParallel(b, 4, true, func(key string) error {
+		_, err := lim.Limit(ctx, pool, "generous", key, nil)
+		return err
 	})
 }
 
@@ -49,15 +42,9 @@ func BenchmarkLimitHotKey(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			pool := testdb.Pool(b, &testdb.Options{MaxConns: 16})
 			lim, ctx := benchLimiter(b)
-			b.SetParallelism(8)
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					if _, err := lim.Limit(ctx, pool, name, "hot", nil); err != nil {
-						b.Error(err)
-						return
-					}
-				}
+			benchParallel(b, 8, false, func(key string) error {
+				_, err := lim.Limit(ctx, pool, name, key, nil)
+				return err
 			})
 		})
 	}
@@ -69,14 +56,43 @@ func BenchmarkDenial(b *testing.B) {
 	if _, err := lim.Limit(ctx, pool, "tight", "k", nil); err != nil {
 		b.Fatal(err)
 	}
-	b.SetParallelism(4)
+	benchParallel(b, 4, false, func(string) error {
+		if r, err := lim.Limit(ctx, pool, "tight", "k", nil); err != nil || r.OK {
+			return fmt.Errorf("want a denial: OK %t, error %v", r.OK, err)
+		}
+		return nil
+	})
+}
+
+// benchParallel times b.N calls of call, made by par goroutines per GOMAXPROCS. Each goroutine
+// passes a key of its own ("1", "2", …) when perCaller, else "hot".
+func benchParallel(b *testing.B, par int, perCaller bool, call func(key string) error) {
+	var n atomic.Int64
+	b.SetParallelism(par)
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
+		key := "hot"
+		if perCaller {
+			key = strconv.FormatInt(n.Add(1), 10)
+		}
 		for pb.Next() {
-			if r, err := lim.Limit(ctx, pool, "tight", "k", nil); err != nil || r.OK {
-				b.Error("want a denial", err)
+			if err := call(key); err != nil {
+				b.Error(err)
 				return
 			}
 		}
 	})
+}
+
+// benchBatcher returns a Batcher of cfg on benchLimiter's limits, on a pool of 8 connections,
+// closed when the benchmark ends.
+func benchBatcher(b *testing.B, cfg *ratelimit.BatcherConfig) (*ratelimit.Batcher, context.Context) {
+	pool := testdb.Pool(b, &testdb.Options{MaxConns: 8})
+	lim, ctx := benchLimiter(b)
+	bt, err := ratelimit.NewBatcher(pool, lim, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(bt.Close)
+	return bt, ctx
 }

@@ -217,6 +217,17 @@ func TestOppositeOrderNoDeadlock(t *testing.T) {
 	}
 }
 
+// holdRow begins a transaction that takes lock (testdb.LockRow or testdb.KeyShareRow) on the row
+// of ("l", "k") and holds it until the test ends, unless the caller commits it first.
+func holdRow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, lock func(testing.TB, pgx.Tx, string, string, int)) pgx.Tx {
+	t.Helper()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	lock(t, tx, "l", "k", 0)
+	return tx
+}
+
 // A denial visible from the lock-free read takes no row lock: it answers at once even while
 // another transaction holds the row, on the pool and inside SERIALIZABLE transactions.
 func TestFastDenialTakesNoLock(t *testing.T) {
@@ -228,10 +239,7 @@ func TestFastDenialTakesNoLock(t *testing.T) {
 	_, err = lim.Limit(ctx, pool, "l", "k", nil)
 	require.NoError(t, err)
 
-	holder, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer holder.Rollback(ctx)
-	testdb.LockRow(t, holder, "l", "k", 0)
+	holdRow(t, ctx, pool, testdb.LockRow)
 
 	quick, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
@@ -323,10 +331,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	_, err := lim.Limit(ctx, pool, "l", "k", nil) // the row exists: 9 left
 	require.NoError(t, err)
 
-	holder, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer holder.Rollback(ctx)
-	testdb.LockRow(t, holder, "l", "k", 0)
+	holder := holdRow(t, ctx, pool, testdb.LockRow)
 	pid := holder.Conn().PgConn().PID()
 
 	results := make(chan ratelimit.Result, 3)
@@ -399,10 +404,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 
 	// A FOR KEY SHARE lock (a foreign key referencing the row) does not stop a write of value and
 	// ts, whichever road the call takes.
-	sharer, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer sharer.Rollback(ctx)
-	testdb.KeyShareRow(t, sharer, "l", "k", 0)
+	holdRow(t, ctx, pool, testdb.KeyShareRow)
 	quick2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel2()
 	r, err = lim.Limit(quick2, pool, "l", "k", nil)

@@ -571,21 +571,21 @@ func (l *shardLoad) record(res ratelimit.Result, ok bool, err error) {
 		return
 	}
 	l.calls.Add(1)
-	if l.firstCall.IsZero() || res.Time.Before(l.firstCall) {
-		l.firstCall = res.Time
-	}
-	if res.Time.After(l.lastCall) {
-		l.lastCall = res.Time
-	}
+	widenSpan(&l.firstCall, &l.lastCall, res.Time)
 	if !ok {
 		return
 	}
 	l.granted.Add(1)
-	if l.firstGrant.IsZero() || res.Time.Before(l.firstGrant) {
-		l.firstGrant = res.Time
+	widenSpan(&l.firstGrant, &l.lastGrant, res.Time)
+}
+
+// widenSpan widens the span from *first to *last (none while *first is zero) to include t.
+func widenSpan(first, last *time.Time, t time.Time) {
+	if first.IsZero() || t.Before(*first) {
+		*first = t
 	}
-	if res.Time.After(l.lastGrant) {
-		l.lastGrant = res.Time
+	if t.After(*last) {
+		*last = t
 	}
 }
 
@@ -665,16 +665,20 @@ func TestShardOverGrant(t *testing.T) {
 		}
 	}
 
-	t.Run("Limit", func(t *testing.T) {
+	// load64 runs call from 64 goroutines for 3 s and returns their load.
+	load64 := func(call func(context.Context) (ratelimit.Result, bool, error)) *shardLoad {
 		l := &shardLoad{}
-		runShardLoad(64, 3*time.Second, []*shardLoad{l}, []func(context.Context) (ratelimit.Result, bool, error){
-			func(ctx context.Context) (ratelimit.Result, bool, error) {
-				res, err := lim.Limit(ctx, pool, "hot", "k", nil)
-				if err == nil && res.OK && len(res.Shards) != 2 {
-					return res, res.OK, fmt.Errorf("granted from shards %v: one shard of 0.625 cannot hold 1", res.Shards)
-				}
-				return res, res.OK, err
-			},
+		runShardLoad(64, 3*time.Second, []*shardLoad{l}, []func(context.Context) (ratelimit.Result, bool, error){call})
+		return l
+	}
+
+	t.Run("Limit", func(t *testing.T) {
+		l := load64(func(ctx context.Context) (ratelimit.Result, bool, error) {
+			res, err := lim.Limit(ctx, pool, "hot", "k", nil)
+			if err == nil && res.OK && len(res.Shards) != 2 {
+				return res, res.OK, fmt.Errorf("granted from shards %v: one shard of 0.625 cannot hold 1", res.Shards)
+			}
+			return res, res.OK, err
 		})
 		// Not degenerate: a shard below 0.5 cannot pair with another below 0.5, but at most
 		// 16·0.5 = 8 tokens are stranded so at any time; measured: 32 of 40.
@@ -683,29 +687,23 @@ func TestShardOverGrant(t *testing.T) {
 
 	// The same total limit scaled up 16 times: each shard holds 10, so most calls charge one shard.
 	t.Run("Limit burst 160", func(t *testing.T) {
-		l := &shardLoad{}
-		runShardLoad(64, 3*time.Second, []*shardLoad{l}, []func(context.Context) (ratelimit.Result, bool, error){
-			func(ctx context.Context) (ratelimit.Result, bool, error) {
-				res, err := lim.Limit(ctx, pool, "hot160", "k", nil)
-				return res, res.OK, err
-			},
+		l := load64(func(ctx context.Context) (ratelimit.Result, bool, error) {
+			res, err := lim.Limit(ctx, pool, "hot160", "k", nil)
+			return res, res.OK, err
 		})
 		check(t, l, "hot160", "k", 160, 160, 160)
 	})
 
 	t.Run("LimitMany", func(t *testing.T) {
-		l := &shardLoad{}
-		runShardLoad(64, 3*time.Second, []*shardLoad{l}, []func(context.Context) (ratelimit.Result, bool, error){
-			func(ctx context.Context) (ratelimit.Result, bool, error) {
-				res, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "quota", Key: "m"}, {Name: "hot", Key: "m"}}, nil)
-				if err != nil {
-					return ratelimit.Result{}, false, err
-				}
-				if res.OK && len(res.Results[1].Shards) != 2 {
-					return res.Results[0], res.OK, fmt.Errorf("granted from shards %v: one shard of 0.625 cannot hold 1", res.Results[1].Shards)
-				}
-				return res.Results[0], res.OK, nil
-			},
+		l := load64(func(ctx context.Context) (ratelimit.Result, bool, error) {
+			res, err := lim.LimitMany(ctx, pool, []ratelimit.Request{{Name: "quota", Key: "m"}, {Name: "hot", Key: "m"}}, nil)
+			if err != nil {
+				return ratelimit.Result{}, false, err
+			}
+			if res.OK && len(res.Results[1].Shards) != 2 {
+				return res.Results[0], res.OK, fmt.Errorf("granted from shards %v: one shard of 0.625 cannot hold 1", res.Results[1].Shards)
+			}
+			return res.Results[0], res.OK, nil
 		})
 		check(t, l, "hot", "m", 10, 10, 20)
 		st, err := lim.State(context.Background(), pool, "quota", "m", nil)

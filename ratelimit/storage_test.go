@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -37,18 +38,26 @@ func TestUpdatesAreHOT(t *testing.T) {
 	require.GreaterOrEqual(t, float64(hot), 0.9*float64(updates), "updates are not HOT")
 }
 
+// oneAndSharded returns a pool on a fresh schema and a limiter of two limits of 100 a second:
+// "one", on one row, and "sharded", on the given number of shards.
+func oneAndSharded(t *testing.T, shards int) (*pgxpool.Pool, *ratelimit.Limiter) {
+	t.Helper()
+	pool := testdb.Pool(t, nil)
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"one":     {Rate: 100, Period: time.Second},
+		"sharded": {Rate: 100, Period: time.Second, Shards: shards},
+	}})
+	require.NoError(t, err)
+	return pool, lim
+}
+
 // Under SERIALIZABLE a sequential scan takes a relation-level predicate lock, which makes every
 // decision conflict with every other write to the table (and sharding useless). Even on a table of
 // a few hot limits, with real statistics, decisions must look rows up by primary key (the decision
 // function runs with sequential and bitmap scans off).
 func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"one":     {Rate: 100, Period: time.Second},
-		"sharded": {Rate: 100, Period: time.Second, Shards: 16},
-	}})
-	require.NoError(t, err)
+	pool, lim := oneAndSharded(t, 16)
 	ctx := context.Background()
 	for i := 0; i < 40; i++ { // create the rows, then let the planner see how few there are
 		_, err := lim.Limit(ctx, pool, "one", "", nil)
@@ -93,14 +102,9 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 // relation-level predicate lock.
 func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"one":     {Rate: 100, Period: time.Second},
-		"sharded": {Rate: 100, Period: time.Second, Shards: 4},
-	}})
-	require.NoError(t, err)
+	pool, lim := oneAndSharded(t, 4)
 	ctx := context.Background()
-	_, err = lim.Limit(ctx, pool, "one", "", nil)
+	_, err := lim.Limit(ctx, pool, "one", "", nil)
 	require.NoError(t, err)
 	require.Equal(t, 1, testdb.CountRows(t, pool))
 	testdb.Analyze(t, pool)

@@ -31,22 +31,11 @@ func reserve(t *testing.T, b *testBundle, name, key string, count float64) *sche
 	return res
 }
 
-// jobRow reads one job back.
-func jobRow(t *testing.T, b *testBundle, id int64) *rivertype.JobRow {
-	t.Helper()
-	row, err := b.client.JobGet(context.Background(), id)
-	require.NoError(t, err)
-	return row
-}
-
-func TestCancelTx(t *testing.T) {
-	t.Parallel()
-	cancelTx(t, conn{})
-}
+func TestCancelTx(t *testing.T) { direct(t, cancelTx) }
 
 func cancelTx(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), conn: c})
+	b := setupCalls(t, tenPerSecond, c)
 
 	reserve(t, b, "calls", "u1", 10)      // runs now: the bucket is empty
 	jb := reserve(t, b, "calls", "u1", 5) // waits 500 ms
@@ -124,10 +113,7 @@ func cancelTx(t *testing.T, c conn) {
 	require.Equal(t, rivertype.JobStateAvailable, jobRow(t, b, plain.Job.ID).State)
 }
 
-func TestCancelTxManyLimits(t *testing.T) {
-	t.Parallel()
-	cancelTxManyLimits(t, conn{})
-}
+func TestCancelTxManyLimits(t *testing.T) { direct(t, cancelTxManyLimits) }
 
 func cancelTxManyLimits(t *testing.T, c conn) {
 	ctx := context.Background()
@@ -222,10 +208,7 @@ func metadataMap(t *testing.T, md []byte) map[string]any {
 
 // TestSettleTxOnce settles one job from 16 transactions at once: the 8 unused tokens are credited
 // once, every call returns the same outcome, and exactly one of them did it.
-func TestSettleTxOnce(t *testing.T) {
-	t.Parallel()
-	settleTxOnce(t, conn{})
-}
+func TestSettleTxOnce(t *testing.T) { direct(t, settleTxOnce) }
 
 func settleTxOnce(t *testing.T, c conn) {
 	ctx := context.Background()

@@ -50,6 +50,13 @@ func (c conn) pool(t *testing.T, maxConns int32, noRiver bool) *pgxpool.Pool {
 	return pool
 }
 
+// direct runs scenario, in parallel, directly on Postgres in pgx's default mode: the Test
+// function of each scenario TestExecModes also runs in the other modes and through PgBouncer.
+func direct(t *testing.T, scenario func(t *testing.T, c conn)) {
+	t.Parallel()
+	scenario(t, conn{})
+}
+
 // TestExecModes runs the scheduler's statements (River's insert, the queue check, Check, CancelTx,
 // SettleTx, the pull-forward's Waiting and Reschedule, the stranded-job check) in every pgx exec
 // mode docs/deploy.md calls safe behind a transaction-mode pooler (pgbouncertest.SafeModes),

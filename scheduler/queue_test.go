@@ -8,8 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -40,26 +38,15 @@ func workQueues(t *testing.T, pool *pgxpool.Pool, c conn, queues ...string) {
 	require.NoError(t, client.Stop(ctx))
 }
 
-// insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
-func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
-	t.Helper()
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-	require.NoError(t, err)
-	return client
-}
-
 // TestReserveTxUnworkedQueue (issue 31, item 2): with River's clients working only "llm", a
 // reservation whose job would go to the default queue (no InsertOpts.Queue) is refused with
 // ErrQueueNotWorked, and nothing is reserved: the limit has no row, no job exists, and the caller's
 // transaction commits what it did itself.
-func TestReserveTxUnworkedQueue(t *testing.T) {
-	t.Parallel()
-	unworkedQueue(t, conn{})
-}
+func TestReserveTxUnworkedQueue(t *testing.T) { direct(t, unworkedQueue) }
 
 func unworkedQueue(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0), conn: c})
+	b := setupCalls(t, perMinute10, c)
 	client := insertOnly(t, b.pool)
 	sched, err := scheduler.New(client, b.limiter, nil)
 	require.NoError(t, err)

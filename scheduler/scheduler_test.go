@@ -23,14 +23,11 @@ import (
 // A 10-per-minute bucket: one token every 6 s.
 var perMinute10 = ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 20}
 
-func TestReserveTx(t *testing.T) {
-	t.Parallel()
-	reserveTx(t, conn{})
-}
+func TestReserveTx(t *testing.T) { direct(t, reserveTx) }
 
 func reserveTx(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0), conn: c})
+	b := setupCalls(t, perMinute10, c)
 
 	// step 1: 10 tokens are there: the job runs now, nothing is scheduled.
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
@@ -80,7 +77,7 @@ func reserveTx(t *testing.T, c conn) {
 func TestReserveTxRollback(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	b := setupCalls(t, perMinute10, conn{})
 
 	for _, count := range []float64{3, 15} { // one that runs now, one that waits
 		err := inTx(t, b.pool, true, func(tx pgx.Tx) error {
@@ -98,7 +95,7 @@ func TestReserveTxRollback(t *testing.T) {
 func TestReserveTxOverMaxReserved(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	b := setupCalls(t, perMinute10, conn{})
 
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		_, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 25, callArgs{N: 1}, nil) // 15 owed of 20
@@ -188,7 +185,7 @@ func TestReserveManyTx(t *testing.T) {
 func TestReserveTxNeedsPreciseHook(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	b := setupCalls(t, perMinute10, conn{})
 	client := newClient(t, b.pool, &clientOpts{noHook: true})
 
 	strict, err := scheduler.New(client, b.limiter, nil)
@@ -222,7 +219,7 @@ func (uniqueArgs) InsertOpts() river.InsertOpts {
 func TestReserveTxDuplicateIsCreditedBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	b := setupCalls(t, perMinute10, conn{})
 	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
 		Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger(), SkipUnknownJobCheck: true,
 	})
@@ -320,7 +317,7 @@ var errRollback = errors.New("rolled back on purpose")
 func TestReserveTxInput(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
+	b := setupCalls(t, perMinute10, conn{})
 
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		bad := []struct {
@@ -371,9 +368,8 @@ func (floatArgs) Kind() string { return "txlimit_float" }
 func TestReserveTxRefusedJobWritesNothing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
-	noHook, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, nil)
-	require.NoError(t, err)
+	b := setupCalls(t, perMinute10, conn{})
+	noHook := b.noHookScheduler(t, nil)
 	for _, c := range []struct {
 		what  string
 		call  func(tx pgx.Tx) error

@@ -5,9 +5,6 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -17,10 +14,7 @@ import (
 
 // TestCheck: the start-up check passes on a set-up scheduler and names the fix for each mistake,
 // writing nothing.
-func TestCheck(t *testing.T) {
-	t.Parallel()
-	check(t, conn{})
-}
+func TestCheck(t *testing.T) { direct(t, check) }
 
 func check(t *testing.T, c conn) {
 	ctx := context.Background()
@@ -33,23 +27,19 @@ func check(t *testing.T, c conn) {
 	err := b.sched.Check(ctx, b.pool, nil)
 	require.ErrorContains(t, err, "pass args of a kind the client works")
 	require.NotErrorIs(t, err, scheduler.ErrSetup)
-	insertOnly, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-	require.NoError(t, err)
-	s2, err := scheduler.New(insertOnly, b.limiter, nil)
+	s2, err := scheduler.New(insertOnly(t, b.pool), b.limiter, nil)
 	require.NoError(t, err)
 	require.NoError(t, s2.Check(ctx, b.pool, nil), "an insert-only client takes the built-in probe")
 
 	// No hook: a *SetupError naming it; AllowImprecise accepts it.
-	noHook, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, nil)
-	require.NoError(t, err)
+	noHook := b.noHookScheduler(t, nil)
 	err = noHook.Check(ctx, b.pool, callArgs{})
 	require.ErrorIs(t, err, scheduler.ErrSetup)
 	require.ErrorIs(t, err, scheduler.ErrNoPreciseHook)
 	require.NotErrorIs(t, err, ratelimit.ErrInvalid)
 	require.ErrorContains(t, err, "&scheduler.PreciseHook{}")
 	require.Empty(t, jobs(t, b.client), "the probe was rolled back")
-	lax, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, &scheduler.Config{AllowImprecise: true})
-	require.NoError(t, err)
+	lax := b.noHookScheduler(t, &scheduler.Config{AllowImprecise: true})
 	require.NoError(t, lax.Check(ctx, b.pool, callArgs{}))
 
 	// In a transaction, the check is a savepoint: the transaction goes on.
@@ -65,9 +55,8 @@ func check(t *testing.T, c conn) {
 func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0)})
-	strict, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, nil)
-	require.NoError(t, err)
+	b := setupCalls(t, perMinute10, conn{})
+	strict := b.noHookScheduler(t, nil)
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		_, err := strict.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, nil)
 		require.ErrorIs(t, err, scheduler.ErrNoPreciseHook)
@@ -80,10 +69,7 @@ func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
 // TestMissingRiverTables: River's tables missing (scheduler.Migrate not run, or another
 // search_path) is a *SetupError naming scheduler.Migrate and the search_path, from Check and from
 // every call that touches them.
-func TestMissingRiverTables(t *testing.T) {
-	t.Parallel()
-	missingRiverTables(t, conn{})
-}
+func TestMissingRiverTables(t *testing.T) { direct(t, missingRiverTables) }
 
 func missingRiverTables(t *testing.T, c conn) {
 	ctx := context.Background()

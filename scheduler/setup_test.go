@@ -58,6 +58,20 @@ func setup(t *testing.T, opts *setupOpts) *testBundle {
 	return &testBundle{pool: pool, limiter: limiter, client: client, sched: sched}
 }
 
+// setupCalls is setup with one limit, "calls", of cfg, on the clock frozen at t0, reached by c.
+func setupCalls(t *testing.T, cfg ratelimit.Config, c conn) *testBundle {
+	t.Helper()
+	return setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": cfg}, now: frozen(t0), conn: c})
+}
+
+// noHookScheduler returns a Scheduler of config cfg on b's limiter whose client lacks PreciseHook.
+func (b *testBundle) noHookScheduler(t *testing.T, cfg *scheduler.Config) *scheduler.Scheduler {
+	t.Helper()
+	sched, err := scheduler.New(newClient(t, b.pool, &clientOpts{noHook: true}), b.limiter, cfg)
+	require.NoError(t, err)
+	return sched
+}
+
 // clientOpts configure newClient. Without queues, the client only inserts.
 type clientOpts struct {
 	queues      map[string]river.QueueConfig
@@ -96,6 +110,14 @@ func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	return client
 }
 
+// insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
+func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
+	t.Helper()
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
+	require.NoError(t, err)
+	return client
+}
+
 // startClient starts client and stops it when the test ends.
 func startClient(t *testing.T, client *river.Client[pgx.Tx]) {
 	t.Helper()
@@ -129,6 +151,14 @@ func jobs(t *testing.T, client *river.Client[pgx.Tx]) []*rivertype.JobRow {
 	res, err := client.JobList(context.Background(), river.NewJobListParams().First(10_000))
 	require.NoError(t, err)
 	return res.Jobs
+}
+
+// jobRow reads one job back.
+func jobRow(t *testing.T, b *testBundle, id int64) *rivertype.JobRow {
+	t.Helper()
+	row, err := b.client.JobGet(context.Background(), id)
+	require.NoError(t, err)
+	return row
 }
 
 func value(t *testing.T, b *testBundle, name, key string) float64 {

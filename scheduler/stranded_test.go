@@ -16,7 +16,6 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/txlimit/txlimit/internal/metrictest"
-	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
 
@@ -33,14 +32,11 @@ func strandedCount(t *testing.T, reader *sdkmetric.ManualReader, queue string) i
 // TestStrandedWorker (issue 31, item 2): reserved jobs not started a minute (After) past their
 // time are counted once each, by queue, logged with the fix, recorded as the job's output, and
 // marked; a job due exactly After ago, a cancelled job and a job counted before are not.
-func TestStrandedWorker(t *testing.T) {
-	t.Parallel()
-	stranded(t, conn{})
-}
+func TestStrandedWorker(t *testing.T) { direct(t, stranded) }
 
 func stranded(t *testing.T, c conn) {
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, now: frozen(t0), conn: c})
+	b := setupCalls(t, perMinute10, c)
 	// A client has worked the default queue (River's queue table lists it), none "orphan"; the
 	// Scheduler is told, wrongly, that both are worked.
 	workQueues(t, b.pool, c, river.QueueDefault)

@@ -44,6 +44,30 @@ func TestSearchPathIsRefusedAsAStartupParameter(t *testing.T) {
 
 var t0 = time.Date(2030, 1, 1, 9, 0, 0, 0, time.UTC)
 
+// migrated returns a PgBouncer on a fresh schema and a pool of maxConns connections through it, in
+// exec mode, with txlimit's migrations applied.
+func migrated(t *testing.T, maxConns int32) (*pgbouncertest.Bouncer, *pgxpool.Pool) {
+	t.Helper()
+	b := pgbouncertest.New(t)
+	pool := b.Pool(t, pgx.QueryExecModeExec, maxConns)
+	if err := migrations.Up(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	return b, pool
+}
+
+// generous returns a limiter of one limit, name, of a million a second, for background load.
+func generous(t *testing.T, name string) *ratelimit.Limiter {
+	t.Helper()
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		name: {Rate: 1e6, Period: time.Second},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lim
+}
+
 // decide runs the same decisions in every mode, with exact answers (frozen clock): a plain limit
 // to its capacity and one denial, a credit and the token it gives back, LimitMany all or nothing,
 // two calls of a sharded limit, and 8 goroutines racing for 40 tokens (exactly 40 granted).
@@ -143,16 +167,8 @@ func decide(ctx context.Context, pool *pgxpool.Pool, key string) error {
 // the pooler picks next (PgBouncer tracks prepared statements only from 1.21, max_prepared_statements).
 func TestExecModes(t *testing.T) {
 	ctx := context.Background()
-	b := pgbouncertest.New(t)
-	if err := migrations.Up(ctx, b.Pool(t, pgx.QueryExecModeExec, 2)); err != nil {
-		t.Fatal(err)
-	}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"load": {Rate: 1e6, Period: time.Second},
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b, _ := migrated(t, 2)
+	lim := generous(t, "load")
 	type mode struct {
 		name string
 		mode pgx.QueryExecMode
@@ -239,17 +255,8 @@ func TestMigrationsUpAndDownTwice(t *testing.T) {
 // long Up took (no bound: speed lives in benchmarks).
 func TestMigrationsUnderLoad(t *testing.T) {
 	ctx := context.Background()
-	busy := pgbouncertest.New(t)
-	busyPool := busy.Pool(t, pgx.QueryExecModeExec, 30)
-	if err := migrations.Up(ctx, busyPool); err != nil {
-		t.Fatal(err)
-	}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"busy": {Rate: 1e6, Period: time.Second},
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, busyPool := migrated(t, 30)
+	lim := generous(t, "busy")
 	stop := make(chan struct{})
 	var load sync.WaitGroup
 	var decisions atomic.Int64
@@ -325,11 +332,7 @@ func (JobArgs) Kind() string { return "pgbouncer_test" }
 // its RetryAt, and both complete.
 func TestSchedulerPollOnly(t *testing.T) {
 	ctx := context.Background()
-	b := pgbouncertest.New(t)
-	pool := b.Pool(t, pgx.QueryExecModeExec, 8)
-	if err := migrations.Up(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
+	_, pool := migrated(t, 8)
 	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
 		t.Fatal(err)
 	}

@@ -779,14 +779,21 @@ func soakSingle(p *soakPlan) *soakLimit {
 	return nil
 }
 
+// sideConn connects a connection of its own, beside the workers' pool: its application_name is
+// this run's with suffix, so the killer never picks it nor verify waits for it, and its pid is not
+// recorded (no AfterConnect).
+func (s *soakRun) sideConn(ctx context.Context, suffix string) (*pgx.Conn, error) {
+	cfg := s.pool.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["application_name"] = s.appName + suffix
+	cfg.AfterConnect = nil
+	return pgx.ConnectConfig(ctx, cfg)
+}
+
 // killer terminates a random backend of the workers' pool every 20 to 200 ms until ctx ends. It
 // only ever picks a backend whose pid the pool reported when it connected (AfterConnect) and
 // whose application_name is this run's, so no other session's backend is ever touched.
 func (s *soakRun) killer(ctx context.Context, rng *rand.Rand) {
-	cfg := s.pool.Config().ConnConfig.Copy()
-	cfg.RuntimeParams["application_name"] = s.appName + "_killer"
-	cfg.AfterConnect = nil
-	conn, err := pgx.ConnectConfig(ctx, cfg)
+	conn, err := s.sideConn(ctx, "_killer")
 	if err != nil {
 		s.failf("killer: connect: %v", err)
 		return
@@ -827,10 +834,7 @@ func (s *soakRun) killer(ctx context.Context, rng *rand.Rand) {
 func (s *soakRun) verify(t *testing.T) {
 	t.Helper()
 	ctx := context.Background()
-	cfg := s.pool.Config().ConnConfig.Copy()
-	cfg.RuntimeParams["application_name"] = s.appName + "_verify"
-	cfg.AfterConnect = nil
-	conn, err := pgx.ConnectConfig(ctx, cfg)
+	conn, err := s.sideConn(ctx, "_verify")
 	if err != nil {
 		t.Fatalf("verify: connect: %v", err)
 	}
