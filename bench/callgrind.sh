@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# callgrind.sh [N]: the backend's instructions per decision, counted by valgrind's callgrind in a
+# single-user Postgres backend (no network, no other sessions: the count is the same from run to
+# run, whatever the machine's load), for four statements on the schema of migrations/:
+#
+#   floor       UPDATE txlimit_state SET value = value - 1 … RETURNING value: the bench's floor
+#   decide-one  DecideOne (internal/dbsqlc/queries/engine.sql) granting a lone Limit, prepared with
+#               its 14 typed parameters, generic plan
+#   list-grant  txlimit_decide_v1 over 32 requests on keys of their own, all granted
+#   list-deny   the same 32 requests, all refused (rows emptied until 2096)
+#
+# Each figure is (instructions of a session running N statements − those of a session running
+# none) / N. The single-user harness adds its own cost per statement (parsing EXECUTE and its
+# literal arguments, about 140,000 instructions for decide-one's 14), so compare figures with
+# each other, not with the CPU time the bench measures. Needs valgrind and the Postgres 15 server
+# binaries (Debian: postgresql-15, valgrind); runs as the postgres user in a throwaway data dir.
+set -euo pipefail
+N=${1:-200}
+root=$(git rev-parse --show-toplevel)
+bin=${PGBIN:-/usr/lib/postgresql/15/bin}
+tmp=$(mktemp -d)
+chown postgres "$tmp"
+trap 'su postgres -c "$bin/pg_ctl -D $tmp/data -m immediate stop" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
+as_pg() { su postgres -c "$1"; }
+
+as_pg "$bin/initdb -D $tmp/data -A trust >/dev/null"
+as_pg "$bin/pg_ctl -D $tmp/data -o '-p 5498 -c fsync=off -c listen_addresses= -c unix_socket_directories=$tmp' -l $tmp/log -w start >/dev/null"
+for f in "$root"/migrations/0000*.sql; do sed -n '/+goose Up/,/+goose Down/p' "$f" | grep -v '^-- +goose'; done >"$tmp/schema.sql"
+cat >>"$tmp/schema.sql" <<'EOF'
+INSERT INTO txlimit_state SELECT n, 'k' || i, 0, 1e9, 0 FROM generate_series(1, 64) i, unnest(ARRAY['allow', 'floor']) n;
+INSERT INTO txlimit_state SELECT 'deny', 'k' || i, 0, 0, 4000000000000000 FROM generate_series(1, 64) i;
+EOF
+psql -q -h "$tmp" -p 5498 -U postgres -v ON_ERROR_STOP=1 -f "$tmp/schema.sql" postgres >/dev/null
+as_pg "$bin/pg_ctl -D $tmp/data -w stop >/dev/null"
+
+python3 - "$root" "$tmp" <<'EOF'
+import sys
+root, tmp = sys.argv[1], sys.argv[2]
+src = open(f"{root}/internal/dbsqlc/engine.sql.go").read()
+q = src[src.index("const decideOne = `") + len("const decideOne = `"):]
+q = " ".join(q[:q.index("`")].split("\n", 1)[1].split())
+types = "bigint, text, text, float8, float8, bool, bigint, float8, bigint, float8, bigint, int[], int, bigint"
+open(f"{tmp}/decide-one.prep", "w").write(f"SET plan_cache_mode = force_generic_plan\nPREPARE d({types}) AS {q}\n")
+open(f"{tmp}/decide-one.stmt", "w").write("EXECUTE d(NULL, 'allow', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, NULL, 0, 12345)\n")
+open(f"{tmp}/floor.prep", "w").write("PREPARE d(text) AS UPDATE txlimit_state SET value = value - 1 WHERE name = 'floor' AND key = $1 AND shard = 0 RETURNING value\n")
+open(f"{tmp}/floor.stmt", "w").write("EXECUTE d('KEY')\n")
+n = 32
+def arr(xs, t): return "'{" + ",".join(map(str, xs)) + "}'::" + t
+def lst(name, rate, cap):
+    return ("SELECT count(*) FROM txlimit_decide_v1(NULL, " + ", ".join([
+        arr(range(n), "int[]"), arr([1] * n, "float8[]"), arr([0] * n, "float8[]"), arr(["f"] * n, "bool[]"),
+        arr(["t"] * n, "bool[]"), arr([1] * n, "bigint[]"), arr([rate] * n, "float8[]"),
+        arr([1000000] * n, "bigint[]"), arr([cap] * n, "float8[]"), arr([0] * n, "bigint[]"),
+        arr(range(1, n + 1), "int[]"), arr([0] * n, "int[]"), arr([name] * n, "text[]"),
+        arr([f"k{i}" for i in range(1, n + 1)], "text[]"), arr([0] * n, "int[]")]) + ", 0)\n")
+for mode, stmt in (("list-grant", lst("allow", 1e9, 1e9)), ("list-deny", lst("deny", 10, 10))):
+    open(f"{tmp}/{mode}.prep", "w").write("SELECT 1\n")
+    open(f"{tmp}/{mode}.stmt", "w").write(stmt)
+EOF
+
+count() { # count MODE STATEMENTS: the session's instructions
+	local mode=$1 n=$2 in=$tmp/$1.$2.sql
+	cp "$tmp/$mode.prep" "$in"
+	for i in $(seq 1 "$n"); do sed "s/KEY/k$(((i % 64) + 1))/" "$tmp/$mode.stmt" >>"$in"; done
+	chmod 644 "$in"
+	as_pg "valgrind --tool=callgrind --callgrind-out-file=$tmp/out.$mode.$n $bin/postgres --single -D $tmp/data -c fsync=off postgres <$in >$tmp/single.$mode.$n.log 2>&1"
+	if grep -q ERROR "$tmp/single.$mode.$n.log"; then grep -m1 ERROR "$tmp/single.$mode.$n.log" >&2; exit 1; fi
+	callgrind_annotate "$tmp/out.$mode.$n" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
+}
+for mode in floor decide-one list-grant list-deny; do
+	n=$N
+	[[ $mode == list-* ]] && n=$((N / 4))
+	a=$(count "$mode" 0)
+	b=$(count "$mode" "$n")
+	printf '%-11s %10d instructions per statement (%d statements)\n' "$mode" $(((b - a) / n)) "$n"
+done
