@@ -101,7 +101,7 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 		if waiter != nil && waits < maxBusyWaits && errors.As(last, &busy) {
 			waits++
 			attempt--
-			if err := dbsqlc.New().WaitForShard(ctx, waiter, dbsqlc.WaitForShardParams{
+			if err := queries.WaitForShard(ctx, waiter, dbsqlc.WaitForShardParams{
 				LockKey: shardLockBase(busy.Name, busy.Key), Shard: int64(busy.first),
 			}); err != nil {
 				return errors.Join(err, last)
