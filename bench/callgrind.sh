@@ -6,13 +6,19 @@
 #   floor       UPDATE txlimit_state SET value = value - 1 … RETURNING value: the bench's floor
 #   decide-one  DecideOne (internal/dbsqlc/queries/engine.sql) granting a lone Limit, prepared with
 #               its 14 typed parameters, generic plan
+#   one-deny    DecideOne refusing a lone Limit (its UPDATE writes nothing; txlimit_decide_one_v1
+#               answers)
+#   one-shard   DecideOne granting a lone Limit on a limit of 16 shards (READ COMMITTED)
 #   list-grant  txlimit_decide_v1 over 32 requests on keys of their own, all granted
 #   list-deny   the same 32 requests, all refused (rows emptied until 2096)
 #
 # Each figure is (instructions of a session running N statements − those of a session running
 # none) / N. The single-user harness adds its own cost per statement (parsing EXECUTE and its
-# literal arguments, about 140,000 instructions for decide-one's 14), so compare figures with
-# each other, not with the CPU time the bench measures. Needs valgrind and the Postgres 15 server
+# literal arguments), which the column "net" takes away: it subtracts what the same EXECUTE of a
+# statement doing nothing costs (floor: one text argument; DecideOne: its 14; the lists' literal
+# arrays are not taken away). Compare figures
+# with each other, not with the CPU time the bench measures. The first execution plans the
+# statement, so a small N counts part of the planning in every figure. Needs valgrind and the Postgres 15 server
 # binaries (Debian: postgresql-15, valgrind); runs as the postgres user in a throwaway data dir.
 set -euo pipefail
 N=${1:-200}
@@ -29,6 +35,7 @@ for f in "$root"/migrations/0000*.sql; do sed -n '/+goose Up/,/+goose Down/p' "$
 cat >>"$tmp/schema.sql" <<'EOF'
 INSERT INTO txlimit_state SELECT n, 'k' || i, 0, 1e9, 0 FROM generate_series(1, 64) i, unnest(ARRAY['allow', 'floor']) n;
 INSERT INTO txlimit_state SELECT 'deny', 'k' || i, 0, 0, 4000000000000000 FROM generate_series(1, 64) i;
+INSERT INTO txlimit_state SELECT 'shard', 'k' || i, s, 1e9, 0 FROM generate_series(1, 64) i, generate_series(0, 15) s;
 EOF
 psql -q -h "$tmp" -p 5498 -U postgres -v ON_ERROR_STOP=1 -f "$tmp/schema.sql" postgres >/dev/null
 as_pg "$bin/pg_ctl -D $tmp/data -w stop >/dev/null"
@@ -40,10 +47,17 @@ src = open(f"{root}/internal/dbsqlc/engine.sql.go").read()
 q = src[src.index("const decideOne = `") + len("const decideOne = `"):]
 q = " ".join(q[:q.index("`")].split("\n", 1)[1].split())
 types = "bigint, text, text, float8, float8, bool, bigint, float8, bigint, float8, bigint, int[], int, bigint"
-open(f"{tmp}/decide-one.prep", "w").write(f"SET plan_cache_mode = force_generic_plan\nPREPARE d({types}) AS {q}\n")
-open(f"{tmp}/decide-one.stmt", "w").write("EXECUTE d(NULL, 'allow', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, NULL, 0, 12345)\n")
+def one(mode, body, args):
+    open(f"{tmp}/{mode}.prep", "w").write(f"SET plan_cache_mode = force_generic_plan\nPREPARE d({types}) AS {body}\n")
+    open(f"{tmp}/{mode}.stmt", "w").write(f"EXECUTE d({args})\n")
+one("decide-one", q, "NULL, 'allow', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, NULL, 0, 12345")
+one("one-deny", q, "NULL, 'deny', 'KEY', 1, 0, false, 100000, 10, 1000000, 10, 0, NULL, 0, 12345")
+one("one-shard", q, "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 0, 12345")
+one("harness14", "SELECT $13", "NULL, 'allow', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, NULL, 0, 12345")
 open(f"{tmp}/floor.prep", "w").write("PREPARE d(text) AS UPDATE txlimit_state SET value = value - 1 WHERE name = 'floor' AND key = $1 AND shard = 0 RETURNING value\n")
 open(f"{tmp}/floor.stmt", "w").write("EXECUTE d('KEY')\n")
+open(f"{tmp}/harness1.prep", "w").write("PREPARE d(text) AS SELECT $1\n")
+open(f"{tmp}/harness1.stmt", "w").write("EXECUTE d('KEY')\n")
 n = 32
 def arr(xs, t): return "'{" + ",".join(map(str, xs)) + "}'::" + t
 def lst(name, rate, cap):
@@ -67,10 +81,19 @@ count() { # count MODE STATEMENTS: the session's instructions
 	if grep -q ERROR "$tmp/single.$mode.$n.log"; then grep -m1 ERROR "$tmp/single.$mode.$n.log" >&2; exit 1; fi
 	callgrind_annotate "$tmp/out.$mode.$n" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
 }
-for mode in floor decide-one list-grant list-deny; do
-	n=$N
-	[[ $mode == list-* ]] && n=$((N / 4))
-	a=$(count "$mode" 0)
-	b=$(count "$mode" "$n")
-	printf '%-11s %10d instructions per statement (%d statements)\n' "$mode" $(((b - a) / n)) "$n"
+per() { # per MODE STATEMENTS: instructions per statement
+	local a b
+	a=$(count "$1" 0)
+	b=$(count "$1" "$2")
+	echo $(((b - a) / $2))
+}
+h1=$(per harness1 "$N")
+h14=$(per harness14 "$N")
+printf '%-11s %10s %10s\n' statement instructions net
+for mode in floor decide-one one-deny one-shard list-grant list-deny; do
+	n=$N h=$h14
+	[[ $mode == floor ]] && h=$h1
+	[[ $mode == list-* ]] && n=$((N / 4)) h=0
+	i=$(per "$mode" "$n")
+	printf '%-11s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h)) "$n"
 done
