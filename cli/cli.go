@@ -458,14 +458,14 @@ func (c *command) explain(err error) error {
 // unknownMessage says that name has no config and where the command takes one.
 func (c *command) unknownMessage(name string) string {
 	_, known, _, _ := c.limiter()
-	msg := fmt.Sprintf("unknown limit %q: give its config in --config FILE, or with --rate and --period", name)
+	msg := fmt.Sprintf("give limit %q a config in --config FILE, or with --rate and --period (unknown limit; ", name)
 	switch {
 	case len(known) == 0:
-		msg += " (no limit is configured: no --config given)"
+		msg += "no limit is configured: no --config given)"
 	case len(known) <= 10:
-		msg += fmt.Sprintf(" (configured: %s)", strings.Join(known, ", "))
+		msg += fmt.Sprintf("configured: %s)", strings.Join(known, ", "))
 	default:
-		msg += fmt.Sprintf(" (configured: %s and %d more)", strings.Join(known[:10], ", "), len(known)-10)
+		msg += fmt.Sprintf("configured: %s and %d more)", strings.Join(known[:10], ", "), len(known)-10)
 	}
 	return msg
 }
@@ -560,9 +560,10 @@ func (c *command) pool(ctx context.Context, maxConns int32) (*pgxpool.Pool, dbsq
 	return pool, where, nil
 }
 
-// noSchemaError is the error of a search_path none of whose schemas exists.
+// noSchemaError is the error of a search_path none of whose schemas exists: the fix, then what
+// is wrong.
 func (c *command) noSchemaError(where dbsqlc.CurrentSchemaRow, fix string) error {
-	return dbError(fmt.Errorf("no schema of search_path %q exists: %s", where.SearchPath, fix))
+	return dbError(fmt.Errorf("%s (no schema of search_path %q exists)", fix, where.SearchPath))
 }
 
 // tableError turns a failure of the command's own reads on a schema without txlimit's table into
@@ -616,9 +617,9 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 	if where.Schema == "" {
 		switch {
 		case dir != "up":
-			return c.noSchemaError(where, "nothing is migrated there; pass --schema with the schema txlimit was migrated into")
+			return c.noSchemaError(where, "pass --schema with the schema txlimit was migrated into: nothing is migrated here")
 		case !c.createSchema:
-			return c.noSchemaError(where, fmt.Sprintf("run \"%s --create-schema\" to create it, or pass --schema with an existing schema", c.migrateUp()))
+			return c.noSchemaError(where, fmt.Sprintf("run \"%s --create-schema\" to create the schema, or pass --schema with an existing one", c.migrateUp()))
 		}
 	}
 	db := stdlib.OpenDBFromPool(pool)

@@ -179,7 +179,10 @@ func TestCommandExitCodes(t *testing.T) {
 	schema := testdb.NewSchema(t)
 	dsn := testdb.DSN(t)
 	down := "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=5"
-	const unknownNope = `txlimit: unknown limit "nope": give its config in --config FILE, or with --rate and --period (no limit is configured: no --config given)` + "\n"
+	const unknownNope = `txlimit: give limit "nope" a config in --config FILE, or with --rate and --period (unknown limit; no limit is configured: no --config given)` + "\n"
+	callsOnly := filepath.Join(t.TempDir(), "calls.json")
+	require.NoError(t, os.WriteFile(callsOnly, []byte(`{"calls": {"rate": 10, "period": "1m"}}`), 0o600))
+	const unknownNopeConfigured = `txlimit: give limit "nope" a config in --config FILE, or with --rate and --period (unknown limit; configured: calls)` + "\n"
 	notMigratedBy := func(missing string) string {
 		return `txlimit: not migrated: run "txlimit migrate up --schema ` + schema + `" (on the same database), or pass --schema with the schema txlimit ` +
 			`was migrated into (search_path "` + schema + `": ` + missing + `)` + "\n"
@@ -209,6 +212,8 @@ func TestCommandExitCodes(t *testing.T) {
 		{"unknown limit: inspect", dsn, []string{"inspect", "nope", "k"}, cli.ExitInvalid, unknownNope},
 		{"unknown limit: reset", dsn, []string{"reset", "nope", "k"}, cli.ExitInvalid, unknownNope},
 		{"unknown limit: prune", dsn, []string{"prune", "nope"}, cli.ExitInvalid, unknownNope},
+		{"unknown limit with --config: reset", dsn, []string{"--schema", schema, "--config", callsOnly, "reset", "nope", "k"}, cli.ExitInvalid, unknownNopeConfigured},
+		{"unknown limit with --config: inspect", dsn, []string{"--schema", schema, "--config", callsOnly, "inspect", "nope", "k"}, cli.ExitInvalid, unknownNopeConfigured},
 		{"bad key: reset", dsn, []string{"reset", "nope", "a\x00b", "--rate", "1", "--period", "1s"}, cli.ExitInvalid,
 			"KEY contains a NUL byte, which Postgres text cannot hold"},
 		{"invalid ad-hoc config", dsn, []string{"inspect", "a", "b", "--rate", "-1", "--period", "1s"}, cli.ExitInvalid, "--rate must not be negative (got -1)"},
@@ -228,12 +233,12 @@ func TestCommandExitCodes(t *testing.T) {
 				`or pass --schema with the schema txlimit was migrated into (no schema of search_path "txlimit_no_such_schema" exists: ` +
 				`function txlimit_clock does not exist, SQLSTATE 42883)` + "\n"},
 		{"no schema: migrate up", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "up"}, cli.ExitDatabase,
-			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" ` +
-				`to create it, or pass --schema with an existing schema` + "\n"},
+			`txlimit: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" to create the schema, ` +
+				`or pass --schema with an existing one (no schema of search_path "txlimit_no_such_schema" exists)` + "\n"},
 		{"no schema: migrate status", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "status"}, cli.ExitDatabase,
-			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: nothing is migrated there; pass --schema with the schema txlimit was migrated into` + "\n"},
+			`txlimit: pass --schema with the schema txlimit was migrated into: nothing is migrated here (no schema of search_path "txlimit_no_such_schema" exists)` + "\n"},
 		{"no schema: migrate down", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "down", "--yes"}, cli.ExitDatabase,
-			`txlimit: no schema of search_path "txlimit_no_such_schema" exists: nothing is migrated there; pass --schema with the schema txlimit was migrated into` + "\n"},
+			`txlimit: pass --schema with the schema txlimit was migrated into: nothing is migrated here (no schema of search_path "txlimit_no_such_schema" exists)` + "\n"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -462,8 +467,8 @@ func TestCommandMigrateUpCreateSchema(t *testing.T) {
 	})
 	r := run(t, dsn, nil, "--schema", schema, "migrate", "up")
 	require.Equal(t, cli.ExitDatabase, r.code)
-	require.Equal(t, `txlimit: no schema of search_path "`+schema+`" exists: run "txlimit migrate up --schema `+schema+
-		` --create-schema" to create it, or pass --schema with an existing schema`+"\n", r.stderr)
+	require.Equal(t, `txlimit: run "txlimit migrate up --schema `+schema+` --create-schema" to create the schema, `+
+		`or pass --schema with an existing one (no schema of search_path "`+schema+`" exists)`+"\n", r.stderr)
 	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n", r.stdout)

@@ -54,6 +54,6 @@ func ExampleRun() {
 	// sendMessage          0 rows deleted
 	// total                0 rows deleted
 	// exit 0
-	// txlimit: unknown limit "nope": give its config in --config FILE, or with --rate and --period (configured: invite, sendMessage)
+	// txlimit: give limit "nope" a config in --config FILE, or with --rate and --period (unknown limit; configured: invite, sendMessage)
 	// exit 3
 }
