@@ -2,6 +2,9 @@ package scheduler_test
 
 import (
 	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
 	"sync"
 	"testing"
 	"time"
@@ -199,3 +202,22 @@ func (s *starts) wait(t testing.TB, n int, timeout time.Duration) {
 		}
 	}
 }
+
+// quietLogger discards what River logs.
+func quietLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// jsonUnmarshal is json.Unmarshal, for the tests that read a job's JSON only once.
+func jsonUnmarshal(b []byte, v any) error { return json.Unmarshal(b, v) }
+
+// metadataValue returns the raw JSON under key in a job's metadata.
+func metadataValue(t *testing.T, metadata []byte, key string) json.RawMessage {
+	t.Helper()
+	var m map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(metadata, &m))
+	return m[key]
+}
+
+// second returns the error of a call that returns a value and an error.
+func second[T any](_ T, err error) error { return err }
