@@ -23,7 +23,7 @@ type conn struct {
 
 // pool returns a pool of at most maxConns connections on a schema of the test's own with txlimit's
 // migrations applied (and River's, unless noRiver), dropped when the test ends.
-func (c conn) pool(t *testing.T, maxConns int32, noRiver bool) *pgxpool.Pool {
+func (c conn) pool(t testing.TB, maxConns int32, noRiver bool) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
 	var pool *pgxpool.Pool

@@ -85,7 +85,7 @@ type clientOpts struct {
 	retryPolicy river.ClientRetryPolicy
 }
 
-func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
+func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
 	t.Helper()
 	if opts == nil {
 		opts = &clientOpts{}
@@ -122,7 +122,7 @@ func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
 }
 
 // startClient starts client and stops it when the test ends.
-func startClient(t *testing.T, client *river.Client[pgx.Tx]) {
+func startClient(t testing.TB, client *river.Client[pgx.Tx]) {
 	t.Helper()
 	ctx := context.Background()
 	require.NoError(t, client.Start(ctx))
