@@ -11,11 +11,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertest"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -38,7 +37,7 @@ func TestGate(t *testing.T) {
 	clock := time.Now()
 	scheduler.SetGateNow(gate, func() time.Time { return clock })
 	var ran atomic.Int32
-	w := rivertest.NewWorker(t, riverpgxv5.New(nil), &river.Config{Middleware: []rivertype.Middleware{gate}},
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
 		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
 
 	tx, err := b.pool.Begin(ctx)

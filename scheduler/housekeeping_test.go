@@ -14,7 +14,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertest"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
@@ -54,14 +53,13 @@ func TestHousekeepingPeriodicJobs(t *testing.T) {
 	workers := river.NewWorkers()
 	jobs, err := scheduler.Housekeeping(workers, later, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger(), RunOnStart: true})
 	require.NoError(t, err)
-	client, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
+	client := testdb.RiverClient(t, b.pool, &river.Config{
 		Logger:       quietLogger(),
 		PeriodicJobs: jobs,
 		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
 		TestOnly:     true,
 		Workers:      workers,
 	})
-	require.NoError(t, err)
 	events, cancel := client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed)
 	defer cancel()
 	startClient(t, client)
@@ -125,7 +123,7 @@ func (c *mutableClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t 
 // when rollback is set), and returns the output it recorded.
 func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
 	t.Helper()
-	tw := rivertest.NewWorker(t, riverpgxv5.New(b.pool), &river.Config{Logger: quietLogger()}, w)
+	tw := testdb.RiverWorker(t, b.pool, &river.Config{Logger: quietLogger()}, w)
 	var res *rivertest.WorkResult
 	require.NoError(t, inTx(t, b.pool, rollback, func(tx pgx.Tx) error {
 		var err error

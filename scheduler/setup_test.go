@@ -12,10 +12,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -108,17 +108,13 @@ func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	if !opts.noHook {
 		cfg.Hooks = []rivertype.Hook{&scheduler.PreciseHook{}}
 	}
-	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
-	require.NoError(t, err)
-	return client
+	return testdb.RiverClient(t, pool, cfg)
 }
 
 // insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
 func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
 	t.Helper()
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-	require.NoError(t, err)
-	return client
+	return testdb.RiverClient(t, pool, &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
 }
 
 // startClient starts client and stops it when the test ends.
