@@ -401,10 +401,12 @@ func TestShardCountChange(t *testing.T) {
 	two := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, MaxReserved: ratelimit.Unbounded, Shards: 2}  // 10/s, cap 2 per shard
 	four := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, MaxReserved: ratelimit.Unbounded, Shards: 4} // 5/s, cap 1 per shard
 
-	t.Run("grow 2 to 4", func(t *testing.T) {
-		t.Parallel()
-		e := newShardEnv(t, nil)
-		runShardSteps(t, e, "grow", "k", two, []shardStep{
+	for _, c := range []struct {
+		name, limit string
+		cfg         ratelimit.Config
+		steps       []shardStep
+	}{
+		{"grow 2 to 4", "grow", two, []shardStep{
 			{at: 0, pick: [2]int{0, 1}, count: 2, ok: true, charged: []int{0}, value: 2, levels: map[int]float64{0: 0}},
 			{at: 0, pick: [2]int{1, 0}, count: 0.5, ok: true, charged: []int{1}, value: 1.5, levels: map[int]float64{0: 0, 1: 1.5}},
 			// Now read with 4 shards: shard 1's 1.5 is capped at 1; shards 2 and 3 are missing,
@@ -416,13 +418,8 @@ func TestShardCountChange(t *testing.T) {
 			// Every row refills at the new per-shard rate: 0.5 per shard per tick, 2 in all.
 			{at: 1, cfg: &four, op: shardCheck, pick: [2]int{0, 3}, count: 1, ok: true, charged: []int{0, 3}, value: 0,
 				levels: map[int]float64{0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}},
-		})
-	})
-
-	t.Run("shrink 4 to 2", func(t *testing.T) {
-		t.Parallel()
-		e := newShardEnv(t, nil)
-		runShardSteps(t, e, "shrink", "k", four, []shardStep{
+		}},
+		{"shrink 4 to 2", "shrink", four, []shardStep{
 			// A call on a missing candidate row first creates both candidates full (1 each here).
 			{at: 0, pick: [2]int{0, 2}, count: 1, ok: true, charged: []int{0}, value: 1, levels: map[int]float64{0: 0}},
 			{at: 0, pick: [2]int{2, 3}, count: 1, ok: true, charged: []int{2}, value: 1, levels: map[int]float64{0: 0, 2: 0}},
@@ -438,25 +435,24 @@ func TestShardCountChange(t *testing.T) {
 			// within the per-shard cap of 1.
 			{at: 0, op: shardCheck, pick: [2]int{2, 3}, count: 0.5, value: -0.5, retry: 100 * time.Millisecond,
 				levels: map[int]float64{0: 1, 1: 0, 2: -0.25, 3: -0.25}},
-			// Reset deletes the rows of every shard, configured or not.
+			// Reset deletes the rows of every shard, configured or not: the stale rows are gone
+			// too, so read with 4 shards the limit is full.
 			{at: 0, op: shardReset},
-		})
-		// The stale rows are gone too: read with 4 shards, the limit is full.
-		checkShardLevels(t, e, "after Reset", "shrink", "k", four, nil)
-	})
-
-	// A call on a missing candidate creates both candidate rows first, full "since the epoch", so
-	// that such a row is full under any config, like a missing one: shard 1, created under 4 shards
-	// without being charged, holds the full 2 of a 2-shard config.
-	t.Run("shrink 4 to 2, pre-created row", func(t *testing.T) {
-		t.Parallel()
-		e := newShardEnv(t, nil)
-		runShardSteps(t, e, "shrink", "k", four, []shardStep{
+		}},
+		// A call on a missing candidate creates both candidate rows first, full "since the epoch",
+		// so that such a row is full under any config, like a missing one: shard 1, created under 4
+		// shards without being charged, holds the full 2 of a 2-shard config.
+		{"shrink 4 to 2, pre-created row", "shrink", four, []shardStep{
 			{at: 0, pick: [2]int{3, 1}, count: 0.5, ok: true, charged: []int{3}, value: 1.5, levels: map[int]float64{3: 0.5}},
 			{at: 0, cfg: &two, op: shardCheck, pick: [2]int{1, 0}, count: 2, ok: true, charged: []int{1}, value: 2},
 			{at: 0, cfg: &two, pick: [2]int{1, 0}, count: 3, ok: true, charged: []int{1, 0}, value: 1, levels: map[int]float64{0: 0.5, 1: 0.5}},
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			runShardSteps(t, newShardEnv(t, nil), c.limit, "k", c.cfg, c.steps)
 		})
-	})
+	}
 
 	// Whatever the sequence of shard counts, the total never exceeds the Capacity of the config it
 	// is read with.
