@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -139,6 +140,51 @@ func TestPreciseQueueIsValid(t *testing.T) {
 	q := scheduler.PreciseQueue(5)
 	require.LessOrEqual(t, q.FetchCooldown, q.FetchPollInterval, "River rejects a poll interval below the cooldown")
 	require.Equal(t, 5, q.MaxWorkers)
+}
+
+// TestReservedJobsStartOnTime guards PreciseHook and PreciseQueue: reserved jobs start well within
+// River's 5 s scheduler interval of their time. BenchmarkLateness measures it.
+func TestReservedJobsStartOnTime(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const n = 8
+	bound := time.Second // generous for a loaded CI machine; the benchmark shows the real figures
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 4, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded}}})
+	st := newStarts()
+	client := newClient(t, b.pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			st.record(job.ID, time.Now())
+			return nil
+		},
+	})
+	sched, err := scheduler.New(client, b.limiter, nil)
+	require.NoError(t, err)
+	startClient(t, client)
+
+	due := map[int64]time.Time{}
+	for i := range n + 1 {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			r, err := sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{N: i}, nil)
+			if err == nil && i > 0 {
+				due[r.Job.ID] = r.ScheduledAt
+			}
+			return err
+		}))
+	}
+	st.wait(t, n+1, 30*time.Second)
+	// Reserved 250 ms apart, the 8 jobs fall due over 2 s. Left to River's scheduler (a pass every
+	// 5 s) at least half would start a second or more late; a loaded machine may stall one or two.
+	var lateOnes []string
+	for id, at := range due {
+		late := st.at[id].Sub(at)
+		t.Logf("job %d: %s late", id, late)
+		require.GreaterOrEqual(t, late, -2*time.Millisecond, "job %d started before its time", id)
+		if late >= bound {
+			lateOnes = append(lateOnes, fmt.Sprintf("job %d %s", id, late))
+		}
+	}
+	require.LessOrEqual(t, len(lateOnes), 2, "started %s or more after their time: %v", bound, lateOnes)
 }
 
 func TestMigrate(t *testing.T) {
