@@ -37,8 +37,7 @@ func TestHousekeepingPeriodicJobs(t *testing.T) {
 	ctx := context.Background()
 	_, err := b.limiter.LimitN(ctx, b.pool, "tb", "a", 3, nil)
 	require.NoError(t, err)
-	sched, err := scheduler.New(insertOnly(t, b.pool), b.limiter, nil)
-	require.NoError(t, err)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
 	var id int64
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		res, err := sched.ReserveTx(ctx, tx, "calls", "k", 15, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Queue: "orphan"}})
@@ -311,11 +310,10 @@ func stranded(t *testing.T, c conn) {
 	// A client has worked the default queue (River's queue table lists it), none "orphan"; the
 	// Scheduler is told, wrongly, that both are worked.
 	workQueues(t, b.pool, c, river.QueueDefault)
-	sched, err := scheduler.New(insertOnly(t, b.pool), b.limiter, &scheduler.Config{Queues: []string{"orphan", river.QueueDefault}})
-	require.NoError(t, err)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, &scheduler.Config{Queues: []string{"orphan", river.QueueDefault}})
 
 	// The bucket is empty at t0; each reservation of 5 waits 30 s more (one token per 6 s).
-	_, err = b.limiter.LimitN(ctx, b.pool, "calls", "k", 10, nil)
+	_, err := b.limiter.LimitN(ctx, b.pool, "calls", "k", 10, nil)
 	require.NoError(t, err)
 	var ids []int64
 	for i, queue := range []string{"orphan", "orphan", river.QueueDefault, "orphan"} {

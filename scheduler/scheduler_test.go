@@ -222,9 +222,7 @@ func TestReserveTxDuplicateIsCreditedBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setupCalls(t, perMinute10, conn{})
-	client := insertOnly(t, b.pool) // no Workers: it inserts uniqueArgs, a kind no worker works
-	sched, err := scheduler.New(client, b.limiter, nil)
-	require.NoError(t, err)
+	client, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil) // no Workers: it inserts uniqueArgs, a kind no worker works
 
 	for i, want := range []bool{false, true} {
 		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
@@ -439,9 +437,7 @@ func TestReserveTxUnworkedQueue(t *testing.T) { direct(t, unworkedQueue) }
 func unworkedQueue(t *testing.T, c conn) {
 	ctx := context.Background()
 	b := setupCalls(t, perMinute10, c)
-	client := insertOnly(t, b.pool)
-	sched, err := scheduler.New(client, b.limiter, nil)
-	require.NoError(t, err)
+	client, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
 	reserveIn := func(tx pgx.Tx, args river.JobArgs, queue string) (*scheduler.Reservation, error) {
 		var opts *scheduler.ReserveOpts
 		if queue != "" {

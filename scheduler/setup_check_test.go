@@ -31,8 +31,7 @@ func check(t *testing.T, c conn) {
 	err := b.sched.Check(ctx, b.pool, nil)
 	require.ErrorContains(t, err, "pass args of a kind the client works")
 	require.NotErrorIs(t, err, scheduler.ErrSetup)
-	s2, err := scheduler.New(insertOnly(t, b.pool), b.limiter, nil)
-	require.NoError(t, err)
+	_, s2 := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
 	require.NoError(t, s2.Check(ctx, b.pool, nil), "an insert-only client takes the built-in probe")
 
 	// No hook: a *SetupError naming it; AllowImprecise accepts it.

@@ -111,12 +111,6 @@ func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	return testdb.RiverClient(t, pool, cfg)
 }
 
-// insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
-func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
-	t.Helper()
-	return testdb.RiverClient(t, pool, &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-}
-
 // startClient starts client and stops it when the test ends.
 func startClient(t testing.TB, client *river.Client[pgx.Tx]) {
 	t.Helper()
