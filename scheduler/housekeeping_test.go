@@ -309,7 +309,7 @@ func stranded(t *testing.T, c conn) {
 	b := setupCalls(t, perMinute10, c)
 	// A client has worked the default queue (River's queue table lists it), none "orphan"; the
 	// Scheduler is told, wrongly, that both are worked.
-	workQueues(t, b.pool, c, river.QueueDefault)
+	b.workQueues(t, c, river.QueueDefault)
 	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, &scheduler.Config{Queues: []string{"orphan", river.QueueDefault}})
 
 	// The bucket is empty at t0; each reservation of 5 waits 30 s more (one token per 6 s).

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertest"
@@ -414,20 +413,6 @@ func (llmArgs) Kind() string { return "txlimit_llm" }
 
 func (llmArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{Queue: "llm"} }
 
-// workQueues starts and stops a River client that works queues, so that River's queue table lists
-// them, as it does once a worker process has run.
-func workQueues(t *testing.T, pool *pgxpool.Pool, c conn, queues ...string) {
-	t.Helper()
-	ctx := context.Background()
-	qs := map[string]river.QueueConfig{}
-	for _, q := range queues {
-		qs[q] = scheduler.PreciseQueue(1)
-	}
-	client := newClient(t, pool, &clientOpts{queues: qs, pollOnly: c.bouncer})
-	require.NoError(t, client.Start(ctx))
-	require.NoError(t, client.Stop(ctx))
-}
-
 // TestReserveTxUnworkedQueue (issue 31, item 2): with River's clients working only "llm", a
 // reservation whose job would go to the default queue (no InsertOpts.Queue) is refused with
 // ErrQueueNotWorked, and nothing is reserved: the limit has no row, no job exists, and the caller's
@@ -455,7 +440,7 @@ func unworkedQueue(t *testing.T, c conn) {
 
 	// step 2: a worker process works only "llm". A job for the default queue is refused before
 	// anything is reserved, by ReserveTx and ReserveManyTx, and by Check for args of that queue.
-	workQueues(t, b.pool, c, "llm")
+	b.workQueues(t, c, "llm")
 	const want = `scheduler: ReserveTx: insert the job into a queue River's clients work ("llm") with ReserveOpts.InsertOpts.Queue, ` +
 		`or add "default" to river.Config.Queues of a client (no River client works the job's queue "default")`
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {

@@ -111,6 +111,20 @@ func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	return testdb.RiverClient(t, pool, cfg)
 }
 
+// workQueues starts and stops a River client on b's pool (reached by c) that works queues, so that
+// River's queue table lists them, as it does once a worker process has run.
+func (b *testBundle) workQueues(t *testing.T, c conn, queues ...string) {
+	t.Helper()
+	ctx := context.Background()
+	qs := map[string]river.QueueConfig{}
+	for _, q := range queues {
+		qs[q] = scheduler.PreciseQueue(1)
+	}
+	client := newClient(t, b.pool, &clientOpts{queues: qs, pollOnly: c.bouncer})
+	require.NoError(t, client.Start(ctx))
+	require.NoError(t, client.Stop(ctx))
+}
+
 // startClient starts client and stops it when the test ends.
 func startClient(t testing.TB, client *river.Client[pgx.Tx]) {
 	t.Helper()
