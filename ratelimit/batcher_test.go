@@ -605,11 +605,11 @@ func TestNewBatcherRefusesNil(t *testing.T) {
 // (e) the over-grant test through a Batcher: burst 10, rate 10/s, 64 callers, 3 s.
 func TestOverGrantBatcher(t *testing.T) {
 	t.Parallel()
-	pool, lim := overGrantLimiter(t)
-	b, err := ratelimit.NewBatcher(pool, lim, nil)
+	env := overGrantSetup(t)
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, nil)
 	require.NoError(t, err)
 	defer b.Close()
-	overGrant(t, "batcher", pool, lim, false, func(ctx context.Context) (bool, time.Time, error) {
+	overGrant(t, "batcher", env, false, func(ctx context.Context) (bool, time.Time, error) {
 		r, err := b.Limit(ctx, "hot", "k", nil)
 		return r.OK, r.Time, err
 	})
@@ -621,14 +621,12 @@ func TestOverGrantBatcher(t *testing.T) {
 // refill far below one token) holds, whoever decided.
 func TestBatcherBesideTransactionsIsExact(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 24})
 	const capacity = 400
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	env := setupDB(t, &testdb.Options{MaxConns: 24}, map[string]ratelimit.Config{
 		"l": {Rate: 1, Period: time.Hour, Capacity: capacity},
-	}})
-	require.NoError(t, err)
+	})
+	ctx, pool, lim := env.ctx, env.pool, env.lim
 	b, _ := newTestBatcher(t, pool, lim, nil)
-	ctx := context.Background()
 	keys := []string{"a", "b", "c", "d"}
 	var granted [4]atomic.Int64
 	stop := time.Now().Add(2 * time.Second)

@@ -13,7 +13,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -42,9 +41,7 @@ func shardCfg(n int) ratelimit.Config {
 
 // shardEnv is a Limiter on a fresh schema with an injected clock and shard picker.
 type shardEnv struct {
-	ctx  context.Context
-	pool *pgxpool.Pool
-	lim  *ratelimit.Limiter
+	*testBundle // its clock is nil: the limiter reads now, which set moves
 
 	mu    sync.Mutex
 	now   time.Time
@@ -54,16 +51,13 @@ type shardEnv struct {
 
 func newShardEnv(t *testing.T, limits map[string]ratelimit.Config) *shardEnv {
 	t.Helper()
-	e := &shardEnv{ctx: context.Background(), pool: testdb.Pool(t, &testdb.Options{MaxConns: 2}), now: shardT0}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits, Now: func() time.Time {
+	e := &shardEnv{now: shardT0}
+	e.testBundle = newBundle(t, &testdb.Options{MaxConns: 2}, &ratelimit.LimiterConfig{Limits: limits, Now: func() time.Time {
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		return e.now
 	}})
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	ratelimit.SetShardPicker(lim, func(n int) (int, int) {
+	ratelimit.SetShardPicker(e.lim, func(n int) (int, int) {
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		e.picks++
@@ -73,7 +67,6 @@ func newShardEnv(t *testing.T, limits map[string]ratelimit.Config) *shardEnv {
 		}
 		return a, b
 	})
-	e.lim = lim
 	return e
 }
 
@@ -596,9 +589,9 @@ func (l *shardLoad) max(c, r float64) float64 {
 // for a shard's lock while a call with a later reading committed is evaluated at that shard's ts
 // (docs/spec.md §2). Only grants write a ts and none moves back, so the latest one stored is the instant
 // the last grant was evaluated at.
-func (l *shardLoad) endAtStoredTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) {
+func (l *shardLoad) endAtStoredTS(t *testing.T, b *testBundle, name, key string) {
 	t.Helper()
-	if ts := storedTS(t, pool, lim, name, key); l.granted.Load() > 0 && ts.After(l.lastGrant) {
+	if ts := storedTS(t, b, name, key); l.granted.Load() > 0 && ts.After(l.lastGrant) {
 		l.lastGrant = ts
 	}
 }
@@ -632,19 +625,16 @@ func TestShardOverGrant(t *testing.T) {
 	if testing.Short() {
 		t.Skip("3 × 3 s of load")
 	}
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16})
 	hot := ratelimit.Config{Rate: 10, Period: time.Second, Capacity: 10, Shards: 16}
 	quota := ratelimit.Config{Rate: 100, Period: time.Hour, Capacity: 100}
 	hot160 := ratelimit.Config{Rate: 160, Period: time.Second, Capacity: 160, Shards: 16}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"hot": hot, "hot160": hot160, "quota": quota}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := setupDB(t, &testdb.Options{MaxConns: 16}, map[string]ratelimit.Config{"hot": hot, "hot160": hot160, "quota": quota})
+	pool, lim := b.pool, b.lim
 
 	// check asserts that l, the load on name and key, was granted at most c + r·span, span running
 	// from its first to its last grant on the database's clock, and at least least.
 	check := func(t *testing.T, l *shardLoad, name, key string, c, r float64, least int64) {
-		l.endAtStoredTS(t, pool, lim, name, key)
+		l.endAtStoredTS(t, b, name, key)
 		t.Helper()
 		for _, err := range l.errs {
 			t.Errorf("call failed: %v", err)
@@ -734,14 +724,12 @@ func TestShardUtilisation(t *testing.T) {
 	}
 	// The single row's callers queue on its lock, held until commit; without waiting for the WAL
 	// flush at commit a slow disk cannot starve it. Durability is not what this test compares.
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16, RuntimeParams: map[string]string{"synchronous_commit": "off"}})
 	const rate = 50
 	sharded := ratelimit.Config{Rate: rate, Period: time.Second, Shards: 16}
 	single := ratelimit.Config{Rate: rate, Period: time.Second}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"sharded": sharded, "single": single}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := setupDB(t, &testdb.Options{MaxConns: 16, RuntimeParams: map[string]string{"synchronous_commit": "off"}},
+		map[string]ratelimit.Config{"sharded": sharded, "single": single})
+	pool, lim := b.pool, b.lim
 	call := func(name string) func(context.Context) (ratelimit.Result, bool, error) {
 		return func(ctx context.Context) (ratelimit.Result, bool, error) {
 			res, err := lim.Limit(ctx, pool, name, "k", nil)
@@ -756,8 +744,8 @@ func TestShardUtilisation(t *testing.T) {
 			t.Errorf("call failed: %v", err)
 		}
 	}
-	ls.endAtStoredTS(t, pool, lim, "sharded", "k")
-	l1.endAtStoredTS(t, pool, lim, "single", "k")
+	ls.endAtStoredTS(t, b, "sharded", "k")
+	l1.endAtStoredTS(t, b, "single", "k")
 	gs, g1 := float64(ls.granted.Load()), float64(l1.granted.Load())
 	ms, m1 := ls.max(rate, rate), l1.max(rate, rate)
 	st, err := lim.State(context.Background(), pool, "sharded", "k", nil)
