@@ -1,7 +1,6 @@
 package ratelimit_test
 
 import (
-	"context"
 	"errors"
 	"math"
 	"strings"
@@ -18,14 +17,12 @@ import (
 // docs/spec.md §5: bad input gets a clear, typed error naming what is wrong, and nothing is written.
 func TestBadInputs(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	ctx := context.Background()
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	b := setupDB(t, nil, map[string]ratelimit.Config{
 		"ok":      {Rate: 10, Period: time.Second},
 		"bounded": {Rate: 10, Period: time.Second, MaxReserved: 5},
 		"sharded": {Rate: 8, Period: time.Second, Shards: 4}, // two shards hold 4 together
-	}})
-	require.NoError(t, err)
+	})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
 	cfg := func(c ratelimit.Config) *ratelimit.LimitOpts { return &ratelimit.LimitOpts{Config: &c} }
 	limitN := func(name, key string, n float64, opts *ratelimit.LimitOpts) func() error {
 		return func() error { _, err := lim.LimitN(ctx, pool, name, key, n, opts); return err }
