@@ -118,10 +118,7 @@ type lockedRow struct {
 
 func lockRow(t *testing.T, env *testBundle, name, key string) *lockedRow {
 	t.Helper()
-	tx, err := env.pool.Begin(context.Background())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
-	testdb.LockRow(t, tx, name, key, 0)
+	tx := holdRow(t, env, testdb.LockRow, name, key)
 	return &lockedRow{tx: tx, pid: tx.Conn().PgConn().PID()}
 }
 

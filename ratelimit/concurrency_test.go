@@ -212,14 +212,15 @@ func TestOppositeOrderNoDeadlock(t *testing.T) {
 }
 
 // holdRow begins a transaction on b's pool that takes lock (testdb.LockRow or testdb.KeyShareRow)
-// on the row of ("l", "k") and holds it until the test ends, unless the caller commits it first.
-func holdRow(t *testing.T, b *testBundle, lock func(testing.TB, pgx.Tx, string, string, int)) pgx.Tx {
+// on the row of (name, key, shard 0) and holds it until the test ends, unless the caller ends it
+// first.
+func holdRow(t *testing.T, b *testBundle, lock func(testing.TB, pgx.Tx, string, string, int), name, key string) pgx.Tx {
 	t.Helper()
 	ctx := b.ctx
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tx.Rollback(ctx) })
-	lock(t, tx, "l", "k", 0)
+	lock(t, tx, name, key, 0)
 	return tx
 }
 
@@ -232,7 +233,7 @@ func TestFastDenialTakesNoLock(t *testing.T) {
 	_, err := lim.Limit(ctx, pool, "l", "k", nil)
 	require.NoError(t, err)
 
-	holdRow(t, b, testdb.LockRow)
+	holdRow(t, b, testdb.LockRow, "l", "k")
 
 	quick, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
@@ -321,7 +322,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	_, err := lim.Limit(ctx, pool, "l", "k", nil) // the row exists: 9 left
 	require.NoError(t, err)
 
-	holder := holdRow(t, b, testdb.LockRow)
+	holder := holdRow(t, b, testdb.LockRow, "l", "k")
 	pid := holder.Conn().PgConn().PID()
 
 	results := make(chan ratelimit.Result, 3)
@@ -394,7 +395,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 
 	// A FOR KEY SHARE lock (a foreign key referencing the row) does not stop a write of value and
 	// ts, whichever road the call takes.
-	holdRow(t, b, testdb.KeyShareRow)
+	holdRow(t, b, testdb.KeyShareRow, "l", "k")
 	quick2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel2()
 	r, err = lim.Limit(quick2, pool, "l", "k", nil)
