@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"strings"
+	"testing"
 	"time"
 
 	"github.com/txlimit/txlimit/httplimit"
@@ -80,4 +81,9 @@ func Example_middleware() {
 	// 429 Too Many Requests RateLimit: "perIP";r=0;t=6;pk=:Mp2Xm4OVFN3xSG7B:, "perUser";r=96;t=36;pk=:67DdcCOZqN4rT/zQ:
 	// Retry-After: 6
 	// {"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Request cannot be satisfied as assigned quota has been exceeded","status":429,"violated-policies":["perIP"]}
+}
+
+// The README quotes Example_middleware; this keeps the quote identical to the code that runs.
+func TestReadmeQuotesTheMiddlewareExample(t *testing.T) {
+	testdb.RequireReadmeQuote(t, "../README.md", "httplimit", "example_test.go", "Example_middleware")
 }

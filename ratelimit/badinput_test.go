@@ -1,7 +1,6 @@
 package ratelimit_test
 
 import (
-	"context"
 	"errors"
 	"math"
 	"strings"
@@ -18,14 +17,12 @@ import (
 // docs/spec.md §5: bad input gets a clear, typed error naming what is wrong, and nothing is written.
 func TestBadInputs(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	ctx := context.Background()
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	b := setupDB(t, nil, map[string]ratelimit.Config{
 		"ok":      {Rate: 10, Period: time.Second},
 		"bounded": {Rate: 10, Period: time.Second, MaxReserved: 5},
 		"sharded": {Rate: 8, Period: time.Second, Shards: 4}, // two shards hold 4 together
-	}})
-	require.NoError(t, err)
+	})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
 	cfg := func(c ratelimit.Config) *ratelimit.LimitOpts { return &ratelimit.LimitOpts{Config: &c} }
 	limitN := func(name, key string, n float64, opts *ratelimit.LimitOpts) func() error {
 		return func() error { _, err := lim.LimitN(ctx, pool, name, key, n, opts); return err }
@@ -135,4 +132,43 @@ func TestBadInputs(t *testing.T) {
 	}
 }
 
+// TestErrorsNameTheCall: an error names the call the user made, not the call it is shorthand for
+// (issue 31: Limit reported "ratelimit: LimitN:"). Each call gets a key with a NUL byte, refused
+// before any SQL runs.
+func TestErrorsNameTheCall(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"a": {Rate: 10, Period: time.Second}})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
+	const bad = "k\x00"
+	many := []ratelimit.Request{{Name: "a", Key: bad}}
+	steps := []struct {
+		call string
+		err  error
+	}{
+		{"Limit", second(lim.Limit(ctx, pool, "a", bad, nil))},
+		{"LimitN", second(lim.LimitN(ctx, pool, "a", bad, 1, nil))},
+		{"Check", second(lim.Check(ctx, pool, "a", bad, nil))},
+		{"CheckN", second(lim.CheckN(ctx, pool, "a", bad, 1, nil))},
+		{"LimitMany", second(lim.LimitMany(ctx, pool, many, nil))},
+		{"CheckMany", second(lim.CheckMany(ctx, pool, many, nil))},
+		{"Credit", second(lim.Credit(ctx, pool, "a", bad, 1, nil))},
+		{"State", second(lim.State(ctx, pool, "a", bad, nil))},
+		{"Reset", lim.Reset(ctx, pool, "a", bad)},
+		{"Lookup", second(lim.Lookup("a", bad, nil))},
+	}
+	for i, s := range steps {
+		want := "ratelimit: " + s.call + ": key contains a NUL byte, which Postgres text cannot hold"
+		if s.err == nil || s.err.Error() != want {
+			t.Errorf("step %d %s: got %v, want %s", i, s.call, s.err, want)
+		}
+	}
+	if n := testdb.CountRows(t, pool); n != 0 {
+		t.Errorf("the refused calls wrote %d rows", n)
+	}
+}
+
+// second returns the error of a call that returns a value and an error.
+func second[T any](_ T, err error) error { return err }
+
+// errorsAs is errors.As, in an expression.
 func errorsAs[T error](err error, target *T) bool { return errors.As(err, target) }

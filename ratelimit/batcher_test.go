@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -66,10 +65,11 @@ func (l *bLog) all() [][]int {
 	return slices.Clone(l.batches)
 }
 
-// newTestBatcher returns a Batcher on pool with its batches logged; it is closed when the test ends.
-func newTestBatcher(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, cfg *ratelimit.BatcherConfig) (*ratelimit.Batcher, *bLog) {
+// newTestBatcher returns a Batcher on env's pool and limiter with its batches logged; it is closed
+// when the test ends.
+func newTestBatcher(t *testing.T, env *testBundle, cfg *ratelimit.BatcherConfig) (*ratelimit.Batcher, *bLog) {
 	t.Helper()
-	b, err := ratelimit.NewBatcher(pool, lim, cfg)
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, cfg)
 	require.NoError(t, err)
 	log := &bLog{}
 	ratelimit.SetBatchObserver(b, log.observe)
@@ -116,12 +116,9 @@ type lockedRow struct {
 	pid uint32
 }
 
-func lockRow(t *testing.T, pool *pgxpool.Pool, name, key string) *lockedRow {
+func lockRow(t *testing.T, env *testBundle, name, key string) *lockedRow {
 	t.Helper()
-	tx, err := pool.Begin(context.Background())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
-	testdb.LockRow(t, tx, name, key, 0)
+	tx := holdRow(t, env, testdb.LockRow, name, key)
 	return &lockedRow{tx: tx, pid: tx.Conn().PgConn().PID()}
 }
 
@@ -142,33 +139,34 @@ var bLimits = map[string]ratelimit.Config{
 // bFrozen is a clock that never moves: no refill between the calls of a test.
 func bFrozen() time.Time { return time.Date(2026, 2, 1, 0, 0, 0, 0, time.UTC) }
 
-// bSetup returns a pool and a Limiter on bLimits (sharded picks fixed at 0 and 1).
-func bSetup(t *testing.T, now func() time.Time) (*pgxpool.Pool, *ratelimit.Limiter) {
+// bSetup returns a Limiter on bLimits (sharded picks fixed at 0 and 1) with the clock now (nil:
+// bFrozen) and its pool.
+func bSetup(t *testing.T, now func() time.Time) *testBundle {
+	t.Helper()
 	if now == nil {
 		now = bFrozen
 	}
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 8})
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: bLimits, Now: now})
-	require.NoError(t, err)
-	ratelimit.SetShardPicker(lim, func(int) (int, int) { return 0, 1 })
-	return pool, lim
+	env := newBundle(t, &testdb.Options{MaxConns: 8}, &ratelimit.LimiterConfig{Limits: bLimits, Now: now})
+	ratelimit.SetShardPicker(env.lim, func(int) (int, int) { return 0, 1 })
+	return env
 }
 
 // oneLaneBatcher returns a Batcher of one lane on bSetup's limits, with its batch log.
-func oneLaneBatcher(t *testing.T) (context.Context, *pgxpool.Pool, *ratelimit.Batcher, *bLog) {
+func oneLaneBatcher(t *testing.T) (*testBundle, *ratelimit.Batcher, *bLog) {
 	t.Helper()
-	pool, lim := bSetup(t, nil)
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
-	return context.Background(), pool, b, log
+	env := bSetup(t, nil)
+	b, log := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
+	return env, b, log
 }
 
 // blockLane makes the lane of ("block", key) busy: the row's lock is held by another transaction
 // and a call on it is being decided (id is its call ID). It returns the lock and the blocked call.
-func blockLane(t *testing.T, ctx context.Context, pool *pgxpool.Pool, b *ratelimit.Batcher, log *bLog, key string, id int) (*lockedRow, <-chan bOutcome) {
+func blockLane(t *testing.T, env *testBundle, b *ratelimit.Batcher, log *bLog, key string, id int) (*lockedRow, <-chan bOutcome) {
 	t.Helper()
+	ctx := env.ctx
 	_, err := b.Limit(ctx, "block", key, nil) // the row exists from here on
 	require.NoError(t, err)
-	lock := lockRow(t, pool, "block", key)
+	lock := lockRow(t, env, "block", key)
 	ch := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, id), "block", key, nil) })
 	eventually(t, "the blocking call is taken", func() bool { return log.taken(id) })
 	return lock, ch
@@ -262,8 +260,8 @@ func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
 	var clock atomic.Int64
 	base := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMicro()
 	clock.Store(base)
-	pool, lim := bSetup(t, func() time.Time { return time.UnixMicro(clock.Load()) })
-	b, log := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	env := bSetup(t, func() time.Time { return time.UnixMicro(clock.Load()) })
+	b, log := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
 
 	ops := make([]bOp, callers*perCaller)
 	got := make([]ratelimit.ManyResult, len(ops))
@@ -347,8 +345,9 @@ func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
 // in that order: exact values on one row.
 func TestBatcherBatchesWhileBusy(t *testing.T) {
 	t.Parallel()
-	ctx, pool, b, log := oneLaneBatcher(t)
-	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	env, b, log := oneLaneBatcher(t)
+	ctx := env.ctx
+	lock, blocked := blockLane(t, env, b, log, "k", 1)
 
 	var chans []<-chan bOutcome
 	for i := range 7 {
@@ -373,8 +372,9 @@ func TestBatcherBatchesWhileBusy(t *testing.T) {
 // A call whose context ends while it waits in the queue is removed and never charged.
 func TestBatcherCancelWhileQueuedChargesNothing(t *testing.T) {
 	t.Parallel()
-	ctx, pool, b, log := oneLaneBatcher(t)
-	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	env, b, log := oneLaneBatcher(t)
+	ctx, pool := env.ctx, env.pool
+	lock, blocked := blockLane(t, env, b, log, "k", 1)
 
 	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
 	queued := bAsync(func() (ratelimit.Result, error) { return b.LimitN(cctx, "tb", "cancelled", 3, nil) })
@@ -406,11 +406,12 @@ func TestBatcherCancelWhileQueuedChargesNothing(t *testing.T) {
 // for the others, and the leaving call's grant stands (an under-grant, never an over-grant).
 func TestBatcherCancelInFlight(t *testing.T) {
 	t.Parallel()
-	ctx, pool, b, log := oneLaneBatcher(t)
+	env, b, log := oneLaneBatcher(t)
+	ctx := env.ctx
 	_, err := b.Limit(ctx, "tb", "r2", nil) // create the row: 4 left
 	require.NoError(t, err)
-	lock2 := lockRow(t, pool, "tb", "r2")
-	lock1, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	lock2 := lockRow(t, env, "tb", "r2")
+	lock1, blocked := blockLane(t, env, b, log, "k", 1)
 
 	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
 	leaving := bAsync(func() (ratelimit.Result, error) { return b.Limit(cctx, "tb", "r2", nil) })
@@ -433,8 +434,9 @@ func TestBatcherCancelInFlight(t *testing.T) {
 // Bad input is refused before batching: it never fails the calls it would have shared a batch with.
 func TestBatcherPoisonedCall(t *testing.T) {
 	t.Parallel()
-	ctx, pool, b, log := oneLaneBatcher(t)
-	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	env, b, log := oneLaneBatcher(t)
+	ctx := env.ctx
+	lock, blocked := blockLane(t, env, b, log, "k", 1)
 
 	good1 := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "tb", "p", nil) })
 	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
@@ -468,11 +470,12 @@ func TestBatcherPoisonedCall(t *testing.T) {
 // with it, charges none of them, and the Batcher goes on.
 func TestBatcherFailedBatchFailsClosed(t *testing.T) {
 	t.Parallel()
-	ctx, pool, b, log := oneLaneBatcher(t)
+	env, b, log := oneLaneBatcher(t)
+	ctx, pool := env.ctx, env.pool
 	_, err := b.Limit(ctx, "tb", "f", nil) // 4 left
 	require.NoError(t, err)
-	lock2 := lockRow(t, pool, "tb", "f")
-	lock1, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	lock2 := lockRow(t, env, "tb", "f")
+	lock1, blocked := blockLane(t, env, b, log, "k", 1)
 	c2 := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "tb", "f", nil) })
 	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
 	c3 := bAsync(func() (ratelimit.Result, error) { return b.LimitN(bWithID(ctx, 3), "tb", "g", 2, nil) })
@@ -513,8 +516,9 @@ func TestBatcherFailedBatchFailsClosed(t *testing.T) {
 func TestBatcherRetriesDeadlock(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
-	b, _ := newTestBatcher(t, pool, lim, &ratelimit.BatcherConfig{Lanes: 1})
+	env := bSetup(t, nil)
+	pool := env.pool
+	b, _ := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
 	reqs := []ratelimit.Request{{Name: "tb", Key: "d1"}, {Name: "tb", Key: "d2"}}
 	_, err := b.LimitMany(ctx, reqs, nil) // both rows exist, 4 left each
 	require.NoError(t, err)
@@ -554,14 +558,14 @@ func TestBatcherRetriesDeadlock(t *testing.T) {
 
 // Close stops accepting calls, decides the calls in flight and queued, and leaves no goroutine.
 func TestBatcherClose(t *testing.T) {
-	ctx := context.Background()
-	pool, lim := bSetup(t, nil)
+	env := bSetup(t, nil)
+	ctx := env.ctx
 	ignore := goleak.IgnoreCurrent()
-	b, err := ratelimit.NewBatcher(pool, lim, &ratelimit.BatcherConfig{Lanes: 4})
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: 4})
 	require.NoError(t, err)
 	log := &bLog{}
 	ratelimit.SetBatchObserver(b, log.observe)
-	lock, blocked := blockLane(t, ctx, pool, b, log, "k", 1)
+	lock, blocked := blockLane(t, env, b, log, "k", 1)
 	queued := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 2), "block", "k", nil) })
 	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
 
@@ -592,24 +596,23 @@ func TestBatcherClose(t *testing.T) {
 
 func TestNewBatcherRefusesNil(t *testing.T) {
 	t.Parallel()
-	lim, err := ratelimit.New(nil)
-	require.NoError(t, err)
-	_, err = ratelimit.NewBatcher(nil, lim, nil)
+	env := setupDB(t, nil, nil)
+	_, err := ratelimit.NewBatcher(nil, env.lim, nil)
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = ratelimit.NewBatcher(&pgxpool.Pool{}, nil, nil)
+	_, err = ratelimit.NewBatcher(env.pool, nil, nil)
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
-	_, err = ratelimit.NewBatcher(&pgxpool.Pool{}, lim, &ratelimit.BatcherConfig{Lanes: -1})
+	_, err = ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: -1})
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
 }
 
 // (e) the over-grant test through a Batcher: burst 10, rate 10/s, 64 callers, 3 s.
 func TestOverGrantBatcher(t *testing.T) {
 	t.Parallel()
-	pool, lim := overGrantLimiter(t)
-	b, err := ratelimit.NewBatcher(pool, lim, nil)
+	env := overGrantSetup(t)
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, nil)
 	require.NoError(t, err)
 	defer b.Close()
-	overGrant(t, "batcher", pool, lim, false, func(ctx context.Context) (bool, time.Time, error) {
+	overGrant(t, "batcher", env, false, func(ctx context.Context) (bool, time.Time, error) {
 		r, err := b.Limit(ctx, "hot", "k", nil)
 		return r.OK, r.Time, err
 	})
@@ -621,14 +624,12 @@ func TestOverGrantBatcher(t *testing.T) {
 // refill far below one token) holds, whoever decided.
 func TestBatcherBesideTransactionsIsExact(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 24})
 	const capacity = 400
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	env := setupDB(t, &testdb.Options{MaxConns: 24}, map[string]ratelimit.Config{
 		"l": {Rate: 1, Period: time.Hour, Capacity: capacity},
-	}})
-	require.NoError(t, err)
-	b, _ := newTestBatcher(t, pool, lim, nil)
-	ctx := context.Background()
+	})
+	ctx, pool, lim := env.ctx, env.pool, env.lim
+	b, _ := newTestBatcher(t, env, nil)
 	keys := []string{"a", "b", "c", "d"}
 	var granted [4]atomic.Int64
 	stop := time.Now().Add(2 * time.Second)

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -80,32 +79,26 @@ var overGrantLimits = map[string]ratelimit.Config{
 	"hotToo": {Rate: 10, Period: time.Second, Capacity: 10},
 }
 
-func overGrantLimiter(t *testing.T) (*pgxpool.Pool, *ratelimit.Limiter) {
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16})
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: overGrantLimits})
-	require.NoError(t, err)
-	return pool, lim
+// overGrantSetup is setupDB of overGrantLimits, on a pool of 16 connections.
+func overGrantSetup(t *testing.T) *testBundle {
+	return setupDB(t, &testdb.Options{MaxConns: 16}, overGrantLimits)
 }
 
 // storedTS reads the latest ts stored for name and key (over all shards).
-func storedTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) time.Time {
+func storedTS(t *testing.T, b *testBundle, name, key string) time.Time {
 	t.Helper()
-	st, err := lim.State(context.Background(), pool, name, key, nil)
+	st, err := b.lim.State(b.ctx, b.pool, name, key, nil)
 	require.NoError(t, err)
 	return st.TS
 }
 
-// hotTS reads the ts stored for the limit "hot", key "k".
-func hotTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter) func() time.Time {
-	return func() time.Time { return storedTS(t, pool, lim, "hot", "k") }
-}
-
-// overGrant runs the over-grant test with decide on the limit "hot", key "k" of lim on pool, and
-// requires that it granted no more than the limit allows, yet close to it; unless errorsAllowed,
-// no call may fail.
-func overGrant(t *testing.T, mode string, pool *pgxpool.Pool, lim *ratelimit.Limiter, errorsAllowed bool, decide func(ctx context.Context) (ok bool, at time.Time, err error)) {
+// overGrant runs the over-grant test with decide on the limit "hot", key "k" of b, and requires
+// that it granted no more than the limit allows, yet close to it; unless errorsAllowed, no call
+// may fail.
+func overGrant(t *testing.T, mode string, b *testBundle, errorsAllowed bool, decide func(ctx context.Context) (ok bool, at time.Time, err error)) {
 	t.Helper()
-	allowed, in3s, errs, max := overGrantRunWindow(t, decide, hotTS(t, pool, lim))
+	hotTS := func() time.Time { return storedTS(t, b, "hot", "k") }
+	allowed, in3s, errs, max := overGrantRunWindow(t, decide, hotTS)
 	t.Logf("%s: allowed %d (%d within 3 s, at most 40), errors %d, max for the whole run %.2f", mode, allowed, in3s, errs, max)
 	if !errorsAllowed {
 		require.Zero(t, errs, "%s: calls failed", mode)
@@ -119,8 +112,9 @@ func overGrant(t *testing.T, mode string, pool *pgxpool.Pool, lim *ratelimit.Lim
 // (a) every decision on the pool, each its own statement.
 func TestOverGrantPool(t *testing.T) {
 	t.Parallel()
-	pool, lim := overGrantLimiter(t)
-	overGrant(t, "pool", pool, lim, false, func(ctx context.Context) (bool, time.Time, error) {
+	b := overGrantSetup(t)
+	pool, lim := b.pool, b.lim
+	overGrant(t, "pool", b, false, func(ctx context.Context) (bool, time.Time, error) {
 		r, err := lim.Limit(ctx, pool, "hot", "k", nil)
 		return r.OK, r.Time, err
 	})
@@ -130,8 +124,9 @@ func TestOverGrantPool(t *testing.T) {
 // retries that ran out: they fail closed and count as denials.
 func TestOverGrantSerializable(t *testing.T) {
 	t.Parallel()
-	pool, lim := overGrantLimiter(t)
-	overGrant(t, "serializable", pool, lim, true, func(ctx context.Context) (bool, time.Time, error) {
+	b := overGrantSetup(t)
+	pool, lim := b.pool, b.lim
+	overGrant(t, "serializable", b, true, func(ctx context.Context) (bool, time.Time, error) {
 		var r ratelimit.Result
 		err := ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
 			var err error
@@ -145,9 +140,10 @@ func TestOverGrantSerializable(t *testing.T) {
 // (c) two limits taken together, all-or-nothing, in opposite orders by half the callers.
 func TestOverGrantMany(t *testing.T) {
 	t.Parallel()
-	pool, lim := overGrantLimiter(t)
+	b := overGrantSetup(t)
+	pool, lim := b.pool, b.lim
 	var n atomic.Int64
-	overGrant(t, "many", pool, lim, false, func(ctx context.Context) (bool, time.Time, error) {
+	overGrant(t, "many", b, false, func(ctx context.Context) (bool, time.Time, error) {
 		reqs := []ratelimit.Request{{Name: "hot", Key: "k"}, {Name: "hotToo", Key: "k"}}
 		if n.Add(1)%2 == 0 {
 			reqs[0], reqs[1] = reqs[1], reqs[0]
@@ -168,23 +164,21 @@ func TestOverGrantMany(t *testing.T) {
 	require.NoError(t, err)
 	a, err = pinned.State(context.Background(), pool, "hot", "k", nil)
 	require.NoError(t, err)
-	b, err := pinned.State(context.Background(), pool, "hotToo", "k", nil)
+	too, err := pinned.State(context.Background(), pool, "hotToo", "k", nil)
 	require.NoError(t, err)
-	require.Equal(t, a.TS, b.TS, "the two limits were last charged at different instants")
-	require.InDelta(t, a.Value, b.Value, 1e-9, "the two limits drifted apart: %v vs %v", a.Value, b.Value)
+	require.Equal(t, a.TS, too.TS, "the two limits were last charged at different instants")
+	require.InDelta(t, a.Value, too.Value, 1e-9, "the two limits drifted apart: %v vs %v", a.Value, too.Value)
 }
 
 // Two goroutines take the same two limits in opposite order, 1,000 times each, each call inside
 // its own transaction that holds the locks until commit: never a deadlock (40P01).
 func TestOppositeOrderNoDeadlock(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 4})
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	b := setupDB(t, &testdb.Options{MaxConns: 4}, map[string]ratelimit.Config{
 		"x": {Rate: 1e9, Period: time.Second},
 		"y": {Rate: 1e9, Period: time.Second, Shards: 2},
-	}})
-	require.NoError(t, err)
-	ctx := context.Background()
+	})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
 	orders := [][]ratelimit.Request{
 		{{Name: "x", Key: "k"}, {Name: "y", Key: "k"}},
 		{{Name: "y", Key: "k"}, {Name: "x", Key: "k"}},
@@ -217,14 +211,16 @@ func TestOppositeOrderNoDeadlock(t *testing.T) {
 	}
 }
 
-// holdRow begins a transaction that takes lock (testdb.LockRow or testdb.KeyShareRow) on the row
-// of ("l", "k") and holds it until the test ends, unless the caller commits it first.
-func holdRow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, lock func(testing.TB, pgx.Tx, string, string, int)) pgx.Tx {
+// holdRow begins a transaction on b's pool that takes lock (testdb.LockRow or testdb.KeyShareRow)
+// on the row of (name, key, shard 0) and holds it until the test ends, unless the caller ends it
+// first.
+func holdRow(t *testing.T, b *testBundle, lock func(testing.TB, pgx.Tx, string, string, int), name, key string) pgx.Tx {
 	t.Helper()
-	tx, err := pool.Begin(ctx)
+	ctx := b.ctx
+	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tx.Rollback(ctx) })
-	lock(t, tx, "l", "k", 0)
+	lock(t, tx, name, key, 0)
 	return tx
 }
 
@@ -232,14 +228,12 @@ func holdRow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, lock func(te
 // another transaction holds the row, on the pool and inside SERIALIZABLE transactions.
 func TestFastDenialTakesNoLock(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"l": {Rate: 1, Period: time.Hour}}})
-	require.NoError(t, err)
-	ctx := context.Background()
-	_, err = lim.Limit(ctx, pool, "l", "k", nil)
+	b := setupDB(t, nil, map[string]ratelimit.Config{"l": {Rate: 1, Period: time.Hour}})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
+	_, err := lim.Limit(ctx, pool, "l", "k", nil)
 	require.NoError(t, err)
 
-	holdRow(t, ctx, pool, testdb.LockRow)
+	holdRow(t, b, testdb.LockRow, "l", "k")
 
 	quick, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
@@ -265,15 +259,12 @@ func TestFastDenialTakesNoLock(t *testing.T) {
 // the lock-free read or after waiting for the lock.
 func TestDenialWritesNothing(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	clock := &testClock{t: t0}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+	b := setup(t, map[string]ratelimit.Config{
 		"l":     {Rate: 2, Period: time.Hour, MaxReserved: 1},
 		"fresh": {Rate: 5, Period: time.Hour},
-	}})
-	require.NoError(t, err)
-	ctx := context.Background()
-	_, err = lim.LimitN(ctx, pool, "l", "k", 2, nil)
+	})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
+	_, err := lim.LimitN(ctx, pool, "l", "k", 2, nil)
 	require.NoError(t, err)
 	before, found := testdb.RowVersion(t, pool, "l", "k", 0)
 	require.True(t, found)
@@ -331,7 +322,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	_, err := lim.Limit(ctx, pool, "l", "k", nil) // the row exists: 9 left
 	require.NoError(t, err)
 
-	holder := holdRow(t, ctx, pool, testdb.LockRow)
+	holder := holdRow(t, b, testdb.LockRow, "l", "k")
 	pid := holder.Conn().PgConn().PID()
 
 	results := make(chan ratelimit.Result, 3)
@@ -404,7 +395,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 
 	// A FOR KEY SHARE lock (a foreign key referencing the row) does not stop a write of value and
 	// ts, whichever road the call takes.
-	holdRow(t, ctx, pool, testdb.KeyShareRow)
+	holdRow(t, b, testdb.KeyShareRow, "l", "k")
 	quick2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel2()
 	r, err = lim.Limit(quick2, pool, "l", "k", nil)
@@ -415,15 +406,12 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 // docs/spec.md §7: inside a transaction the limit commits or rolls back with the caller's work.
 func TestRollbackRestoresState(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, nil)
-	clock := &testClock{t: t0}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+	b := setup(t, map[string]ratelimit.Config{
 		"l": {Rate: 10, Period: time.Minute},
 		"m": {Rate: 4, Period: time.Minute, Shards: 2},
-	}})
-	require.NoError(t, err)
-	ctx := context.Background()
-	_, err = lim.LimitN(ctx, pool, "l", "k", 3, nil)
+	})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
+	_, err := lim.LimitN(ctx, pool, "l", "k", 3, nil)
 	require.NoError(t, err)
 	version, _ := testdb.RowVersion(t, pool, "l", "k", 0)
 
@@ -463,15 +451,13 @@ func (c *countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQuer
 func TestOneRoundTripPerDecision(t *testing.T) {
 	t.Parallel()
 	tracer := &countingTracer{}
-	pool := testdb.Pool(t, &testdb.Options{Tracer: tracer})
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	b := setupDB(t, &testdb.Options{Tracer: tracer}, map[string]ratelimit.Config{
 		"a": {Rate: 2, Period: time.Hour, MaxReserved: ratelimit.Unbounded},
 		"b": {Rate: 5, Period: time.Hour, Shards: 4},
 		"w": {Kind: ratelimit.FixedWindow, Rate: 3, Period: time.Hour},
-	}})
-	require.NoError(t, err)
+	})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(lim, func(int) (int, int) { return 0, 1 })
-	ctx := context.Background()
 	type call struct {
 		what string
 		n    int64
@@ -512,7 +498,7 @@ func TestOneRoundTripPerDecision(t *testing.T) {
 	}
 	// The same inside a transaction (BEGIN and COMMIT are the caller's).
 	require.NoError(t, lim.Reset(ctx, pool, "a", "k"))
-	_, err = lim.Limit(ctx, pool, "b", "k", nil)
+	_, err := lim.Limit(ctx, pool, "b", "k", nil)
 	require.NoError(t, err)
 	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		for _, c := range onExisting {

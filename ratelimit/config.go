@@ -280,20 +280,16 @@ func newSpec(name, key string, cfg Config) spec {
 // windowPhase returns where in [0, periodUs) microseconds after the Unix epoch the window grid of
 // a fixed window starts: from start when set, else from an FNV-1a hash of name and key.
 func windowPhase(name, key string, start time.Time, periodUs int64) int64 {
-	var x int64
 	if !start.IsZero() {
-		x = start.UnixMicro() % periodUs
-	} else {
-		h := fnv.New64a()
-		h.Write([]byte(name))
-		h.Write([]byte{0})
-		h.Write([]byte(key))
-		x = int64(h.Sum64() % uint64(periodUs))
+		// The remainder of a Start before the epoch is negative: adding periodUs (at most 100
+		// years, so no overflow) before taking it again makes it the phase in [0, periodUs).
+		return (start.UnixMicro()%periodUs + periodUs) % periodUs
 	}
-	if x < 0 {
-		x += periodUs
-	}
-	return x
+	h := fnv.New64a()
+	h.Write([]byte(name))
+	h.Write([]byte{0})
+	h.Write([]byte(key))
+	return int64(h.Sum64() % uint64(periodUs))
 }
 
 // maxCount is the largest count a single call could ever be granted: what one shard holds (or two

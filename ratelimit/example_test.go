@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
@@ -60,18 +61,14 @@ func Example_quickstart() {
 // when to run; the next request is refused once MaxReserved would be exceeded.
 func ExampleLimiter_LimitN_reserve() {
 	ctx := context.Background()
-	pool, done := testdb.ForExample()
-	defer done()
 	start := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+	pool, limiter, done := exampleLimiter(&ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{
 			"llmTokens": {Rate: 40_000, Period: time.Minute, MaxReserved: 60_000},
 		},
 		Now: func() time.Time { return start }, // a fixed clock, so the output is exact
 	})
-	if err != nil {
-		panic(err)
-	}
+	defer done()
 	for _, estimate := range []float64{30_000, 50_000, 30_000} {
 		res, err := limiter.LimitN(ctx, pool, "llmTokens", "tenant-7", estimate, &ratelimit.LimitOpts{Reserve: true})
 		if err != nil {
@@ -96,15 +93,11 @@ func ExampleLimiter_LimitN_reserve() {
 // per-IP limit is exhausted nothing is consumed from the global one.
 func ExampleLimiter_LimitMany() {
 	ctx := context.Background()
-	pool, done := testdb.ForExample()
-	defer done()
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	pool, limiter, done := exampleLimiter(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		"signupsPerIP":  {Rate: 2, Period: time.Hour},
 		"signupsGlobal": {Rate: 100, Period: time.Hour},
 	}})
-	if err != nil {
-		panic(err)
-	}
+	defer done()
 	for i := 1; i <= 3; i++ {
 		m, err := limiter.LimitMany(ctx, pool, []ratelimit.Request{
 			{Name: "signupsPerIP", Key: "203.0.113.9"},
@@ -130,15 +123,11 @@ func ExampleLimiter_LimitMany() {
 // AsError turns a denial into an error, so a transaction can simply return it and roll back.
 func ExampleLimitOpts_asError() {
 	ctx := context.Background()
-	pool, done := testdb.ForExample()
-	defer done()
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	pool, limiter, done := exampleLimiter(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		"failedLogins": {Rate: 5, Period: time.Hour},
 	}})
-	if err != nil {
-		panic(err)
-	}
-	err = ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+	defer done()
+	err := ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
 		_, err := limiter.LimitN(ctx, tx, "failedLogins", "alice", 6, &ratelimit.LimitOpts{AsError: true})
 		return err
 	})
@@ -155,4 +144,17 @@ func ExampleLimitOpts_asError() {
 	// Output:
 	// true ratelimit: LimitN: count 6 exceeds the capacity (5) of limit "failedLogins", so it could never be granted
 	// true failedLogins alice
+}
+
+// exampleLimiter is how the examples after the quickstart begin: a pool on a fresh migrated schema
+// (an application passes its own, migrated at start-up: see Example_quickstart), the limiter of
+// cfg, and a function that closes the pool. It panics where an application would handle the error.
+func exampleLimiter(cfg *ratelimit.LimiterConfig) (*pgxpool.Pool, *ratelimit.Limiter, func()) {
+	pool, done := testdb.ForExample()
+	limiter, err := ratelimit.New(cfg)
+	if err != nil {
+		done()
+		panic(err)
+	}
+	return pool, limiter, done
 }

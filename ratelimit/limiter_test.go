@@ -33,21 +33,37 @@ func (c *testClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c
 
 func (c *testClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
 
+// testBundle is what a test decides with: its context, pool, limiter and, when the test moves the
+// limiter's clock, that clock.
 type testBundle struct {
 	ctx   context.Context
 	pool  *pgxpool.Pool
-	clock *testClock
+	clock *testClock // nil: the database's clock
 	lim   *ratelimit.Limiter
 }
 
 // setup returns a limiter on a fresh schema whose clock is t0 until the test moves it.
 func setup(t *testing.T, limits map[string]ratelimit.Config) *testBundle {
 	t.Helper()
-	b := &testBundle{ctx: context.Background(), pool: testdb.Pool(t, nil), clock: &testClock{t: t0}}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits, Now: b.clock.Now})
-	require.NoError(t, err)
-	b.lim = lim
+	clock := &testClock{t: t0}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Limits: limits, Now: clock.Now})
+	b.clock = clock
 	return b
+}
+
+// setupDB returns a limiter on the database's clock (b.clock is nil) and a fresh schema reached by
+// a pool of opts (nil: testdb's defaults), for the tests that run in real time.
+func setupDB(t *testing.T, opts *testdb.Options, limits map[string]ratelimit.Config) *testBundle {
+	t.Helper()
+	return newBundle(t, opts, &ratelimit.LimiterConfig{Limits: limits})
+}
+
+// newBundle returns the limiter of cfg and a fresh schema reached by a pool of opts.
+func newBundle(t *testing.T, opts *testdb.Options, cfg *ratelimit.LimiterConfig) *testBundle {
+	t.Helper()
+	lim, err := ratelimit.New(cfg)
+	require.NoError(t, err)
+	return &testBundle{ctx: context.Background(), pool: testdb.Pool(t, opts), lim: lim}
 }
 
 // step is one call in a table-driven sequence.

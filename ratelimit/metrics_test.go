@@ -21,11 +21,8 @@ import (
 
 func TestMetrics(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool := testdb.Pool(t, nil)
 	reader := sdkmetric.NewManualReader()
-	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{
 			"a": {Rate: 2, Period: time.Minute},
 			"b": {Rate: 1, Period: time.Minute, MaxReserved: 5},
@@ -33,13 +30,13 @@ func TestMetrics(t *testing.T) {
 		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
 		Now:           func() time.Time { return t0 },
 	})
-	require.NoError(t, err)
+	ctx, pool, limiter := b.ctx, b.pool, b.lim
 
 	for range 3 { // 2 granted, 1 denied
 		_, err := limiter.Limit(ctx, pool, "a", "user-1", nil)
 		require.NoError(t, err)
 	}
-	_, err = limiter.LimitN(ctx, pool, "b", "user-1", 2, &ratelimit.LimitOpts{Reserve: true}) // reserved
+	_, err := limiter.LimitN(ctx, pool, "b", "user-1", 2, &ratelimit.LimitOpts{Reserve: true}) // reserved
 	require.NoError(t, err)
 	res, err := limiter.LimitMany(ctx, pool, []ratelimit.Request{{Name: "a", Key: "user-2"}, {Name: "b", Key: "user-1"}}, nil)
 	require.NoError(t, err)
@@ -81,14 +78,8 @@ func TestMetrics(t *testing.T) {
 
 func TestManyResultTimeAndRetryAfter(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool := testdb.Pool(t, nil)
-	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
-		Limits: map[string]ratelimit.Config{"m": {Rate: 10, Period: time.Minute, Capacity: 1}},
-		Now:    func() time.Time { return t0 },
-	})
-	require.NoError(t, err)
+	b := setup(t, map[string]ratelimit.Config{"m": {Rate: 10, Period: time.Minute, Capacity: 1}})
+	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	reqs := []ratelimit.Request{{Name: "m", Key: "k"}}
 	res, err := limiter.LimitMany(ctx, pool, reqs, nil)
 	require.NoError(t, err)
@@ -113,18 +104,16 @@ func TestManyResultTimeAndRetryAfter(t *testing.T) {
 
 func TestMetricsTxRetries(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool := testdb.Pool(t, nil)
 	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{
 		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
 		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
 	})
-	require.NoError(t, err)
+	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	conflict := &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
 	runs := 0
-	err = ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter, MinBackoff: time.Microsecond},
+	err := ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter, MinBackoff: time.Microsecond},
 		func(ctx context.Context, tx pgx.Tx) error {
 			if runs++; runs <= 2 {
 				return conflict
@@ -148,14 +137,12 @@ func TestMetricsTxRetries(t *testing.T) {
 // busy and as an error of type "busy".
 func TestMetricsBusy(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 4})
 	reader := sdkmetric.NewManualReader()
-	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{
+	b := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
 		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
 		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
 	})
-	require.NoError(t, err)
+	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
 	for range 2 { // each holds one shard (the second is steered to the free one)
 		tx, err := pool.Begin(ctx)

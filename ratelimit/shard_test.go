@@ -13,7 +13,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -42,9 +41,7 @@ func shardCfg(n int) ratelimit.Config {
 
 // shardEnv is a Limiter on a fresh schema with an injected clock and shard picker.
 type shardEnv struct {
-	ctx  context.Context
-	pool *pgxpool.Pool
-	lim  *ratelimit.Limiter
+	*testBundle // its clock is nil: the limiter reads now, which set moves
 
 	mu    sync.Mutex
 	now   time.Time
@@ -54,16 +51,13 @@ type shardEnv struct {
 
 func newShardEnv(t *testing.T, limits map[string]ratelimit.Config) *shardEnv {
 	t.Helper()
-	e := &shardEnv{ctx: context.Background(), pool: testdb.Pool(t, &testdb.Options{MaxConns: 2}), now: shardT0}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits, Now: func() time.Time {
+	e := &shardEnv{now: shardT0}
+	e.testBundle = newBundle(t, &testdb.Options{MaxConns: 2}, &ratelimit.LimiterConfig{Limits: limits, Now: func() time.Time {
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		return e.now
 	}})
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	ratelimit.SetShardPicker(lim, func(n int) (int, int) {
+	ratelimit.SetShardPicker(e.lim, func(n int) (int, int) {
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		e.picks++
@@ -73,7 +67,6 @@ func newShardEnv(t *testing.T, limits map[string]ratelimit.Config) *shardEnv {
 		}
 		return a, b
 	})
-	e.lim = lim
 	return e
 }
 
@@ -401,10 +394,12 @@ func TestShardCountChange(t *testing.T) {
 	two := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, MaxReserved: ratelimit.Unbounded, Shards: 2}  // 10/s, cap 2 per shard
 	four := ratelimit.Config{Rate: 20, Period: time.Second, Capacity: 4, MaxReserved: ratelimit.Unbounded, Shards: 4} // 5/s, cap 1 per shard
 
-	t.Run("grow 2 to 4", func(t *testing.T) {
-		t.Parallel()
-		e := newShardEnv(t, nil)
-		runShardSteps(t, e, "grow", "k", two, []shardStep{
+	for _, c := range []struct {
+		name, limit string
+		cfg         ratelimit.Config
+		steps       []shardStep
+	}{
+		{"grow 2 to 4", "grow", two, []shardStep{
 			{at: 0, pick: [2]int{0, 1}, count: 2, ok: true, charged: []int{0}, value: 2, levels: map[int]float64{0: 0}},
 			{at: 0, pick: [2]int{1, 0}, count: 0.5, ok: true, charged: []int{1}, value: 1.5, levels: map[int]float64{0: 0, 1: 1.5}},
 			// Now read with 4 shards: shard 1's 1.5 is capped at 1; shards 2 and 3 are missing,
@@ -416,13 +411,8 @@ func TestShardCountChange(t *testing.T) {
 			// Every row refills at the new per-shard rate: 0.5 per shard per tick, 2 in all.
 			{at: 1, cfg: &four, op: shardCheck, pick: [2]int{0, 3}, count: 1, ok: true, charged: []int{0, 3}, value: 0,
 				levels: map[int]float64{0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}},
-		})
-	})
-
-	t.Run("shrink 4 to 2", func(t *testing.T) {
-		t.Parallel()
-		e := newShardEnv(t, nil)
-		runShardSteps(t, e, "shrink", "k", four, []shardStep{
+		}},
+		{"shrink 4 to 2", "shrink", four, []shardStep{
 			// A call on a missing candidate row first creates both candidates full (1 each here).
 			{at: 0, pick: [2]int{0, 2}, count: 1, ok: true, charged: []int{0}, value: 1, levels: map[int]float64{0: 0}},
 			{at: 0, pick: [2]int{2, 3}, count: 1, ok: true, charged: []int{2}, value: 1, levels: map[int]float64{0: 0, 2: 0}},
@@ -438,25 +428,24 @@ func TestShardCountChange(t *testing.T) {
 			// within the per-shard cap of 1.
 			{at: 0, op: shardCheck, pick: [2]int{2, 3}, count: 0.5, value: -0.5, retry: 100 * time.Millisecond,
 				levels: map[int]float64{0: 1, 1: 0, 2: -0.25, 3: -0.25}},
-			// Reset deletes the rows of every shard, configured or not.
+			// Reset deletes the rows of every shard, configured or not: the stale rows are gone
+			// too, so read with 4 shards the limit is full.
 			{at: 0, op: shardReset},
-		})
-		// The stale rows are gone too: read with 4 shards, the limit is full.
-		checkShardLevels(t, e, "after Reset", "shrink", "k", four, nil)
-	})
-
-	// A call on a missing candidate creates both candidate rows first, full "since the epoch", so
-	// that such a row is full under any config, like a missing one: shard 1, created under 4 shards
-	// without being charged, holds the full 2 of a 2-shard config.
-	t.Run("shrink 4 to 2, pre-created row", func(t *testing.T) {
-		t.Parallel()
-		e := newShardEnv(t, nil)
-		runShardSteps(t, e, "shrink", "k", four, []shardStep{
+		}},
+		// A call on a missing candidate creates both candidate rows first, full "since the epoch",
+		// so that such a row is full under any config, like a missing one: shard 1, created under 4
+		// shards without being charged, holds the full 2 of a 2-shard config.
+		{"shrink 4 to 2, pre-created row", "shrink", four, []shardStep{
 			{at: 0, pick: [2]int{3, 1}, count: 0.5, ok: true, charged: []int{3}, value: 1.5, levels: map[int]float64{3: 0.5}},
 			{at: 0, cfg: &two, op: shardCheck, pick: [2]int{1, 0}, count: 2, ok: true, charged: []int{1}, value: 2},
 			{at: 0, cfg: &two, pick: [2]int{1, 0}, count: 3, ok: true, charged: []int{1, 0}, value: 1, levels: map[int]float64{0: 0.5, 1: 0.5}},
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			runShardSteps(t, newShardEnv(t, nil), c.limit, "k", c.cfg, c.steps)
 		})
-	})
+	}
 
 	// Whatever the sequence of shard counts, the total never exceeds the Capacity of the config it
 	// is read with.
@@ -600,9 +589,9 @@ func (l *shardLoad) max(c, r float64) float64 {
 // for a shard's lock while a call with a later reading committed is evaluated at that shard's ts
 // (docs/spec.md §2). Only grants write a ts and none moves back, so the latest one stored is the instant
 // the last grant was evaluated at.
-func (l *shardLoad) endAtStoredTS(t *testing.T, pool *pgxpool.Pool, lim *ratelimit.Limiter, name, key string) {
+func (l *shardLoad) endAtStoredTS(t *testing.T, b *testBundle, name, key string) {
 	t.Helper()
-	if ts := storedTS(t, pool, lim, name, key); l.granted.Load() > 0 && ts.After(l.lastGrant) {
+	if ts := storedTS(t, b, name, key); l.granted.Load() > 0 && ts.After(l.lastGrant) {
 		l.lastGrant = ts
 	}
 }
@@ -636,19 +625,16 @@ func TestShardOverGrant(t *testing.T) {
 	if testing.Short() {
 		t.Skip("3 × 3 s of load")
 	}
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16})
 	hot := ratelimit.Config{Rate: 10, Period: time.Second, Capacity: 10, Shards: 16}
 	quota := ratelimit.Config{Rate: 100, Period: time.Hour, Capacity: 100}
 	hot160 := ratelimit.Config{Rate: 160, Period: time.Second, Capacity: 160, Shards: 16}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"hot": hot, "hot160": hot160, "quota": quota}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := setupDB(t, &testdb.Options{MaxConns: 16}, map[string]ratelimit.Config{"hot": hot, "hot160": hot160, "quota": quota})
+	pool, lim := b.pool, b.lim
 
 	// check asserts that l, the load on name and key, was granted at most c + r·span, span running
 	// from its first to its last grant on the database's clock, and at least least.
 	check := func(t *testing.T, l *shardLoad, name, key string, c, r float64, least int64) {
-		l.endAtStoredTS(t, pool, lim, name, key)
+		l.endAtStoredTS(t, b, name, key)
 		t.Helper()
 		for _, err := range l.errs {
 			t.Errorf("call failed: %v", err)
@@ -738,14 +724,12 @@ func TestShardUtilisation(t *testing.T) {
 	}
 	// The single row's callers queue on its lock, held until commit; without waiting for the WAL
 	// flush at commit a slow disk cannot starve it. Durability is not what this test compares.
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 16, RuntimeParams: map[string]string{"synchronous_commit": "off"}})
 	const rate = 50
 	sharded := ratelimit.Config{Rate: rate, Period: time.Second, Shards: 16}
 	single := ratelimit.Config{Rate: rate, Period: time.Second}
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"sharded": sharded, "single": single}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := setupDB(t, &testdb.Options{MaxConns: 16, RuntimeParams: map[string]string{"synchronous_commit": "off"}},
+		map[string]ratelimit.Config{"sharded": sharded, "single": single})
+	pool, lim := b.pool, b.lim
 	call := func(name string) func(context.Context) (ratelimit.Result, bool, error) {
 		return func(ctx context.Context) (ratelimit.Result, bool, error) {
 			res, err := lim.Limit(ctx, pool, name, "k", nil)
@@ -760,8 +744,8 @@ func TestShardUtilisation(t *testing.T) {
 			t.Errorf("call failed: %v", err)
 		}
 	}
-	ls.endAtStoredTS(t, pool, lim, "sharded", "k")
-	l1.endAtStoredTS(t, pool, lim, "single", "k")
+	ls.endAtStoredTS(t, b, "sharded", "k")
+	l1.endAtStoredTS(t, b, "single", "k")
 	gs, g1 := float64(ls.granted.Load()), float64(l1.granted.Load())
 	ms, m1 := ls.max(rate, rate), l1.max(rate, rate)
 	st, err := lim.State(context.Background(), pool, "sharded", "k", nil)

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -19,13 +18,11 @@ import (
 // free space (fillfactor 70), so nearly every update of a hot row should be HOT.
 func TestUpdatesAreHOT(t *testing.T) {
 	t.Parallel()
-	conn := testdb.Conn(t, testdb.Pool(t, nil))
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	b := setupDB(t, nil, map[string]ratelimit.Config{
 		"l": {Rate: 1e6, Period: time.Second},
 		"s": {Rate: 1e6, Period: time.Second, Shards: 4},
-	}})
-	require.NoError(t, err)
-	ctx := context.Background()
+	})
+	ctx, conn, lim := b.ctx, testdb.Conn(t, b.pool), b.lim
 	for i := 0; i < 300; i++ {
 		_, err := lim.Limit(ctx, conn, "l", "hot", nil)
 		require.NoError(t, err)
@@ -38,17 +35,14 @@ func TestUpdatesAreHOT(t *testing.T) {
 	require.GreaterOrEqual(t, float64(hot), 0.9*float64(updates), "updates are not HOT")
 }
 
-// oneAndSharded returns a pool on a fresh schema and a limiter of two limits of 100 a second:
-// "one", on one row, and "sharded", on the given number of shards.
-func oneAndSharded(t *testing.T, shards int) (*pgxpool.Pool, *ratelimit.Limiter) {
+// oneAndSharded is setupDB of two limits of 100 a second: "one", on one row, and "sharded", on
+// the given number of shards.
+func oneAndSharded(t *testing.T, shards int) *testBundle {
 	t.Helper()
-	pool := testdb.Pool(t, nil)
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+	return setupDB(t, nil, map[string]ratelimit.Config{
 		"one":     {Rate: 100, Period: time.Second},
 		"sharded": {Rate: 100, Period: time.Second, Shards: shards},
-	}})
-	require.NoError(t, err)
-	return pool, lim
+	})
 }
 
 // Under SERIALIZABLE a sequential scan takes a relation-level predicate lock, which makes every
@@ -57,7 +51,8 @@ func oneAndSharded(t *testing.T, shards int) (*pgxpool.Pool, *ratelimit.Limiter)
 // function runs with sequential and bitmap scans off).
 func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 	t.Parallel()
-	pool, lim := oneAndSharded(t, 16)
+	b := oneAndSharded(t, 16)
+	pool, lim := b.pool, b.lim
 	ctx := context.Background()
 	for i := 0; i < 40; i++ { // create the rows, then let the planner see how few there are
 		_, err := lim.Limit(ctx, pool, "one", "", nil)
@@ -102,7 +97,8 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 // relation-level predicate lock.
 func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 	t.Parallel()
-	pool, lim := oneAndSharded(t, 4)
+	b := oneAndSharded(t, 4)
+	pool, lim := b.pool, b.lim
 	ctx := context.Background()
 	_, err := lim.Limit(ctx, pool, "one", "", nil)
 	require.NoError(t, err)

@@ -9,10 +9,7 @@ import (
 	"time"
 
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 
-	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -40,10 +37,7 @@ func benchLateness(b *testing.B, precise bool) {
 		cfgKey = "bench"
 	)
 	ctx := context.Background()
-	pool := testdb.Pool(b, &testdb.Options{MaxConns: 24})
-	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
-		b.Fatal(err)
-	}
+	pool := conn{}.pool(b, 24, false)
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		cfgKey: {Rate: rate, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded},
 	}})
@@ -55,41 +49,27 @@ func benchLateness(b *testing.B, precise bool) {
 		starts = map[int64]time.Time{}
 		ch     = make(chan struct{}, n*b.N+1)
 	)
-	workers := river.NewWorkers()
-	river.AddWorker(workers, river.WorkFunc(func(ctx context.Context, job *river.Job[callArgs]) error {
-		now := time.Now()
-		mu.Lock()
-		starts[job.ID] = now
-		mu.Unlock()
-		ch <- struct{}{}
-		return nil
-	}))
-	cfg := &river.Config{
-		Logger:   quietLogger(),
-		Queues:   map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 50}},
-		TestOnly: true,
-		Workers:  workers,
-	}
+	queue := river.QueueConfig{MaxWorkers: 50}
 	if precise {
-		cfg.Hooks = []rivertype.Hook{&scheduler.PreciseHook{}}
-		cfg.Queues[river.QueueDefault] = scheduler.PreciseQueue(50)
+		queue = scheduler.PreciseQueue(50)
 	}
-	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
+	client := newClient(b, pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: queue},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			now := time.Now()
+			mu.Lock()
+			starts[job.ID] = now
+			mu.Unlock()
+			ch <- struct{}{}
+			return nil
+		},
+		noHook: !precise,
+	})
 	sched, err := scheduler.New(client, limiter, &scheduler.Config{AllowImprecise: !precise})
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := client.Start(ctx); err != nil {
-		b.Fatal(err)
-	}
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_ = client.Stop(ctx)
-	}()
+	startClient(b, client)
 
 	var late []time.Duration
 	ranNow := 0

@@ -3,19 +3,16 @@ package scheduler_test
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertest"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -38,7 +35,7 @@ func TestGate(t *testing.T) {
 	clock := time.Now()
 	scheduler.SetGateNow(gate, func() time.Time { return clock })
 	var ran atomic.Int32
-	w := rivertest.NewWorker(t, riverpgxv5.New(nil), &river.Config{Middleware: []rivertype.Middleware{gate}},
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
 		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
 
 	tx, err := b.pool.Begin(ctx)
@@ -177,49 +174,4 @@ func TestGateRate(t *testing.T) {
 		rivertype.JobStateRetryable, rivertype.JobStateDiscarded, rivertype.JobStateCancelled).First(100))
 	require.NoError(t, err)
 	require.Empty(t, bad.Jobs, "no job failed, was discarded or cancelled")
-}
-
-// TestReservedJobsStartOnTime guards PreciseHook and PreciseQueue: reserved jobs start well within
-// River's 5 s scheduler interval of their time. BenchmarkLateness measures it.
-func TestReservedJobsStartOnTime(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	const n = 8
-	bound := time.Second // generous for a loaded CI machine; the benchmark shows the real figures
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 4, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded}}})
-	st := newStarts()
-	client := newClient(t, b.pool, &clientOpts{
-		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
-		work: func(ctx context.Context, job *river.Job[callArgs]) error {
-			st.record(job.ID, time.Now())
-			return nil
-		},
-	})
-	sched, err := scheduler.New(client, b.limiter, nil)
-	require.NoError(t, err)
-	startClient(t, client)
-
-	due := map[int64]time.Time{}
-	for i := range n + 1 {
-		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-			r, err := sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{N: i}, nil)
-			if err == nil && i > 0 {
-				due[r.Job.ID] = r.ScheduledAt
-			}
-			return err
-		}))
-	}
-	st.wait(t, n+1, 30*time.Second)
-	// Reserved 250 ms apart, the 8 jobs fall due over 2 s. Left to River's scheduler (a pass every
-	// 5 s) at least half would start a second or more late; a loaded machine may stall one or two.
-	var lateOnes []string
-	for id, at := range due {
-		late := st.at[id].Sub(at)
-		t.Logf("job %d: %s late", id, late)
-		require.GreaterOrEqual(t, late, -2*time.Millisecond, "job %d started before its time", id)
-		if late >= bound {
-			lateOnes = append(lateOnes, fmt.Sprintf("job %d %s", id, late))
-		}
-	}
-	require.LessOrEqual(t, len(lateOnes), 2, "started %s or more after their time: %v", bound, lateOnes)
 }

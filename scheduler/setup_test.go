@@ -2,6 +2,10 @@ package scheduler_test
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
 	"sync"
 	"testing"
 	"time"
@@ -9,10 +13,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -82,7 +88,7 @@ type clientOpts struct {
 	retryPolicy river.ClientRetryPolicy
 }
 
-func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
+func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
 	t.Helper()
 	if opts == nil {
 		opts = &clientOpts{}
@@ -105,21 +111,25 @@ func newClient(t *testing.T, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	if !opts.noHook {
 		cfg.Hooks = []rivertype.Hook{&scheduler.PreciseHook{}}
 	}
-	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
-	require.NoError(t, err)
-	return client
+	return testdb.RiverClient(t, pool, cfg)
 }
 
-// insertOnly returns a client without Workers or Queues, with PreciseHook: it inserts any kind.
-func insertOnly(t *testing.T, pool *pgxpool.Pool) *river.Client[pgx.Tx] {
+// workQueues starts and stops a River client on b's pool (reached by c) that works queues, so that
+// River's queue table lists them, as it does once a worker process has run.
+func (b *testBundle) workQueues(t *testing.T, c conn, queues ...string) {
 	t.Helper()
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}, Logger: quietLogger()})
-	require.NoError(t, err)
-	return client
+	ctx := context.Background()
+	qs := map[string]river.QueueConfig{}
+	for _, q := range queues {
+		qs[q] = scheduler.PreciseQueue(1)
+	}
+	client := newClient(t, b.pool, &clientOpts{queues: qs, pollOnly: c.bouncer})
+	require.NoError(t, client.Start(ctx))
+	require.NoError(t, client.Stop(ctx))
 }
 
 // startClient starts client and stops it when the test ends.
-func startClient(t *testing.T, client *river.Client[pgx.Tx]) {
+func startClient(t testing.TB, client *river.Client[pgx.Tx]) {
 	t.Helper()
 	ctx := context.Background()
 	require.NoError(t, client.Start(ctx))
@@ -198,4 +208,290 @@ func (s *starts) wait(t testing.TB, n int, timeout time.Duration) {
 			t.Fatalf("only %d of %d jobs started within %s", i, n, timeout)
 		}
 	}
+}
+
+// quietLogger discards what River logs.
+func quietLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// jsonUnmarshal is json.Unmarshal, for the tests that read a job's JSON only once.
+func jsonUnmarshal(b []byte, v any) error { return json.Unmarshal(b, v) }
+
+// metadataValue returns the raw JSON under key in a job's metadata.
+func metadataValue(t *testing.T, metadata []byte, key string) json.RawMessage {
+	t.Helper()
+	var m map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(metadata, &m))
+	return m[key]
+}
+
+// second returns the error of a call that returns a value and an error.
+func second[T any](_ T, err error) error { return err }
+
+// conn is how a test reaches Postgres: directly or through PgBouncer (make test-pgbouncer), with
+// one pgx exec mode. The zero conn is what most tests use: directly, in pgx's default mode.
+type conn struct {
+	mode    pgx.QueryExecMode // 0: pgx's default (cache_statement)
+	bouncer bool
+}
+
+// pool returns a pool of at most maxConns connections on a schema of the test's own with txlimit's
+// migrations applied (and River's, unless noRiver), dropped when the test ends.
+func (c conn) pool(t testing.TB, maxConns int32, noRiver bool) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	var pool *pgxpool.Pool
+	switch {
+	case c.bouncer:
+		pool = pgbouncertest.New(t).Pool(t, c.mode, maxConns)
+		require.NoError(t, migrations.Up(ctx, pool))
+	case c.mode == 0:
+		pool = testdb.Pool(t, &testdb.Options{MaxConns: maxConns})
+	default:
+		cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
+		require.NoError(t, err)
+		cfg.ConnConfig.RuntimeParams["search_path"] = testdb.NewSchema(t)
+		cfg.ConnConfig.DefaultQueryExecMode = c.mode
+		cfg.MaxConns = maxConns
+		pool, err = pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		require.NoError(t, migrations.Up(ctx, pool))
+	}
+	if !noRiver {
+		require.NoError(t, scheduler.Migrate(ctx, pool, nil))
+	}
+	return pool
+}
+
+// direct runs scenario, in parallel, directly on Postgres in pgx's default mode: the Test
+// function of each scenario TestExecModes also runs in the other modes and through PgBouncer.
+func direct(t *testing.T, scenario func(t *testing.T, c conn)) {
+	t.Parallel()
+	scenario(t, conn{})
+}
+
+// TestExecModes runs the scheduler's statements (River's insert, the queue check, Check, CancelTx,
+// SettleTx, the pull-forward's Waiting and Reschedule, the stranded-job check) in every pgx exec
+// mode docs/deploy.md calls safe behind a transaction-mode pooler (pgbouncertest.SafeModes),
+// directly on Postgres and through PgBouncer. The subtests are the same functions the other
+// tests run in pgx's default mode. The PgBouncer ones are skipped unless TXLIMIT_PGBOUNCER_URL is
+// set: make test-pgbouncer runs them (-run '^TestExecModes$/^pgbouncer$').
+func TestExecModes(t *testing.T) {
+	t.Parallel()
+	scenarios := []struct {
+		name string
+		run  func(t *testing.T, c conn)
+	}{
+		{"ReserveTx", reserveTx},
+		{"CancelTx", cancelTx},
+		{"CancelTxManyLimits", cancelTxManyLimits},
+		{"SettleTxOnce", settleTxOnce},
+		{"PullForwardModel", func(t *testing.T, c conn) { pullForwardModel(t, c, 1) }},
+		{"Check", check},
+		{"MissingRiverTables", missingRiverTables},
+		{"UnworkedQueue", unworkedQueue},
+		{"Stranded", stranded},
+	}
+	for _, via := range []struct {
+		name    string
+		bouncer bool
+	}{{"direct", false}, {"pgbouncer", true}} {
+		t.Run(via.name, func(t *testing.T) {
+			t.Parallel()
+			for _, m := range pgbouncertest.SafeModes {
+				t.Run(m.Name, func(t *testing.T) {
+					c := conn{mode: m.Mode, bouncer: via.bouncer}
+					for _, s := range scenarios {
+						t.Run(s.name, func(t *testing.T) { s.run(t, c) })
+					}
+				})
+			}
+		})
+	}
+}
+
+// TestCheck: the start-up check passes on a set-up scheduler and names the fix for each mistake,
+// writing nothing.
+func TestCheck(t *testing.T) { direct(t, check) }
+
+func check(t *testing.T, c conn) {
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, conn: c})
+
+	// Set up: the probe is stopped by the hook, nothing is inserted. This client has Workers, so
+	// the probe needs the args of one of its kinds; the built-in kind is refused, with a hint.
+	require.NoError(t, b.sched.Check(ctx, b.pool, callArgs{}))
+	require.Empty(t, jobs(t, b.client))
+	err := b.sched.Check(ctx, b.pool, nil)
+	require.ErrorContains(t, err, "pass args of a kind the client works")
+	require.NotErrorIs(t, err, scheduler.ErrSetup)
+	_, s2 := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
+	require.NoError(t, s2.Check(ctx, b.pool, nil), "an insert-only client takes the built-in probe")
+
+	// No hook: a *SetupError naming it; AllowImprecise accepts it.
+	noHook := b.noHookScheduler(t, nil)
+	err = noHook.Check(ctx, b.pool, callArgs{})
+	require.ErrorIs(t, err, scheduler.ErrSetup)
+	require.ErrorIs(t, err, scheduler.ErrNoPreciseHook)
+	require.NotErrorIs(t, err, ratelimit.ErrInvalid)
+	require.ErrorContains(t, err, "&scheduler.PreciseHook{}")
+	require.Empty(t, jobs(t, b.client), "the probe was rolled back")
+	lax := b.noHookScheduler(t, &scheduler.Config{AllowImprecise: true})
+	require.NoError(t, lax.Check(ctx, b.pool, callArgs{}))
+
+	// In a transaction, the check is a savepoint: the transaction goes on.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		require.ErrorIs(t, noHook.Check(ctx, tx, callArgs{}), scheduler.ErrNoPreciseHook)
+		_, err := b.limiter.State(ctx, tx, "calls", "u1", nil)
+		return err
+	}))
+}
+
+// TestReserveTxNeedsHookEvenWhenItRunsNow: without PreciseHook, a reservation fails even when its
+// tokens are there, so light traffic finds the mistake too.
+func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10, conn{})
+	strict := b.noHookScheduler(t, nil)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := strict.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, nil)
+		require.ErrorIs(t, err, scheduler.ErrNoPreciseHook)
+		return nil
+	}))
+	require.Equal(t, 10.0, value(t, b, "calls", "u1"), "nothing reserved")
+	require.Empty(t, jobs(t, b.client))
+}
+
+// TestMissingRiverTables: River's tables missing (scheduler.Migrate not run, or another
+// search_path) is a *SetupError naming scheduler.Migrate and the search_path, from Check and from
+// every call that touches them.
+func TestMissingRiverTables(t *testing.T) { direct(t, missingRiverTables) }
+
+func missingRiverTables(t *testing.T, c conn) {
+	ctx := context.Background()
+	pool := c.pool(t, 8, true) // txlimit's tables only
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"calls": perMinute10}})
+	require.NoError(t, err)
+	sched, err := scheduler.New(newClient(t, pool, nil), limiter, nil)
+	require.NoError(t, err)
+	path := testdb.SearchPath(t, pool)
+
+	requireSetup := func(err error) {
+		t.Helper()
+		var se *scheduler.SetupError
+		require.ErrorAs(t, err, &se)
+		require.ErrorIs(t, err, scheduler.ErrNoRiverTables)
+		require.Equal(t, path, se.SearchPath)
+		require.ErrorContains(t, err, "scheduler.Migrate")
+		require.ErrorContains(t, err, path)
+	}
+	requireSetup(sched.Check(ctx, pool, callArgs{}))
+	require.NoError(t, inTx(t, pool, false, func(tx pgx.Tx) error {
+		_, err := sched.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, nil)
+		requireSetup(err)
+		_, err = sched.CancelTx(ctx, tx, 1)
+		requireSetup(err)
+		_, err = sched.SettleTx(ctx, tx, 1, 1)
+		requireSetup(err)
+		return nil // the savepoints kept the transaction usable
+	}))
+	st, err := limiter.State(ctx, pool, "calls", "u1", nil)
+	require.NoError(t, err)
+	require.Equal(t, 10.0, st.Value, "nothing reserved")
+}
+
+func TestPreciseHook(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	h := &scheduler.PreciseHook{}
+	tests := []struct {
+		precise bool
+		state   rivertype.JobState
+		want    rivertype.JobState
+	}{
+		{precise: true, state: rivertype.JobStateScheduled, want: rivertype.JobStateAvailable},
+		{precise: false, state: rivertype.JobStateScheduled, want: rivertype.JobStateScheduled},
+		{precise: true, state: rivertype.JobStateAvailable, want: rivertype.JobStateAvailable},
+		{precise: true, state: rivertype.JobStatePending, want: rivertype.JobStatePending},
+	}
+	for i, tt := range tests {
+		c := ctx
+		if tt.precise {
+			c = scheduler.WithPrecise(ctx)
+		}
+		at := time.Now().Add(time.Hour)
+		p := &rivertype.JobInsertParams{State: tt.state, ScheduledAt: &at}
+		require.NoError(t, h.InsertBegin(c, p))
+		require.Equal(t, tt.want, p.State, "case %d", i)
+		require.Equal(t, at, *p.ScheduledAt, "case %d: scheduled_at is kept", i)
+	}
+}
+
+func TestPreciseQueueIsValid(t *testing.T) {
+	t.Parallel()
+	q := scheduler.PreciseQueue(5)
+	require.LessOrEqual(t, q.FetchCooldown, q.FetchPollInterval, "River rejects a poll interval below the cooldown")
+	require.Equal(t, 5, q.MaxWorkers)
+}
+
+// TestReservedJobsStartOnTime guards PreciseHook and PreciseQueue: reserved jobs start well within
+// River's 5 s scheduler interval of their time. BenchmarkLateness measures it.
+func TestReservedJobsStartOnTime(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const n = 8
+	bound := time.Second // generous for a loaded CI machine; the benchmark shows the real figures
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 4, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded}}})
+	st := newStarts()
+	client := newClient(t, b.pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			st.record(job.ID, time.Now())
+			return nil
+		},
+	})
+	sched, err := scheduler.New(client, b.limiter, nil)
+	require.NoError(t, err)
+	startClient(t, client)
+
+	due := map[int64]time.Time{}
+	for i := range n + 1 {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			r, err := sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{N: i}, nil)
+			if err == nil && i > 0 {
+				due[r.Job.ID] = r.ScheduledAt
+			}
+			return err
+		}))
+	}
+	st.wait(t, n+1, 30*time.Second)
+	// Reserved 250 ms apart, the 8 jobs fall due over 2 s. Left to River's scheduler (a pass every
+	// 5 s) at least half would start a second or more late; a loaded machine may stall one or two.
+	var lateOnes []string
+	for id, at := range due {
+		late := st.at[id].Sub(at)
+		t.Logf("job %d: %s late", id, late)
+		require.GreaterOrEqual(t, late, -2*time.Millisecond, "job %d started before its time", id)
+		if late >= bound {
+			lateOnes = append(lateOnes, fmt.Sprintf("job %d %s", id, late))
+		}
+	}
+	require.LessOrEqual(t, len(lateOnes), 2, "started %s or more after their time: %v", bound, lateOnes)
+}
+
+func TestMigrate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, &testdb.Options{NoMigrate: true})
+	require.NoError(t, scheduler.Migrate(ctx, pool, nil))
+	require.NoError(t, scheduler.Migrate(ctx, pool, nil), "a second run is a no-op")
+	// The tables work: an insert-only client can list jobs in this schema.
+	client := newClient(t, pool, nil)
+	res, err := client.JobList(ctx, river.NewJobListParams())
+	require.NoError(t, err)
+	require.Empty(t, res.Jobs)
+	require.Error(t, scheduler.Migrate(ctx, nil, nil))
 }

@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -586,14 +585,7 @@ func TestBadInput(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sched, err := scheduler.New(client, lim, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	client, sched := testdb.InsertScheduler(t, pool, lim, nil)
 	b := &badBundle{pool: pool, lim: lim, river: client, sched: sched}
 
 	// State for a wrong write to change: rows of each limit, a reservation and its job.

@@ -21,12 +21,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 	"go.uber.org/goleak"
 
 	"github.com/txlimit/txlimit/internal/pgtemp"
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
@@ -342,17 +340,7 @@ func TestRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client, err := river.NewClient(riverpgxv5.New(r.pool), &river.Config{
-		Hooks:  []rivertype.Hook{&scheduler.PreciseHook{}},
-		Logger: soakQuietLogger(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.sched, err = scheduler.New(client, r.lim, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, r.sched = testdb.InsertScheduler(t, r.pool, r.lim, nil)
 
 	// The load: workers call until stop is closed, and keep calling while the server is down.
 	stop := make(chan struct{})

@@ -15,9 +15,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -49,17 +49,7 @@ type soakSched struct {
 // their tallies.
 func (s *soakRun) startSched(t *testing.T, wg *sync.WaitGroup, deadline time.Time, seed uint64) {
 	t.Helper()
-	client, err := river.NewClient(riverpgxv5.New(s.pool), &river.Config{
-		Hooks:  []rivertype.Hook{&scheduler.PreciseHook{}},
-		Logger: soakQuietLogger(),
-	})
-	if err != nil {
-		t.Fatalf("river.NewClient: %v", err)
-	}
-	sched, err := scheduler.New(client, s.lim, nil)
-	if err != nil {
-		t.Fatalf("scheduler.New: %v", err)
-	}
+	client, sched := testdb.InsertScheduler(t, s.pool, s.lim, nil)
 	ss := &soakSched{s: s, client: client, sched: sched}
 	var mine sync.WaitGroup
 	for w := range soakSchedWorkers {

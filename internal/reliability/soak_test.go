@@ -17,9 +17,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
@@ -424,17 +421,7 @@ func (s *soakRun) setup(t *testing.T, workers int) {
 	if err != nil {
 		t.Fatalf("ratelimit.New: %v", err)
 	}
-	client, err := river.NewClient(riverpgxv5.New(s.pool), &river.Config{
-		Hooks:  []rivertype.Hook{&scheduler.PreciseHook{}},
-		Logger: soakQuietLogger(),
-	})
-	if err != nil {
-		t.Fatalf("river.NewClient: %v", err)
-	}
-	s.sched, err = scheduler.New(client, s.lim, nil)
-	if err != nil {
-		t.Fatalf("scheduler.New: %v", err)
-	}
+	_, s.sched = testdb.InsertScheduler(t, s.pool, s.lim, nil)
 }
 
 // drain takes every shard of every (limit, key) from its capacity down to the limit's level, at

@@ -22,34 +22,33 @@ import (
 )
 
 // soakEnvDuration reads a Go duration from the environment variable name, or returns def when it
-// is unset. A value that does not parse, or is not positive, fails the test: a typo must not
-// silently run the default.
+// is unset.
 func soakEnvDuration(t *testing.T, name string, def time.Duration) time.Duration {
 	t.Helper()
-	s := os.Getenv(name)
-	if s == "" {
-		return def
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil || d <= 0 {
-		t.Fatalf("%s=%q: want a positive Go duration such as 60s or 10m", name, s)
-	}
-	return d
+	return soakEnv(t, name, def, time.ParseDuration, "a positive Go duration such as 60s or 10m")
 }
 
 // soakEnvInt reads a positive integer from the environment variable name, or returns def when it
 // is unset.
 func soakEnvInt(t *testing.T, name string, def int) int {
 	t.Helper()
+	return soakEnv(t, name, def, strconv.Atoi, "a positive integer")
+}
+
+// soakEnv reads the environment variable name with parse, or returns def when it is unset. A value
+// that does not parse, or is not positive, fails the test, saying it wants what: a typo must not
+// silently run the default.
+func soakEnv[T int | time.Duration](t *testing.T, name string, def T, parse func(string) (T, error), what string) T {
+	t.Helper()
 	s := os.Getenv(name)
 	if s == "" {
 		return def
 	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 {
-		t.Fatalf("%s=%q: want a positive integer", name, s)
+	v, err := parse(s)
+	if err != nil || v <= 0 {
+		t.Fatalf("%s=%q: want %s", name, s, what)
 	}
-	return n
+	return v
 }
 
 // soakSeconds formats d the way the summary lines do: whole seconds as "60s", otherwise as Go

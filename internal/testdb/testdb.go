@@ -5,6 +5,7 @@
 // throwaway cluster; when none works, the test fails with one message naming the three ways to
 // provide a database. Each call to Pool creates a fresh schema, applies txlimit's migrations in it
 // and drops it when the test ends, so tests can run in parallel without seeing each other's rows.
+// RiverClient, RiverWorker and InsertScheduler make the River clients of the tests on such a pool.
 package testdb
 
 import (
