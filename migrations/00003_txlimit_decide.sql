@@ -547,6 +547,11 @@ BEGIN
           AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us,
                                                                   p_cap), 0, p_count), 0, p_allow)
         RETURNING s.value, s.ts INTO v, vts;
+        IF v IS NULL AND b IS NOT NULL THEN
+            -- Not written: having waited for the row, the UPDATE may hold it (the rule refused its
+            -- latest version), so no row before it is waited for.
+            held := CASE WHEN sh = greatest(a, b) THEN 2 ELSE 1 END;
+        END IF;
     END IF;
     IF v IS NOT NULL THEN
         RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END,

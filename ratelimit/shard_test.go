@@ -858,6 +858,63 @@ func TestShardSkipsALockedPick(t *testing.T) {
 	require.Error(t, err, "with both picks held the call must wait")
 }
 
+// A call that waited for the pick it charges, and found that pick refusing once it held it (the
+// holder emptied it), holds that row without having written it. It then only tries its other
+// pick, never waits for it, so that two calls never wait on each other's shards (docs/spec.md §7,
+// No deadlock): here the other pick is held too, and the call is refused, to retry at once,
+// instead of waiting for it while holding the first (where a holder that then locked the first
+// would have closed a deadlock).
+func TestShardWaitedPickIsHeldInOrder(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+	e.set(shardT0, [2]int{0, 1})
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // creates both rows (0.5 each)
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardAt(2), [2]int{0, 1}) // both full again
+	r, err = e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Shards, "a tie goes to the first pick")
+
+	// Shard 1 (2 tokens) is emptied by an open transaction, shard 0 (1 token) is locked by another.
+	e.set(shardAt(2), [2]int{1, 0})
+	emptier, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer emptier.Rollback(e.ctx)
+	r, err = e.lim.LimitN(e.ctx, emptier, "s", "k", 2, nil)
+	require.NoError(t, err)
+	require.Equal(t, []int{1}, r.Shards)
+	locker, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(e.ctx)
+	testdb.LockRow(t, locker, "s", "k", 0)
+
+	// The call is steered to shard 0 first (shard 1's steering lock is the emptier's), reads shard 1
+	// as fuller (the emptier has not committed), finds both rows held and waits for shard 1.
+	type answer struct {
+		r   ratelimit.Result
+		err error
+	}
+	done := make(chan answer, 1)
+	quick, cancel := context.WithTimeout(e.ctx, 3*time.Second)
+	defer cancel()
+	go func() {
+		r, err := e.lim.Limit(quick, e.pool, "s", "k", nil)
+		done <- answer{r, err}
+	}()
+	emptierPID := emptier.Conn().PgConn().PID()
+	require.Eventually(t, func() bool { return testdb.BlockedBy(t, e.pool, emptierPID) == 1 },
+		5*time.Second, 10*time.Millisecond, "the call should wait for shard 1")
+	require.NoError(t, emptier.Commit(e.ctx))
+
+	a := <-done
+	require.NoError(t, a.err, "the call waited for shard 0 while holding shard 1")
+	require.False(t, a.r.OK)
+	require.Equal(t, a.r.Time, a.r.RetryAt, "refused to retry at once: shard 0 would grant it")
+	testdb.LockRow(t, locker, "s", "k", 1) // nothing holds shard 1 any more
+}
+
 // Concurrent callers of one key are steered to different shards: a shard that another open
 // transaction is deciding on (its advisory lock is held) is passed over before any row is read.
 // When every candidate is taken, a call under READ COMMITTED goes on and waits for its first pick;
