@@ -311,10 +311,10 @@ func TestDenialWritesNothing(t *testing.T) {
 	require.False(t, found, "a denied LimitMany created a row")
 }
 
-// docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls on the pool queue on the row's
-// advisory lock, so that of the calls that find their row held by another transaction only the
-// first waits for the row itself; when the holder commits, each is decided in turn on the latest
-// row.
+// docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls on the pool that their row grants
+// queue on the row's advisory lock, so that of the calls that find their row held by another
+// transaction only the first waits for the row itself; when the holder commits, each is decided in
+// turn on the latest row. A call the row refuses does not queue.
 func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"l": {Rate: 10, Period: time.Hour}})
@@ -340,6 +340,15 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 		return testdb.BlockedBy(t, pool, pid) == 1 && testdb.QueueWaiters(t, pool, base, 0) == 2
 	}, 5*time.Second, 10*time.Millisecond, "one call waits for the row, two for its advisory lock")
 
+	// A call that the row, as its statement sees it, refuses does not queue behind them: a LimitN of
+	// more than the row holds is refused at once, while the row and the queue are still held.
+	quick, cancelQuick := context.WithTimeout(ctx, 2*time.Second)
+	defer cancelQuick()
+	r, err := lim.LimitN(quick, pool, "l", "k", 10, nil)
+	require.NoError(t, err, "a refusal waited in the queue")
+	require.False(t, r.OK)
+	require.Equal(t, 9.0, r.Value)
+
 	require.NoError(t, holder.Commit(ctx))
 	levels := []float64{}
 	for range 3 {
@@ -352,7 +361,7 @@ func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	// Those calls locked the row before writing it, which leaves their lock's trace on the row;
 	// the next lone call, with nobody else around, writes it in one statement again (which leaves
 	// none).
-	r, err := lim.Limit(ctx, pool, "l", "k", nil)
+	r, err = lim.Limit(ctx, pool, "l", "k", nil)
 	require.NoError(t, err)
 	require.Equal(t, 5.0, r.Value)
 	require.Zero(t, testdb.RowLocker(t, pool, "l", "k", 0), "the call took the locking road")

@@ -99,14 +99,16 @@ WITH u AS (
     WHERE current_setting('transaction_isolation') = 'read committed' AND NOT $6::boolean
       AND $12::integer[] IS NULL
       AND s.name = $2::text AND s.key = $3::text AND s.shard = $13::integer
-      AND (pg_current_xact_id_if_assigned() IS NOT NULL
-           OR pg_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
-                                    # $13::integer::bigint # 524288) IS NOT NULL)
-      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
-                                                              $9::bigint, $7::bigint,
-                                                              $10::double precision),
-                                          0, $4::double precision),
-                          0, $5::double precision)
+      AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
+                                                                        $9::bigint,
+                                                                        $7::bigint,
+                                                                        $10::double precision),
+                                                    0, $4::double precision),
+                                    0, $5::double precision)
+               THEN pg_current_xact_id_if_assigned() IS NOT NULL
+                    OR pg_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
+                                             # $13::integer::bigint # 524288) IS NOT NULL
+               ELSE false END
     RETURNING txlimit_written_v1(s.value, s.ts, c.t, $13::integer, -1, 0, $8::double precision,
                                  $9::bigint, $7::bigint,
                                  $10::double precision) AS answer
@@ -148,9 +150,10 @@ type DecideOneParams struct {
 // Under READ COMMITTED a Limit or LimitN on an unsharded limit is decided here by one UPDATE of
 // its row whose condition is the grant rule: Postgres evaluates it on the latest version of the
 // row, which the UPDATE holds, so the request is decided on the row it has locked. A call of its
-// own (no transaction ID yet) first queues on the row's advisory lock (lock_key XOR the table's
-// OID shifted left 20 bits XOR the shard XOR bit 19), so that of the calls waiting for one row one
-// at a time goes on to the row. Anything that UPDATE does not write (a refusal, a missing row, a
+// own (no transaction ID yet) whose row, as the statement's snapshot has it, grants the request
+// first queues on the row's advisory lock (lock_key XOR the table's OID shifted left 20 bits XOR
+// the shard XOR bit 19), so that of the calls waiting for one row one at a time goes on to the
+// row; one that row refuses waits for nothing. Anything that UPDATE does not write (a refusal, a
 // Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
 // table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
 // isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the

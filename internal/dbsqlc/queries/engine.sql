@@ -6,9 +6,10 @@
 -- Under READ COMMITTED a Limit or LimitN on an unsharded limit is decided here by one UPDATE of
 -- its row whose condition is the grant rule: Postgres evaluates it on the latest version of the
 -- row, which the UPDATE holds, so the request is decided on the row it has locked. A call of its
--- own (no transaction ID yet) first queues on the row's advisory lock (lock_key XOR the table's
--- OID shifted left 20 bits XOR the shard XOR bit 19), so that of the calls waiting for one row one
--- at a time goes on to the row. Anything that UPDATE does not write (a refusal, a missing row, a
+-- own (no transaction ID yet) whose row, as the statement's snapshot has it, grants the request
+-- first queues on the row's advisory lock (lock_key XOR the table's OID shifted left 20 bits XOR
+-- the shard XOR bit 19), so that of the calls waiting for one row one at a time goes on to the
+-- row; one that row refuses waits for nothing. Anything that UPDATE does not write (a refusal, a
 -- Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
 -- table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
 -- isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
@@ -23,14 +24,16 @@ WITH u AS (
     WHERE current_setting('transaction_isolation') = 'read committed' AND NOT sqlc.arg('dry')::boolean
       AND sqlc.narg('shards')::integer[] IS NULL
       AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = sqlc.arg('shard')::integer
-      AND (pg_current_xact_id_if_assigned() IS NOT NULL
-           OR pg_advisory_xact_lock(sqlc.arg('lock_key')::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
-                                    # sqlc.arg('shard')::integer::bigint # 524288) IS NOT NULL)
-      AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision,
-                                                              sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint,
-                                                              sqlc.arg('cap')::double precision),
-                                          0, sqlc.arg('count')::double precision),
-                          0, sqlc.arg('allow')::double precision)
+      AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision,
+                                                                        sqlc.arg('period_us')::bigint,
+                                                                        sqlc.arg('step_us')::bigint,
+                                                                        sqlc.arg('cap')::double precision),
+                                                    0, sqlc.arg('count')::double precision),
+                                    0, sqlc.arg('allow')::double precision)
+               THEN pg_current_xact_id_if_assigned() IS NOT NULL
+                    OR pg_advisory_xact_lock(sqlc.arg('lock_key')::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
+                                             # sqlc.arg('shard')::integer::bigint # 524288) IS NOT NULL
+               ELSE false END
     RETURNING txlimit_written_v1(s.value, s.ts, c.t, sqlc.arg('shard')::integer, -1, 0, sqlc.arg('rate')::double precision,
                                  sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint,
                                  sqlc.arg('cap')::double precision) AS answer
