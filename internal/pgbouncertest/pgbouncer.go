@@ -29,8 +29,9 @@ type Mode struct {
 
 // SafeModes are the pgx exec modes docs/deploy.md calls safe behind a transaction-mode pooler:
 // exec, simple protocol and cache describe. TestExecModes checks that the decisions work in each
-// through PgBouncer; the scheduler's TestExecModes runs its statements in each, directly on
-// Postgres and through PgBouncer.
+// through PgBouncer; the scheduler's whole test suite runs in each, directly on Postgres (make
+// test) and through PgBouncer (make test-pgbouncer), chosen by name (TXLIMIT_TEST_EXEC_MODE; the
+// Makefile's SAFE_MODES lists the names).
 var SafeModes = []Mode{
 	{Name: "exec", Mode: pgx.QueryExecModeExec},
 	{Name: "simple_protocol", Mode: pgx.QueryExecModeSimpleProtocol},
