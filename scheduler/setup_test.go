@@ -313,6 +313,25 @@ func connFromEnv(getenv func(string) string) (conn, error) {
 	return c, nil
 }
 
+// TestMakefileListsEverySafeMode: the Makefile's SAFE_MODES, the modes make test and make
+// test-pgbouncer run this package in, are the names of pgbouncertest.SafeModes, in their order.
+func TestMakefileListsEverySafeMode(t *testing.T) {
+	t.Parallel()
+	text, err := os.ReadFile("../Makefile")
+	require.NoError(t, err)
+	var listed []string
+	for line := range strings.Lines(string(text)) {
+		if rest, ok := strings.CutPrefix(line, "SAFE_MODES := "); ok {
+			listed = strings.Fields(rest)
+		}
+	}
+	var names []string
+	for _, m := range pgbouncertest.SafeModes {
+		names = append(names, m.Name)
+	}
+	require.Equal(t, names, listed, "SAFE_MODES in the Makefile")
+}
+
 // tables is what the schema of a pool holds.
 type tables int
 
