@@ -13,6 +13,21 @@ STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
 export TEST_DATABASE_URL ?=
 
+# The pgx exec modes docs/deploy.md calls safe behind a transaction pooler (pgbouncertest.SafeModes;
+# scheduler's TestMakefileListsEverySafeMode keeps the two equal). make test runs ./scheduler/ once
+# in each directly, make test-pgbouncer once in each through PgBouncer. The targets set the two
+# variables that choose the scheduler tests' connection (scheduler/setup_test.go), and ignore them
+# in the environment.
+SAFE_MODES := exec simple_protocol cache_describe
+unexport TXLIMIT_TEST_EXEC_MODE TXLIMIT_TEST_VIA
+
+# scheduler-modes,VIA: go test ./scheduler/ once in each of SAFE_MODES, reached VIA (direct or
+# pgbouncer); stops at the first mode that fails.
+scheduler-modes = for mode in $(SAFE_MODES); do \
+		echo "== TXLIMIT_TEST_EXEC_MODE=$$mode TXLIMIT_TEST_VIA=$(1) go test ./scheduler/"; \
+		TXLIMIT_TEST_EXEC_MODE=$$mode TXLIMIT_TEST_VIA=$(1) $(GO) test -race -count=1 -timeout 10m ./scheduler/ || exit 1; \
+	done
+
 # make reliability: how long the soak runs and with how many workers, how many inputs the fuzz runs,
 # and which tests of internal/reliability run (all by default). By hand: make reliability SOAK=10m FUZZTIME=300000x
 # FUZZTIME is a count of inputs, not a duration: docs/reliability.md says why.
@@ -32,13 +47,14 @@ demo: ## Run the examples one after the other: demo, llmbudget, httpserver (each
 	$(GO) run ./internal/cmd/withdb -- $(GO) run ./examples/demo -- $(GO) run ./examples/llmbudget -- $(GO) run ./examples/httpserver -demo
 
 .PHONY: test
-test: ## Run every test with the race detector, one package at a time (needs Postgres, see README).
+test: ## Run every test with the race detector, one package at a time, then the scheduler's once in each safe exec mode (needs Postgres, see README).
 	$(GO) test -race -count=1 -p 1 -timeout 15m ./...
+	@$(call scheduler-modes,direct)
 
 .PHONY: test-pgbouncer
-test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode: internal/pgbouncertest, then the scheduler's in each safe exec mode (.ci/pgbouncer.sh starts one unless TXLIMIT_PGBOUNCER_URL is set).
+test-pgbouncer: ## Tests through a PgBouncer in transaction pooling mode: internal/pgbouncertest, then the scheduler's once in each safe exec mode (.ci/pgbouncer.sh starts one unless TXLIMIT_PGBOUNCER_URL is set).
 	@run='$(GO) test -race -count=1 -v -timeout 10m ./internal/pgbouncertest/ && \
-		$(GO) test -race -count=1 -v -timeout 10m -run "^TestExecModes$$/^pgbouncer$$" ./scheduler/'; \
+		$(call scheduler-modes,pgbouncer)'; \
 	if [ -n "$$TXLIMIT_PGBOUNCER_URL" ]; then bash -c "$$run"; else .ci/pgbouncer.sh bash -c "$$run"; fi
 
 .PHONY: lint

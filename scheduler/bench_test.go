@@ -37,7 +37,7 @@ func benchLateness(b *testing.B, precise bool) {
 		cfgKey = "bench"
 	)
 	ctx := context.Background()
-	pool := conn{}.pool(b, 24, false)
+	pool := runConn.pool(b, 24, allTables)
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		cfgKey: {Rate: rate, Period: time.Second, Capacity: 1, MaxReserved: ratelimit.Unbounded},
 	}})

@@ -36,11 +36,10 @@ func reserve(t *testing.T, b *testBundle, name, key string, count float64) *sche
 	return res
 }
 
-func TestCancelTx(t *testing.T) { direct(t, cancelTx) }
-
-func cancelTx(t *testing.T, c conn) {
+func TestCancelTx(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, tenPerSecond, c)
+	b := setupCalls(t, tenPerSecond)
 
 	reserve(t, b, "calls", "u1", 10)      // runs now: the bucket is empty
 	jb := reserve(t, b, "calls", "u1", 5) // waits 500 ms
@@ -118,14 +117,13 @@ func cancelTx(t *testing.T, c conn) {
 	require.Equal(t, rivertype.JobStateAvailable, jobRow(t, b, plain.Job.ID).State)
 }
 
-func TestCancelTxManyLimits(t *testing.T) { direct(t, cancelTxManyLimits) }
-
-func cancelTxManyLimits(t *testing.T, c conn) {
+func TestCancelTxManyLimits(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{
 		"calls":  {Rate: 2, Period: time.Second, MaxReserved: 100},
 		"tokens": {Rate: 1000, Period: time.Second, MaxReserved: 100_000},
-	}, now: frozen(t0), conn: c})
+	}, now: frozen(t0)})
 	var res *scheduler.Reservation
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		var err error
@@ -213,11 +211,10 @@ func metadataMap(t *testing.T, md []byte) map[string]any {
 
 // TestSettleTxOnce settles one job from 16 transactions at once: the 8 unused tokens are credited
 // once, every call returns the same outcome, and exactly one of them did it.
-func TestSettleTxOnce(t *testing.T) { direct(t, settleTxOnce) }
-
-func settleTxOnce(t *testing.T, c conn) {
+func TestSettleTxOnce(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 20, conn: c})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 20})
 	reserve(t, b, "calls", "u1", 10)
 	res := reserve(t, b, "calls", "u1", 10) // owes 10
 	require.Equal(t, -10.0, value(t, b, "calls", "u1"))
@@ -584,12 +581,12 @@ func TestPullForwardModel(t *testing.T) {
 	for _, seed := range []uint64{1, 3, 5, 15} { // each a different history; seed 1 found a lost fixed-window credit
 		t.Run(fmt.Sprint("seed ", seed), func(t *testing.T) {
 			t.Parallel()
-			pullForwardModel(t, conn{}, seed)
+			pullForwardModel(t, seed)
 		})
 	}
 }
 
-func pullForwardModel(t *testing.T, c conn, seed uint64) {
+func pullForwardModel(t *testing.T, seed uint64) {
 	ctx := context.Background()
 	limits := map[string]*mLimit{
 		"tok": {cfg: ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 1000}},
@@ -603,7 +600,7 @@ func pullForwardModel(t *testing.T, c conn, seed uint64) {
 	var clock atomic.Int64
 	clock.Store(t0.UnixNano())
 	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	b := setup(t, &setupOpts{limits: cfgs, now: now, conn: c})
+	b := setup(t, &setupOpts{limits: cfgs, now: now})
 	rng := rand.New(rand.NewPCG(seed, 6))
 
 	var js []*mJob

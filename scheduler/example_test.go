@@ -12,7 +12,6 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
-	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -30,8 +29,8 @@ func (CompletionArgs) Kind() string { return "completion" }
 func Example_reserveAndSchedule() {
 	ctx := context.Background()
 	// In an application: the application's pool, with migrations.Up and scheduler.Migrate run at
-	// start-up. The examples get a fresh schema with txlimit's migrations.
-	pool, done := testdb.ForExample()
+	// start-up. The examples get a fresh schema with txlimit's migrations, reached as the tests are.
+	pool, done := examplePool()
 	defer done()
 	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
 		panic(err)
@@ -94,7 +93,7 @@ func (RequestArgs) Kind() string { return "request" }
 // rest, exactly once, and either pulls the jobs waiting behind it forward.
 func Example_cancelAndSettle() {
 	ctx := context.Background()
-	pool, done := testdb.ForExample()
+	pool, done := examplePool()
 	defer done()
 	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Hooks: []rivertype.Hook{&scheduler.PreciseHook{}}})
 	if err != nil {

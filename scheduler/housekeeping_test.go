@@ -55,6 +55,7 @@ func TestHousekeepingPeriodicJobs(t *testing.T) {
 	client := testdb.RiverClient(t, b.pool, &river.Config{
 		Logger:       quietLogger(),
 		PeriodicJobs: jobs,
+		PollOnly:     runConn.bouncer, // as newClient's
 		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 1}},
 		TestOnly:     true,
 		Workers:      workers,
@@ -179,7 +180,7 @@ func TestHousekeepingErrors(t *testing.T) {
 	t.Parallel()
 	lim, err := ratelimit.New(nil)
 	require.NoError(t, err)
-	pool := testdb.Pool(t, nil)
+	pool := runConn.pool(t, 8, txlimitTables)
 	for i, c := range []struct {
 		workers *river.Workers
 		lim     *ratelimit.Limiter
@@ -302,14 +303,13 @@ func strandedCount(t *testing.T, reader *sdkmetric.ManualReader, queue string) i
 // TestStrandedWorker (issue 31, item 2): reserved jobs not started a minute (After) past their
 // time are counted once each, by queue, logged with the fix, recorded as the job's output, and
 // marked; a job due exactly After ago, a cancelled job and a job counted before are not.
-func TestStrandedWorker(t *testing.T) { direct(t, stranded) }
-
-func stranded(t *testing.T, c conn) {
+func TestStrandedWorker(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, c)
+	b := setupCalls(t, perMinute10)
 	// A client has worked the default queue (River's queue table lists it), none "orphan"; the
 	// Scheduler is told, wrongly, that both are worked.
-	b.workQueues(t, c, river.QueueDefault)
+	b.workQueues(t, river.QueueDefault)
 	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, &scheduler.Config{Queues: []string{"orphan", river.QueueDefault}})
 
 	// The bucket is empty at t0; each reservation of 5 waits 30 s more (one token per 6 s).

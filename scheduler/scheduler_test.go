@@ -24,11 +24,10 @@ import (
 // A 10-per-minute bucket: one token every 6 s.
 var perMinute10 = ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: 20}
 
-func TestReserveTx(t *testing.T) { direct(t, reserveTx) }
-
-func reserveTx(t *testing.T, c conn) {
+func TestReserveTx(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, c)
+	b := setupCalls(t, perMinute10)
 
 	// step 1: 10 tokens are there: the job runs now, nothing is scheduled.
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
@@ -78,7 +77,7 @@ func reserveTx(t *testing.T, c conn) {
 func TestReserveTxRollback(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 
 	for _, count := range []float64{3, 15} { // one that runs now, one that waits
 		err := inTx(t, b.pool, true, func(tx pgx.Tx) error {
@@ -96,7 +95,7 @@ func TestReserveTxRollback(t *testing.T) {
 func TestReserveTxOverMaxReserved(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		_, err := b.sched.ReserveTx(ctx, tx, "calls", "u1", 25, callArgs{N: 1}, nil) // 15 owed of 20
@@ -186,7 +185,7 @@ func TestReserveManyTx(t *testing.T) {
 func TestReserveTxNeedsPreciseHook(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 	client := newClient(t, b.pool, &clientOpts{noHook: true})
 
 	strict, err := scheduler.New(client, b.limiter, nil)
@@ -220,7 +219,7 @@ func (uniqueArgs) InsertOpts() river.InsertOpts {
 func TestReserveTxDuplicateIsCreditedBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 	client, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil) // no Workers: it inserts uniqueArgs, a kind no worker works
 
 	for i, want := range []bool{false, true} {
@@ -313,7 +312,7 @@ var errRollback = errors.New("rolled back on purpose")
 func TestReserveTxInput(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		bad := []struct {
@@ -364,7 +363,7 @@ func (floatArgs) Kind() string { return "txlimit_float" }
 func TestReserveTxRefusedJobWritesNothing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 	noHook := b.noHookScheduler(t, nil)
 	for _, c := range []struct {
 		what  string
@@ -417,11 +416,10 @@ func (llmArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{Queue: "l
 // reservation whose job would go to the default queue (no InsertOpts.Queue) is refused with
 // ErrQueueNotWorked, and nothing is reserved: the limit has no row, no job exists, and the caller's
 // transaction commits what it did itself.
-func TestReserveTxUnworkedQueue(t *testing.T) { direct(t, unworkedQueue) }
-
-func unworkedQueue(t *testing.T, c conn) {
+func TestReserveTxUnworkedQueue(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, c)
+	b := setupCalls(t, perMinute10)
 	client, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
 	reserveIn := func(tx pgx.Tx, args river.JobArgs, queue string) (*scheduler.Reservation, error) {
 		var opts *scheduler.ReserveOpts
@@ -440,7 +438,7 @@ func unworkedQueue(t *testing.T, c conn) {
 
 	// step 2: a worker process works only "llm". A job for the default queue is refused before
 	// anything is reserved, by ReserveTx and ReserveManyTx, and by Check for args of that queue.
-	b.workQueues(t, c, "llm")
+	b.workQueues(t, "llm")
 	const want = `scheduler: ReserveTx: insert the job into a queue River's clients work ("llm") with ReserveOpts.InsertOpts.Queue, ` +
 		`or add "default" to river.Config.Queues of a client (no River client works the job's queue "default")`
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {

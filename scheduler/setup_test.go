@@ -3,9 +3,12 @@ package scheduler_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -46,16 +49,16 @@ type setupOpts struct {
 	limits   map[string]ratelimit.Config
 	now      func() time.Time // the limiter's clock; nil: the database's
 	maxConns int32
-	conn     conn // how to reach Postgres; the zero conn: directly, pgx's default exec mode
 }
 
-// setup returns a migrated schema (txlimit and River), a limiter and an insert-only client.
+// setup returns a migrated schema (txlimit and River) reached by the run's connection (runConn), a
+// limiter and an insert-only client.
 func setup(t *testing.T, opts *setupOpts) *testBundle {
 	t.Helper()
 	if opts == nil {
 		opts = &setupOpts{}
 	}
-	pool := opts.conn.pool(t, max(opts.maxConns, 8), false)
+	pool := runConn.pool(t, max(opts.maxConns, 8), allTables)
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: opts.limits, Now: opts.now})
 	require.NoError(t, err)
 	client := newClient(t, pool, nil)
@@ -64,10 +67,10 @@ func setup(t *testing.T, opts *setupOpts) *testBundle {
 	return &testBundle{pool: pool, limiter: limiter, client: client, sched: sched}
 }
 
-// setupCalls is setup with one limit, "calls", of cfg, on the clock frozen at t0, reached by c.
-func setupCalls(t *testing.T, cfg ratelimit.Config, c conn) *testBundle {
+// setupCalls is setup with one limit, "calls", of cfg, on the clock frozen at t0.
+func setupCalls(t *testing.T, cfg ratelimit.Config) *testBundle {
 	t.Helper()
-	return setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": cfg}, now: frozen(t0), conn: c})
+	return setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": cfg}, now: frozen(t0)})
 }
 
 // noHookScheduler returns a Scheduler of config cfg on b's limiter whose client lacks PreciseHook.
@@ -84,10 +87,12 @@ type clientOpts struct {
 	middleware  []rivertype.Middleware
 	work        func(ctx context.Context, job *river.Job[callArgs]) error
 	noHook      bool
-	pollOnly    bool // no LISTEN: through PgBouncer
 	retryPolicy river.ClientRetryPolicy
 }
 
+// newClient returns a River client on pool, with PreciseHook unless opts.noHook. Through PgBouncer
+// it is poll-only, as docs/deploy.md tells users: River's LISTEN is session state, which
+// transaction pooling does not keep. A PreciseQueue polls every 50 ms anyway.
 func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client[pgx.Tx] {
 	t.Helper()
 	if opts == nil {
@@ -102,7 +107,7 @@ func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	cfg := &river.Config{
 		Logger:      quietLogger(),
 		Middleware:  opts.middleware,
-		PollOnly:    opts.pollOnly,
+		PollOnly:    runConn.bouncer,
 		Queues:      opts.queues,
 		RetryPolicy: opts.retryPolicy,
 		TestOnly:    true,
@@ -114,16 +119,16 @@ func newClient(t testing.TB, pool *pgxpool.Pool, opts *clientOpts) *river.Client
 	return testdb.RiverClient(t, pool, cfg)
 }
 
-// workQueues starts and stops a River client on b's pool (reached by c) that works queues, so that
-// River's queue table lists them, as it does once a worker process has run.
-func (b *testBundle) workQueues(t *testing.T, c conn, queues ...string) {
+// workQueues starts and stops a River client on b's pool that works queues, so that River's queue
+// table lists them, as it does once a worker process has run.
+func (b *testBundle) workQueues(t *testing.T, queues ...string) {
 	t.Helper()
 	ctx := context.Background()
 	qs := map[string]river.QueueConfig{}
 	for _, q := range queues {
 		qs[q] = scheduler.PreciseQueue(1)
 	}
-	client := newClient(t, b.pool, &clientOpts{queues: qs, pollOnly: c.bouncer})
+	client := newClient(t, b.pool, &clientOpts{queues: qs})
 	require.NoError(t, client.Start(ctx))
 	require.NoError(t, client.Stop(ctx))
 }
@@ -229,96 +234,210 @@ func metadataValue(t *testing.T, metadata []byte, key string) json.RawMessage {
 // second returns the error of a call that returns a value and an error.
 func second[T any](_ T, err error) error { return err }
 
-// conn is how a test reaches Postgres: directly or through PgBouncer (make test-pgbouncer), with
-// one pgx exec mode. The zero conn is what most tests use: directly, in pgx's default mode.
+// The connection of the package run: how every test, the benchmark and the examples reach
+// Postgres. TestMain reads two environment variables once; make test runs the package in each
+// safe mode directly, make test-pgbouncer in each through PgBouncer:
+//
+//   - TXLIMIT_TEST_EXEC_MODE: the pools' pgx exec mode, one of pgbouncertest.SafeModes (exec,
+//     simple_protocol, cache_describe: the modes docs/deploy.md calls safe behind a transaction
+//     pooler); unset or empty, pgx's default (cache_statement).
+//   - TXLIMIT_TEST_VIA: direct (or unset or empty) or pgbouncer, through the PgBouncer of
+//     TXLIMIT_PGBOUNCER_URL (pgbouncertest.EnvURL), which must then be set, as must a safe mode.
+//
+// Any other value fails the run before a test starts.
+const (
+	envExecMode = "TXLIMIT_TEST_EXEC_MODE"
+	envVia      = "TXLIMIT_TEST_VIA"
+)
+
+// runConn is the connection of the package run, set by TestMain from the environment.
+var runConn conn
+
+func TestMain(m *testing.M) {
+	c, err := connFromEnv(os.Getenv)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "scheduler tests: %v\n", err)
+		os.Exit(2)
+	}
+	runConn = c
+	fmt.Printf("scheduler tests: %s\n", c)
+	os.Exit(m.Run())
+}
+
+// conn is how the tests reach Postgres: directly or through PgBouncer, in one pgx exec mode.
 type conn struct {
-	mode    pgx.QueryExecMode // 0: pgx's default (cache_statement)
+	mode    pgbouncertest.Mode // the zero Mode: pgx's default (cache_statement)
 	bouncer bool
 }
 
-// pool returns a pool of at most maxConns connections on a schema of the test's own with txlimit's
-// migrations applied (and River's, unless noRiver), dropped when the test ends.
-func (c conn) pool(t testing.TB, maxConns int32, noRiver bool) *pgxpool.Pool {
-	t.Helper()
+func (c conn) String() string {
+	mode := "pgx's default exec mode (cache_statement)"
+	if c.mode.Name != "" {
+		mode = "exec mode " + c.mode.Name
+	}
+	if c.bouncer {
+		return mode + ", through PgBouncer (" + pgbouncertest.EnvURL + ")"
+	}
+	return mode + ", directly"
+}
+
+// connFromEnv returns the connection that the environment, read with getenv, chooses, or an error
+// naming the variable and the values it takes.
+func connFromEnv(getenv func(string) string) (conn, error) {
+	var c conn
+	if name := getenv(envExecMode); name != "" {
+		var names []string
+		for _, m := range pgbouncertest.SafeModes {
+			names = append(names, m.Name)
+			if m.Name == name {
+				c.mode = m
+			}
+		}
+		if c.mode.Name == "" {
+			return conn{}, fmt.Errorf("%s=%q: want one of %s, or unset for pgx's default mode", envExecMode, name, strings.Join(names, ", "))
+		}
+	}
+	switch via := getenv(envVia); via {
+	case "", "direct":
+	case "pgbouncer":
+		if c.mode.Name == "" {
+			return conn{}, fmt.Errorf("%s=pgbouncer needs %s: pgx's default mode prepares named statements, which PgBouncer breaks in transaction pooling mode (docs/deploy.md)", envVia, envExecMode)
+		}
+		if getenv(pgbouncertest.EnvURL) == "" {
+			return conn{}, fmt.Errorf("%s=pgbouncer needs %s, the test database's URL through PgBouncer: make test-pgbouncer starts one and sets it", envVia, pgbouncertest.EnvURL)
+		}
+		c.bouncer = true
+	default:
+		return conn{}, fmt.Errorf("%s=%q: want direct or pgbouncer", envVia, via)
+	}
+	return c, nil
+}
+
+// TestMakefileListsEverySafeMode: the Makefile's SAFE_MODES, the modes make test and make
+// test-pgbouncer run this package in, are the names of pgbouncertest.SafeModes, in their order.
+func TestMakefileListsEverySafeMode(t *testing.T) {
+	t.Parallel()
+	text, err := os.ReadFile("../Makefile")
+	require.NoError(t, err)
+	var listed []string
+	for line := range strings.Lines(string(text)) {
+		if rest, ok := strings.CutPrefix(line, "SAFE_MODES := "); ok {
+			listed = strings.Fields(rest)
+		}
+	}
+	var names []string
+	for _, m := range pgbouncertest.SafeModes {
+		names = append(names, m.Name)
+	}
+	require.Equal(t, names, listed, "SAFE_MODES in the Makefile")
+}
+
+// tables is what the schema of a pool holds.
+type tables int
+
+const (
+	allTables     tables = iota // txlimit's and River's (scheduler.Migrate)
+	txlimitTables               // txlimit's only
+	noTables                    // none: an empty schema
+)
+
+// pool returns a pool of at most maxConns connections, reached by c, on a schema of the test's own
+// that holds schema's tables, dropped when the test ends. Through PgBouncer the schema is the
+// search_path of a role of the test's own (pgbouncertest.New).
+func (c conn) pool(tb testing.TB, maxConns int32, schema tables) *pgxpool.Pool {
+	tb.Helper()
 	ctx := context.Background()
 	var pool *pgxpool.Pool
-	switch {
-	case c.bouncer:
-		pool = pgbouncertest.New(t).Pool(t, c.mode, maxConns)
-		require.NoError(t, migrations.Up(ctx, pool))
-	case c.mode == 0:
-		pool = testdb.Pool(t, &testdb.Options{MaxConns: maxConns})
-	default:
-		cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
-		require.NoError(t, err)
-		cfg.ConnConfig.RuntimeParams["search_path"] = testdb.NewSchema(t)
-		cfg.ConnConfig.DefaultQueryExecMode = c.mode
-		cfg.MaxConns = maxConns
-		pool, err = pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
-		require.NoError(t, migrations.Up(ctx, pool))
+	if c.bouncer {
+		pool = pgbouncertest.New(tb).Pool(tb, c.mode.Mode, maxConns)
+		if schema != noTables {
+			require.NoError(tb, migrations.Up(ctx, pool))
+		}
+	} else {
+		pool = testdb.Pool(tb, &testdb.Options{MaxConns: maxConns, QueryExecMode: c.mode.Mode, NoMigrate: schema == noTables})
 	}
-	if !noRiver {
-		require.NoError(t, scheduler.Migrate(ctx, pool, nil))
+	if schema == allTables {
+		require.NoError(tb, scheduler.Migrate(ctx, pool, nil))
 	}
 	return pool
 }
 
-// direct runs scenario, in parallel, directly on Postgres in pgx's default mode: the Test
-// function of each scenario TestExecModes also runs in the other modes and through PgBouncer.
-func direct(t *testing.T, scenario func(t *testing.T, c conn)) {
-	t.Parallel()
-	scenario(t, conn{})
+// examplePool is testdb.ForExample reached by the run's connection, for the runnable examples: a
+// pool on a fresh schema with txlimit's migrations, and a function that closes the pool and drops
+// the schema. It panics where a test would fail.
+func examplePool() (*pgxpool.Pool, func()) {
+	if !runConn.bouncer {
+		return testdb.ForExampleMode(runConn.mode.Mode)
+	}
+	ctx := context.Background()
+	b, drop, err := pgbouncertest.Open(ctx)
+	if err != nil {
+		panic(err)
+	}
+	pool, err := b.Connect(ctx, runConn.mode.Mode, 4)
+	if err != nil {
+		panic(errors.Join(err, drop()))
+	}
+	done := func() {
+		pool.Close()
+		if err := drop(); err != nil {
+			panic(err)
+		}
+	}
+	if err := migrations.Up(ctx, pool); err != nil {
+		done()
+		panic(err)
+	}
+	return pool, done
 }
 
-// TestExecModes runs the scheduler's statements (River's insert, the queue check, Check, CancelTx,
-// SettleTx, the pull-forward's Waiting and Reschedule, the stranded-job check) in every pgx exec
-// mode docs/deploy.md calls safe behind a transaction-mode pooler (pgbouncertest.SafeModes),
-// directly on Postgres and through PgBouncer. The subtests are the same functions the other
-// tests run in pgx's default mode. The PgBouncer ones are skipped unless TXLIMIT_PGBOUNCER_URL is
-// set: make test-pgbouncer runs them (-run '^TestExecModes$/^pgbouncer$').
-func TestExecModes(t *testing.T) {
+// TestConnFromEnv: the run's connection is pgx's default mode directly, or one of the safe modes
+// directly or through PgBouncer; any other value is an error that names the variable.
+func TestConnFromEnv(t *testing.T) {
 	t.Parallel()
-	scenarios := []struct {
-		name string
-		run  func(t *testing.T, c conn)
-	}{
-		{"ReserveTx", reserveTx},
-		{"CancelTx", cancelTx},
-		{"CancelTxManyLimits", cancelTxManyLimits},
-		{"SettleTxOnce", settleTxOnce},
-		{"PullForwardModel", func(t *testing.T, c conn) { pullForwardModel(t, c, 1) }},
-		{"Check", check},
-		{"MissingRiverTables", missingRiverTables},
-		{"UnworkedQueue", unworkedQueue},
-		{"Stranded", stranded},
-	}
-	for _, via := range []struct {
-		name    string
-		bouncer bool
-	}{{"direct", false}, {"pgbouncer", true}} {
-		t.Run(via.name, func(t *testing.T) {
-			t.Parallel()
-			for _, m := range pgbouncertest.SafeModes {
-				t.Run(m.Name, func(t *testing.T) {
-					c := conn{mode: m.Mode, bouncer: via.bouncer}
-					for _, s := range scenarios {
-						t.Run(s.name, func(t *testing.T) { s.run(t, c) })
-					}
-				})
+	env := func(kv ...string) func(string) string {
+		return func(k string) string {
+			for i := 0; i < len(kv); i += 2 {
+				if kv[i] == k {
+					return kv[i+1]
+				}
 			}
-		})
+			return ""
+		}
+	}
+	const url = "postgres://127.0.0.1:6432/test"
+	for i, c := range []struct {
+		env     func(string) string
+		want    conn
+		wantErr string
+	}{
+		{env: env(), want: conn{}},
+		{env: env(envVia, "direct"), want: conn{}},
+		{env: env(envExecMode, "exec"), want: conn{mode: pgbouncertest.SafeModes[0]}},
+		{env: env(envExecMode, "cache_describe", envVia, "direct"), want: conn{mode: pgbouncertest.SafeModes[2]}},
+		{env: env(envExecMode, "simple_protocol", envVia, "pgbouncer", pgbouncertest.EnvURL, url), want: conn{mode: pgbouncertest.SafeModes[1], bouncer: true}},
+		{env: env(envExecMode, "simple"), wantErr: `TXLIMIT_TEST_EXEC_MODE="simple": want one of exec, simple_protocol, cache_describe, or unset for pgx's default mode`},
+		{env: env(envExecMode, "describe_exec"), wantErr: `TXLIMIT_TEST_EXEC_MODE="describe_exec": want one of`},
+		{env: env(envVia, "bouncer"), wantErr: `TXLIMIT_TEST_VIA="bouncer": want direct or pgbouncer`},
+		{env: env(envVia, "pgbouncer", pgbouncertest.EnvURL, url), wantErr: "TXLIMIT_TEST_VIA=pgbouncer needs TXLIMIT_TEST_EXEC_MODE"},
+		{env: env(envExecMode, "exec", envVia, "pgbouncer"), wantErr: "TXLIMIT_TEST_VIA=pgbouncer needs TXLIMIT_PGBOUNCER_URL"},
+	} {
+		got, err := connFromEnv(c.env)
+		if c.wantErr != "" {
+			require.ErrorContains(t, err, c.wantErr, "case %d", i)
+			continue
+		}
+		require.NoError(t, err, "case %d", i)
+		require.Equal(t, c.want, got, "case %d", i)
 	}
 }
 
 // TestCheck: the start-up check passes on a set-up scheduler and names the fix for each mistake,
 // writing nothing.
-func TestCheck(t *testing.T) { direct(t, check) }
-
-func check(t *testing.T, c conn) {
+func TestCheck(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}, conn: c})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": perMinute10}})
 
 	// Set up: the probe is stopped by the hook, nothing is inserted. This client has Workers, so
 	// the probe needs the args of one of its kinds; the built-in kind is refused, with a hint.
@@ -354,7 +473,7 @@ func check(t *testing.T, c conn) {
 func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setupCalls(t, perMinute10, conn{})
+	b := setupCalls(t, perMinute10)
 	strict := b.noHookScheduler(t, nil)
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
 		_, err := strict.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, nil)
@@ -368,11 +487,10 @@ func TestReserveTxNeedsHookEvenWhenItRunsNow(t *testing.T) {
 // TestMissingRiverTables: River's tables missing (scheduler.Migrate not run, or another
 // search_path) is a *SetupError naming scheduler.Migrate and the search_path, from Check and from
 // every call that touches them.
-func TestMissingRiverTables(t *testing.T) { direct(t, missingRiverTables) }
-
-func missingRiverTables(t *testing.T, c conn) {
+func TestMissingRiverTables(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	pool := c.pool(t, 8, true) // txlimit's tables only
+	pool := runConn.pool(t, 8, txlimitTables)
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"calls": perMinute10}})
 	require.NoError(t, err)
 	sched, err := scheduler.New(newClient(t, pool, nil), limiter, nil)
@@ -485,7 +603,7 @@ func TestReservedJobsStartOnTime(t *testing.T) {
 func TestMigrate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := testdb.Pool(t, &testdb.Options{NoMigrate: true})
+	pool := runConn.pool(t, 8, noTables)
 	require.NoError(t, scheduler.Migrate(ctx, pool, nil))
 	require.NoError(t, scheduler.Migrate(ctx, pool, nil), "a second run is a no-op")
 	// The tables work: an insert-only client can list jobs in this schema.

@@ -7,7 +7,7 @@
 // user behind PgBouncer configures; these tests check every line of it.
 //
 // Other packages' tests reach PgBouncer through New (a role of the test's own whose search_path is
-// set with ALTER ROLE, as docs/deploy.md says) and Bouncer.Pool, in each of SafeModes: the
-// scheduler's TestExecModes runs its tests so, and make test-pgbouncer runs its pgbouncer
-// subtests (-run '^TestExecModes$/^pgbouncer$').
+// set with ALTER ROLE, as docs/deploy.md says) and Bouncer.Pool, in each of SafeModes: make
+// test-pgbouncer runs the scheduler's whole test suite so, once per mode (TXLIMIT_TEST_VIA=pgbouncer,
+// scheduler/setup_test.go). Open and Bouncer.Connect do the same for runnable examples.
 package pgbouncertest

@@ -45,6 +45,9 @@ func dsn() (string, error) {
 	return db.URL, nil
 }
 
+// URL is DSN for code without a testing.TB: it returns the error DSN would fail the test with.
+func URL() (string, error) { return dsn() }
+
 // DSN returns the connection string of the test database, finding it on first use.
 func DSN(tb testing.TB) string {
 	tb.Helper()
@@ -126,12 +129,22 @@ func cleanup(tb testing.TB, f func() error) {
 // ForExample is Pool for runnable examples, which have no testing.TB: it returns a pool on a
 // fresh migrated schema and a function that closes it and drops the schema. It panics when no
 // database can be found, with the same message a test would fail with.
-func ForExample() (*pgxpool.Pool, func()) {
+func ForExample() (*pgxpool.Pool, func()) { return ForExampleMode(0) }
+
+// ForExampleMode is ForExample with mode as pgx's DefaultQueryExecMode of the pool (0: pgx's
+// default, QueryExecModeCacheStatement).
+func ForExampleMode(mode pgx.QueryExecMode) (*pgxpool.Pool, func()) {
 	u, err := dsn()
 	if err != nil {
 		panic(err)
 	}
-	pool, closeAll, err := devdb.OpenSchema(context.Background(), u, devdb.SchemaName("txlimit_example_"), nil)
+	pool, closeAll, err := devdb.OpenSchema(context.Background(), u, devdb.SchemaName("txlimit_example_"), &devdb.SchemaOpts{
+		Configure: func(cfg *pgxpool.Config) {
+			if mode != 0 {
+				cfg.ConnConfig.DefaultQueryExecMode = mode
+			}
+		},
+	})
 	if err != nil {
 		panic(fmt.Errorf("testdb: %w", err))
 	}
