@@ -460,6 +460,8 @@ func (c *command) unknownMessage(name string) string {
 	_, known, _, _ := c.limiter()
 	msg := fmt.Sprintf("give limit %q a config in --config FILE, or with --rate and --period (unknown limit; ", name)
 	switch {
+	case len(known) == 0 && c.configFile != "":
+		msg += fmt.Sprintf("no limit is configured: %s defines none)", c.configFile)
 	case len(known) == 0:
 		msg += "no limit is configured: no --config given)"
 	case len(known) <= 10:

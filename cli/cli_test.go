@@ -183,6 +183,10 @@ func TestCommandExitCodes(t *testing.T) {
 	callsOnly := filepath.Join(t.TempDir(), "calls.json")
 	require.NoError(t, os.WriteFile(callsOnly, []byte(`{"calls": {"rate": 10, "period": "1m"}}`), 0o600))
 	const unknownNopeConfigured = `txlimit: give limit "nope" a config in --config FILE, or with --rate and --period (unknown limit; configured: calls)` + "\n"
+	emptyConfig := filepath.Join(t.TempDir(), "empty.json")
+	require.NoError(t, os.WriteFile(emptyConfig, []byte(`{}`), 0o600))
+	unknownNopeEmpty := `txlimit: give limit "nope" a config in --config FILE, or with --rate and --period (unknown limit; no limit is configured: ` +
+		emptyConfig + ` defines none)` + "\n"
 	notMigratedBy := func(missing string) string {
 		return `txlimit: not migrated: run "txlimit migrate up --schema ` + schema + `" (on the same database), or pass --schema with the schema txlimit ` +
 			`was migrated into (search_path "` + schema + `": ` + missing + `)` + "\n"
@@ -214,6 +218,7 @@ func TestCommandExitCodes(t *testing.T) {
 		{"unknown limit: prune", dsn, []string{"prune", "nope"}, cli.ExitInvalid, unknownNope},
 		{"unknown limit with --config: reset", dsn, []string{"--schema", schema, "--config", callsOnly, "reset", "nope", "k"}, cli.ExitInvalid, unknownNopeConfigured},
 		{"unknown limit with --config: inspect", dsn, []string{"--schema", schema, "--config", callsOnly, "inspect", "nope", "k"}, cli.ExitInvalid, unknownNopeConfigured},
+		{"unknown limit with an empty --config: reset", dsn, []string{"--schema", schema, "--config", emptyConfig, "reset", "nope", "k"}, cli.ExitInvalid, unknownNopeEmpty},
 		{"bad key: reset", dsn, []string{"reset", "nope", "a\x00b", "--rate", "1", "--period", "1s"}, cli.ExitInvalid,
 			"KEY contains a NUL byte, which Postgres text cannot hold"},
 		{"invalid ad-hoc config", dsn, []string{"inspect", "a", "b", "--rate", "-1", "--period", "1s"}, cli.ExitInvalid, "--rate must not be negative (got -1)"},

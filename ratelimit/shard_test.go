@@ -860,10 +860,10 @@ func TestShardSkipsALockedPick(t *testing.T) {
 
 // A call that waited for the pick it charges, and found that pick refusing once it held it (the
 // holder emptied it), holds that row without having written it. It then only tries its other
-// pick, never waits for it, so that two calls never wait on each other's shards (docs/spec.md §7,
-// No deadlock): here the other pick is held too, and the call is refused, to retry at once,
-// instead of waiting for it while holding the first (where a holder that then locked the first
-// would have closed a deadlock).
+// pick when that sorts before the held one, so that two calls never wait on each other's shards
+// (docs/spec.md §7, No deadlock): here it holds shard 1, shard 0 is held too, and the call is
+// refused, to retry at once, instead of waiting for shard 0 while holding shard 1 (where a holder
+// of shard 0 that then locked shard 1 would have closed a deadlock).
 func TestShardWaitedPickIsHeldInOrder(t *testing.T) {
 	t.Parallel()
 	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2

@@ -9,7 +9,7 @@
 -- own (no transaction ID yet) whose row, as the statement's snapshot has it, grants the request
 -- first queues on the row's advisory lock (lock_key XOR the table's OID shifted left 20 bits XOR
 -- the shard XOR bit 19), so that of the calls waiting for one row one at a time goes on to the
--- row; one that row refuses waits for nothing. Anything that UPDATE does not write (a refusal, a
+-- row; one that row refuses takes no queue lock. Anything that UPDATE does not write (a refusal, a
 -- Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
 -- table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
 -- isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
