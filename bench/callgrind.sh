@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # callgrind.sh [N]: the backend's instructions per decision, counted by valgrind's callgrind in a
 # single-user Postgres backend (no network, no other sessions: the count is the same from run to
-# run, whatever the machine's load), for four statements on the schema of migrations/:
+# run, whatever the machine's load), for six statements on the schema of migrations/:
 #
 #   floor       UPDATE txlimit_state SET value = value - 1 … RETURNING value: the bench's floor
-#   decide-one  DecideOne (internal/dbsqlc/queries/engine.sql) granting a lone Limit, prepared with
-#               its 14 typed parameters, generic plan
-#   one-deny    DecideOne refusing a lone Limit (its UPDATE writes nothing; txlimit_decide_one_v1
+#   decide-one  DecideOneRow (internal/dbsqlc/queries/engine.sql) granting a lone Limit, prepared
+#               with its 12 typed parameters, generic plan
+#   one-deny    DecideOneRow refusing a lone Limit (its UPDATE writes nothing; txlimit_decide_one_v1
 #               answers)
 #   one-shard   DecideOne granting a lone Limit on a limit of 16 shards (READ COMMITTED)
 #   list-grant  txlimit_decide_v1 over 32 requests on keys of their own, all granted
@@ -15,11 +15,11 @@
 # Each figure is (instructions of a session running N statements − those of a session running
 # none) / N. The single-user harness adds its own cost per statement (parsing EXECUTE and its
 # literal arguments), which the column "net" takes away: it subtracts what the same EXECUTE of a
-# statement doing nothing costs (floor: one text argument; DecideOne: its 14; the lists' literal
-# arrays are not taken away). Compare figures
-# with each other, not with the CPU time the bench measures. The first execution plans the
-# statement, so a small N counts part of the planning in every figure. Needs valgrind and the Postgres 15 server
-# binaries (Debian: postgresql-15, valgrind); runs as the postgres user in a throwaway data dir.
+# statement doing nothing costs (floor: one text argument; DecideOneRow: its 12; DecideOne: its
+# 13; the lists' literal arrays are not taken away). Compare figures with each other, not with
+# the CPU time the bench measures. The first execution plans the statement, so a small N counts
+# part of the planning in every figure. Needs valgrind and the Postgres 15 server binaries
+# (Debian: postgresql-15, valgrind); runs as the postgres user in a throwaway data dir.
 set -euo pipefail
 N=${1:-200}
 root=$(git rev-parse --show-toplevel)
@@ -44,16 +44,20 @@ python3 - "$root" "$tmp" <<'EOF'
 import sys
 root, tmp = sys.argv[1], sys.argv[2]
 src = open(f"{root}/internal/dbsqlc/engine.sql.go").read()
-q = src[src.index("const decideOne = `") + len("const decideOne = `"):]
-q = " ".join(q[:q.index("`")].split("\n", 1)[1].split())
-types = "bigint, text, text, float8, float8, bool, bigint, float8, bigint, float8, bigint, int[], int, bigint"
-def one(mode, body, args):
+def query(name):
+    q = src[src.index(f"const {name} = `") + len(f"const {name} = `"):]
+    return " ".join(q[:q.index("`")].split("\n", 1)[1].split())
+row_types = "bigint, text, text, float8, float8, bigint, float8, bigint, float8, bigint, bigint, bigint"
+one_types = "bigint, text, text, float8, float8, bool, bigint, float8, bigint, float8, bigint, int[], bigint"
+def one(mode, types, body, args):
     open(f"{tmp}/{mode}.prep", "w").write(f"SET plan_cache_mode = force_generic_plan\nPREPARE d({types}) AS {body}\n")
     open(f"{tmp}/{mode}.stmt", "w").write(f"EXECUTE d({args})\n")
-one("decide-one", q, "NULL, 'allow', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, NULL, 0, 12345")
-one("one-deny", q, "NULL, 'deny', 'KEY', 1, 0, false, 100000, 10, 1000000, 10, 0, NULL, 0, 12345")
-one("one-shard", q, "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 0, 12345")
-one("harness14", "SELECT $13", "NULL, 'allow', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, NULL, 0, 12345")
+row, one_q = query("decideOneRow"), query("decideOne")
+one("decide-one", row_types, row, "NULL, 'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, 12345")
+one("one-deny", row_types, row, "NULL, 'deny', 'KEY', 1, 0, 100000, 10, 1000000, 10, 0, 12345, 12345")
+one("one-shard", one_types, one_q, "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")
+one("harness12", row_types, "SELECT $11", "NULL, 'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, 12345")
+one("harness13", one_types, "SELECT $13", "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")
 open(f"{tmp}/floor.prep", "w").write("PREPARE d(text) AS UPDATE txlimit_state SET value = value - 1 WHERE name = 'floor' AND key = $1 AND shard = 0 RETURNING value\n")
 open(f"{tmp}/floor.stmt", "w").write("EXECUTE d('KEY')\n")
 open(f"{tmp}/harness1.prep", "w").write("PREPARE d(text) AS SELECT $1\n")
@@ -88,11 +92,13 @@ per() { # per MODE STATEMENTS: instructions per statement
 	echo $(((b - a) / $2))
 }
 h1=$(per harness1 "$N")
-h14=$(per harness14 "$N")
+h12=$(per harness12 "$N")
+h13=$(per harness13 "$N")
 printf '%-11s %10s %10s\n' statement instructions net
 for mode in floor decide-one one-deny one-shard list-grant list-deny; do
-	n=$N h=$h14
+	n=$N h=$h12
 	[[ $mode == floor ]] && h=$h1
+	[[ $mode == one-shard ]] && h=$h13
 	[[ $mode == list-* ]] && n=$((N / 4)) h=0
 	i=$(per "$mode" "$n")
 	printf '%-11s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h)) "$n"

@@ -446,14 +446,15 @@ $$;
 -- name and key); for a sharded Check, the two picks. A request charging one row is decided by one
 -- UPDATE of it (see the top of this file); when that writes nothing, the row is read as the plan,
 -- and a refusal (or a Check) is answered from it. Anything else (a missing row, a row changed
--- meanwhile, a charge of both shards) is decided by txlimit_decide_v1. p_tried: the shard whose
--- row DecideOne's UPDATE tried under READ COMMITTED (NULL when it tried none); that UPDATE may
--- hold the row without having written it, so no other row is waited for out of order here.
+-- meanwhile, a charge of both shards) is decided by txlimit_decide_v1. p_tried: the statement
+-- DecideOneRow (internal/dbsqlc/queries/engine.sql) ran its UPDATE of the one unsharded row first,
+-- which under READ COMMITTED grants what leaves the row at zero or above; that UPDATE may hold the
+-- row without having written it, so no other row is waited for out of order here.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_decide_one_v1(
     p_now_us bigint, p_name text, p_key text, p_count double precision, p_allow double precision, p_dry boolean,
     p_step_us bigint, p_rate double precision, p_period_us bigint, p_cap double precision, p_anchor_us bigint,
-    p_shards integer[], p_lock_key bigint, p_tried integer)
+    p_shards integer[], p_lock_key bigint, p_tried boolean)
 RETURNS bytea
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
@@ -468,10 +469,11 @@ DECLARE
     ans bytea;
 BEGIN
     IF p_shards[2] IS NULL AND NOT p_dry THEN
-        -- Under READ COMMITTED, DecideOne's UPDATE of the row ran already and did not write it.
-        -- Under the other levels it did not run: the UPDATE below does its work, here where this
-        -- function's planner settings keep it on the primary key.
-        IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- Under READ COMMITTED, DecideOneRow's UPDATE of the row (p_tried) ran already and did not
+        -- write it; it granted nothing below zero, so a request allowed there is tried again
+        -- below. Under the other levels it did not run: the UPDATE below does its work, here where
+        -- this function's planner settings keep it on the primary key.
+        IF NOT p_tried OR p_allow > 0 OR current_setting('transaction_isolation') <> 'read committed' THEN
             sh := p_shards[1];
         END IF;
     ELSIF p_shards[2] IS NOT NULL AND NOT p_dry THEN
@@ -505,9 +507,7 @@ BEGIN
         -- holds it, the other pick instead if that alone holds count; only when both are held,
         -- waited for as an UPDATE does. A row this statement locks but does not write (changed
         -- since its snapshot, or refused once locked) is left to the road for lists.
-        IF p_tried IS NOT NULL THEN -- the road for lists, the row tried held
-            held := CASE WHEN p_tried = greatest(a, b) AND a <> b THEN 2 ELSE 1 END;
-        ELSIF ch = 1 AND fa OR ch = 2 AND fb THEN
+        IF ch = 1 AND fa OR ch = 2 AND fb THEN
             sh := CASE WHEN ch = 1 THEN a ELSE b END;
             FOR j IN 1 .. CASE WHEN (CASE WHEN ch = 1 THEN lv_b >= p_count AND fb ELSE lv_a >= p_count AND fa END)
                                THEN 2 ELSE 1 END LOOP
@@ -602,7 +602,7 @@ $$;
 
 -- +goose Down
 DROP FUNCTION txlimit_decide_one_v1(bigint, text, text, double precision, double precision, boolean, bigint,
-                                    double precision, bigint, double precision, bigint, integer[], bigint, integer);
+                                    double precision, bigint, double precision, bigint, integer[], bigint, boolean);
 DROP FUNCTION txlimit_decide_v1(bigint, integer[], double precision[], double precision[], boolean[], boolean[], bigint[],
                                 double precision[], bigint[], double precision[], bigint[], integer[], integer[], text[],
                                 text[], integer[], integer);

@@ -33,7 +33,7 @@ func compareRows(a, b rowID) int {
 
 // decideCalls decides calls in list order, in one statement, and returns one outcome per call.
 // Each call is an all-or-nothing group; a call sees the effect of the calls granted before it in
-// the list. A list of one request is sent as scalars (DecideOne), any other as parallel arrays
+// the list. A list of one request is sent as scalars (DecideOneRow, DecideOne), any other as parallel arrays
 // (Decide); both are the same road (migrations/00003_txlimit_decide.sql). An error returned alone
 // (a database error) fails every call: nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
@@ -76,18 +76,29 @@ func (c *call) allow(i int) float64 {
 	return 0
 }
 
-// decideOne decides a list of one request, sent as scalars.
+// queueBit is the bit the lock key of a row's queue (DecideOneRow) adds to the row's own lock key.
+const queueBit = 1 << 19
+
+// decideOne decides a list of one request, sent as scalars: a Limit or LimitN on an unsharded
+// limit by DecideOneRow, which first tries the one UPDATE, anything else by DecideOne.
 func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer, error) {
 	s := &c.specs[0]
-	var shards []int32 // nil when unsharded: the row is shard 0
-	if s.shards >= 2 {
-		shards = l.candidates(c, s, true)
+	lockKey := shardLockBase(s.name, s.key)
+	var a []byte
+	var err error
+	if s.shards < 2 && !c.dry {
+		a, err = via(on(db), ctx, dbsqlc.DecideOneRowParams{
+			NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0),
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
+		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
+	} else {
+		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
+			NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+			Shards: l.candidates(c, s, true), LockKey: lockKey,
+		}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
 	}
-	a, err := via(on(db), ctx, dbsqlc.DecideOneParams{
-		NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
-		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
-		Shard: 0, Shards: shards, LockKey: shardLockBase(s.name, s.key),
-	}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
 	if err != nil {
 		return nil, err
 	}

@@ -68,10 +68,10 @@ func TestSetupErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	const (
-		// A list of one is a statement on txlimit_state (the first migration) whose first function
-		// of the last migration is txlimit_written_v1.
-		decideOne = `relation "txlimit_state" does not exist`
-		written   = "function txlimit_written_v1 does not exist"
+		// A Limit on an unsharded limit is a statement on txlimit_state (the first migration); any
+		// other list of one calls txlimit_decide_one_v1 (the last migration).
+		decideRow = `relation "txlimit_state" does not exist`
+		decideOne = "function txlimit_decide_one_v1 does not exist"
 		decide    = "function txlimit_decide_v1 does not exist"
 		clock     = "function txlimit_clock does not exist"
 		state     = `relation "txlimit_state" does not exist`
@@ -82,9 +82,9 @@ func TestSetupErrors(t *testing.T) {
 		// missing and code are what Postgres did not find, as the message says it, and its SQLSTATE.
 		missing, code string
 	}{
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideOne, "42P01"},
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decideOne, "42P01"},
-		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decideOne, "42P01"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideRow, "42P01"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decideOne, "42883"},
+		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decideOne, "42883"},
 		{"LimitMany", func(db ratelimit.Executor) error {
 			_, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
 			return err
@@ -122,7 +122,7 @@ func TestSetupErrors(t *testing.T) {
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
 		pool := testdb.PoolOn(t, other+", public")
-		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42P01", missingIn("Limit", decideOne, "42P01", other+", public"))
+		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42P01", missingIn("Limit", decideRow, "42P01", other+", public"))
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01",
 			missingIn("CheckSchema", `relation "txlimit_goose_version" does not exist`, "42P01", other+", public"))
 	})
@@ -164,7 +164,7 @@ func TestSetupErrors(t *testing.T) {
 		if !errors.As(err, &pgErr) {
 			t.Fatalf("sharded Limit on a schema behind: %v; want a Postgres error", err)
 		}
-		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", written, "42883", schema))
+		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", decideOne, "42883", schema))
 	})
 
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {

@@ -93,41 +93,12 @@ func (q *Queries) Decide(ctx context.Context, db DBTX, arg DecideParams) ([]Deci
 }
 
 const decideOne = `-- name: DecideOne :one
-WITH u AS (
-    UPDATE txlimit_state s
-    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
-                                                 $9::bigint, $7::bigint,
-                                                 $10::double precision), 0, $4::double precision),
-        ts = txlimit_next_ts(s.ts, c.t, $7::bigint)
-    FROM (SELECT txlimit_clock($1::bigint) AS t OFFSET 0) c
-    WHERE current_setting('transaction_isolation') = 'read committed' AND NOT $6::boolean
-      AND $12::integer[] IS NULL
-      AND s.name = $2::text AND s.key = $3::text AND s.shard = $13::integer
-      AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $8::double precision,
-                                                                        $9::bigint,
-                                                                        $7::bigint,
-                                                                        $10::double precision),
-                                                    0, $4::double precision),
-                                    0, $5::double precision)
-               THEN pg_current_xact_id_if_assigned() IS NOT NULL
-                    OR pg_advisory_xact_lock($14::bigint # ('txlimit_state'::regclass::oid::bigint << 20)
-                                             # $13::integer::bigint # 524288) IS NOT NULL
-               ELSE false END
-    RETURNING txlimit_written_v1(s.value, s.ts, c.t, $13::integer, -1, 0, $8::double precision,
-                                 $9::bigint, $7::bigint,
-                                 $10::double precision) AS answer
-)
-SELECT coalesce((SELECT u.answer FROM u),
-                txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
-                                      $4::double precision, $5::double precision,
-                                      $6::boolean, $7::bigint,
-                                      $8::double precision, $9::bigint,
-                                      $10::double precision, $11::bigint,
-                                      coalesce($12::integer[], ARRAY[$13::integer]),
-                                      $14::bigint,
-                                      CASE WHEN current_setting('transaction_isolation') = 'read committed'
-                                                AND NOT $6::boolean AND $12::integer[] IS NULL
-                                           THEN $13::integer END))::bytea AS answer
+SELECT txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
+                             $4::double precision, $5::double precision,
+                             $6::boolean, $7::bigint, $8::double precision,
+                             $9::bigint, $10::double precision,
+                             $11::bigint, $12::integer[], $13::bigint,
+                             false)::bytea AS answer
 `
 
 type DecideOneParams struct {
@@ -143,25 +114,12 @@ type DecideOneParams struct {
 	Cap      float64
 	AnchorUs int64
 	Shards   []int32
-	Shard    int32
 	LockKey  int64
 }
 
-// DecideOne decides a list of one request (a Limit, LimitN, Check or CheckN, a one-request
-// LimitMany or CheckMany, a Batcher's batch of one); its answer is the 48 bytes of
-// txlimit_pack_v1 (migrations/00003_txlimit_decide.sql). shard is the row of an unsharded limit
-// (shards NULL); shards, for a sharded one, its candidate shards (see txlimit_decide_one_v1).
-// Under READ COMMITTED a Limit or LimitN on an unsharded limit is decided here by one UPDATE of
-// its row whose condition is the grant rule: Postgres evaluates it on the latest version of the
-// row, which the UPDATE holds, so the request is decided on the row it has locked. A call of its
-// own (no transaction ID yet) whose row, as the statement's snapshot has it, grants the request
-// first queues on the row's advisory lock (lock_key XOR the table's OID shifted left 20 bits XOR
-// the shard XOR bit 19), so that of the calls waiting for one row one at a time goes on to the
-// row; one that row refuses takes no queue lock. Anything that UPDATE does not write (a refusal, a
-// Check, a sharded limit, another isolation level, where a plain statement's plan could scan the
-// table) is decided by txlimit_decide_one_v1 in the same statement. The condition on the
-// isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
-// UPDATE reads nothing.
+// DecideOne decides any other list of one request (a Check or CheckN, a call on a sharded limit)
+// by txlimit_decide_one_v1, which documents its arguments; its answer is the 48 bytes of
+// txlimit_pack_v1. shards: the candidate shards ({0} when unsharded).
 func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) ([]byte, error) {
 	row := db.QueryRowContext(ctx, decideOne,
 		arg.NowUs,
@@ -176,8 +134,87 @@ func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (
 		arg.Cap,
 		arg.AnchorUs,
 		pq.Array(arg.Shards),
-		arg.Shard,
 		arg.LockKey,
+	)
+	var answer []byte
+	err := row.Scan(&answer)
+	return answer, err
+}
+
+const decideOneRow = `-- name: DecideOneRow :one
+WITH u AS (
+    UPDATE txlimit_state s
+    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $7::double precision,
+                                                 $8::bigint, $6::bigint,
+                                                 $9::double precision), 0, $4::double precision),
+        ts = txlimit_next_ts(s.ts, c.t, $6::bigint)
+    FROM (SELECT txlimit_clock($1::bigint) AS t OFFSET 0) c
+    WHERE current_setting('transaction_isolation') = 'read committed'
+      AND s.name = $2::text AND s.key = $3::text AND s.shard = 0
+      AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $7::double precision,
+                                                                        $8::bigint,
+                                                                        $6::bigint,
+                                                                        $9::double precision),
+                                                    0, $4::double precision),
+                                    0, 0)
+               THEN pg_current_xact_id_if_assigned() IS NOT NULL
+                    OR pg_advisory_xact_lock($12::bigint # ('txlimit_state'::regclass::oid::bigint << 20))
+                       IS NOT NULL
+               ELSE false END
+    RETURNING txlimit_pack_v1(true, false, false, s.value, 0, -1, 1, 0, c.t, s.ts) AS answer
+)
+SELECT coalesce((SELECT u.answer FROM u),
+                txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
+                                      $4::double precision, $5::double precision, false,
+                                      $6::bigint, $7::double precision,
+                                      $8::bigint, $9::double precision,
+                                      $10::bigint, '{0}', $11::bigint, true))::bytea AS answer
+`
+
+type DecideOneRowParams struct {
+	NowUs    sql.NullInt64
+	Name     string
+	Key      string
+	Count    float64
+	Allow    float64
+	StepUs   int64
+	Rate     float64
+	PeriodUs int64
+	Cap      float64
+	AnchorUs int64
+	LockKey  int64
+	QueueKey int64
+}
+
+// DecideOneRow decides a Limit or LimitN on an unsharded limit (a list of one request charging one
+// row, not a Check; a Batcher's batch of one such call); its answer is the 48 bytes of
+// txlimit_pack_v1 (migrations/00003_txlimit_decide.sql). Under READ COMMITTED the request is first
+// decided by one UPDATE of its row whose condition is the grant rule with no allowance below zero:
+// Postgres evaluates it on the latest version of the row, which the UPDATE holds, so the request
+// is decided on the row it has locked, and what it writes is a grant that leaves the row at zero
+// or above. A call of its own (no transaction ID yet) whose row, as the statement's snapshot has
+// it, grants the request first queues on the row's advisory lock (queue_key XOR the table's OID
+// shifted left 20 bits; queue_key is the row's lock key XOR bit 19), so that of the calls waiting
+// for one row one at a time goes on to the row; one that row refuses takes no queue lock. Anything
+// that UPDATE does not write (a refusal, a reservation below zero, a missing row, another
+// isolation level, where a plain statement's plan could scan the table) is decided by
+// txlimit_decide_one_v1 in the same statement, told that the UPDATE ran. The condition on the
+// isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
+// UPDATE reads nothing.
+func (q *Queries) DecideOneRow(ctx context.Context, db DBTX, arg DecideOneRowParams) ([]byte, error) {
+	row := db.QueryRowContext(ctx, decideOneRow,
+		arg.NowUs,
+		arg.Name,
+		arg.Key,
+		arg.Count,
+		arg.Allow,
+		arg.StepUs,
+		arg.Rate,
+		arg.PeriodUs,
+		arg.Cap,
+		arg.AnchorUs,
+		arg.LockKey,
+		arg.QueueKey,
 	)
 	var answer []byte
 	err := row.Scan(&answer)

@@ -21,6 +21,7 @@ import (
 // whatever the database package, so that the SQLSTATE checks of package ratelimit (IsRetryable, a
 // missing migration's *SetupError) work alike.
 type Executor interface {
+	DecideOneRow(ctx context.Context, arg dbsqlc.DecideOneRowParams) ([]byte, error)
 	DecideOne(ctx context.Context, arg dbsqlc.DecideOneParams) ([]byte, error)
 	Decide(ctx context.Context, arg dbsqlc.DecideParams) ([]dbsqlc.DecideRow, error)
 	Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsqlc.LevelsRow, error)

@@ -80,11 +80,20 @@ var queries = dbsqlcstd.New()
 
 func nullInt8(v pgtype.Int8) sql.NullInt64 { return sql.NullInt64{Int64: v.Int64, Valid: v.Valid} }
 
+func (e *executor) DecideOneRow(ctx context.Context, arg dbsqlc.DecideOneRowParams) ([]byte, error) {
+	a, err := queries.DecideOneRow(ctx, e.db, dbsqlcstd.DecideOneRowParams{
+		NowUs: nullInt8(arg.NowUs), Name: arg.Name, Key: arg.Key, Count: arg.Count, Allow: arg.Allow,
+		StepUs: arg.StepUs, Rate: arg.Rate, PeriodUs: arg.PeriodUs, Cap: arg.Cap, AnchorUs: arg.AnchorUs,
+		QueueKey: arg.QueueKey, LockKey: arg.LockKey,
+	})
+	return a, pgError(err)
+}
+
 func (e *executor) DecideOne(ctx context.Context, arg dbsqlc.DecideOneParams) ([]byte, error) {
 	a, err := queries.DecideOne(ctx, e.db, dbsqlcstd.DecideOneParams{
-		Shard: arg.Shard, NowUs: nullInt8(arg.NowUs), Name: arg.Name, Key: arg.Key, Count: arg.Count,
-		Allow: arg.Allow, Dry: arg.Dry, StepUs: arg.StepUs, Rate: arg.Rate, PeriodUs: arg.PeriodUs,
-		Cap: arg.Cap, AnchorUs: arg.AnchorUs, Shards: arg.Shards, LockKey: arg.LockKey,
+		NowUs: nullInt8(arg.NowUs), Name: arg.Name, Key: arg.Key, Count: arg.Count, Allow: arg.Allow,
+		Dry: arg.Dry, StepUs: arg.StepUs, Rate: arg.Rate, PeriodUs: arg.PeriodUs, Cap: arg.Cap,
+		AnchorUs: arg.AnchorUs, Shards: arg.Shards, LockKey: arg.LockKey,
 	})
 	return a, pgError(err)
 }
