@@ -234,7 +234,21 @@ END
 $$;
 -- +goose StatementEnd
 
+-- txlimit_debt_until: when a row left at v (its ts ts_us) at t_us is out of debt: txlimit_retry_at
+-- with count 0 and allowance 0 on that row; 0 when v >= 0 (not in debt).
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_debt_until(v double precision, ts_us bigint, t_us bigint, rate double precision,
+                                   period_us bigint, step_us bigint, cap double precision)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN v < 0 THEN txlimit_retry_at(rate, period_us, step_us, cap, 0, 0, false, v, ts_us, NULL, NULL, t_us)
+                ELSE 0 END
+$$;
+-- +goose StatementEnd
+
 -- +goose Down
+DROP FUNCTION txlimit_debt_until(double precision, bigint, bigint, double precision, bigint, bigint, double precision);
 DROP FUNCTION txlimit_retry_at(double precision, bigint, bigint, double precision, double precision,
                                double precision, boolean, double precision, bigint, double precision, bigint, bigint);
 DROP FUNCTION txlimit_estimate(double precision, bigint, bigint, double precision, bigint, bigint);

@@ -50,19 +50,17 @@ $$;
 -- +goose StatementEnd
 
 -- txlimit_written_v1: the answer (txlimit_pack_v1) to a request granted by charging one row,
--- written to (v, ts_us) at t_us: granted when v >= 0, else reserved until the row is out of debt;
--- level_sum adds other_level, what the other pick of a sharded limit holds (0 when unsharded,
--- other_shard -1).
+-- written to (v, ts_us) at t_us: granted when v >= 0, else reserved until retry_at_us, when the row
+-- is out of debt (txlimit_debt_until; 0 when v >= 0: a caller that knows the row is not in debt
+-- passes 0 and so leaves txlimit_retry_at out of its statement); level_sum adds other_level, what
+-- the other pick of a sharded limit holds (0 when unsharded, other_shard -1).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_written_v1(v double precision, ts_us bigint, t_us bigint, shard integer, other_shard integer,
-                                   other_level double precision, rate double precision, period_us bigint, step_us bigint,
-                                   cap double precision)
+                                   other_level double precision, retry_at_us bigint)
 RETURNS bytea
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT txlimit_pack_v1(v >= 0, v < 0, false, v + other_level, shard, other_shard, 1,
-                           CASE WHEN v < 0 THEN txlimit_retry_at(rate, period_us, step_us, cap, 0, 0, false, v, ts_us,
-                                                                 NULL, NULL, t_us) ELSE 0 END, t_us, ts_us)
+    SELECT txlimit_pack_v1(v >= 0, v < 0, false, v + other_level, shard, other_shard, 1, retry_at_us, t_us, ts_us)
 $$;
 -- +goose StatementEnd
 
@@ -193,8 +191,8 @@ BEGIN
         FROM (SELECT DISTINCT rate, per, step, cap, cnt, alw, two, va, ta, coalesce(vb, 'NaN') AS vb, coalesce(tb, -1) AS tb
               FROM q WHERE NOT ok AND NOT now) d
     )
-    SELECT e.i, CASE WHEN e.w THEN txlimit_written_v1(e.va, e.ta, t, p_row_shard[p_row_a[e.i]], -1, 0, e.rate, e.per,
-                                                      e.step, e.cap)
+    SELECT e.i, CASE WHEN e.w THEN txlimit_written_v1(e.va, e.ta, t, p_row_shard[p_row_a[e.i]], -1, 0,
+                                                      txlimit_debt_until(e.va, e.ta, t, e.rate, e.per, e.step, e.cap))
            ELSE txlimit_pack_v1(
                e.ok AND g.now_ok, e.ok AND NOT g.now_ok, false,
                CASE WHEN e.ok THEN e.ea + CASE WHEN e.two THEN e.eb ELSE 0 END ELSE e.lva + e.lvb END,
@@ -331,8 +329,9 @@ BEGIN
         FROM txlimit_alone(t, p_fast, p_row_a, p_count, p_allow, p_step_us, p_rate, p_period_us, p_cap, p_row_name,
                            p_row_key, p_row_shard) x;
         IF all_w THEN -- every request is alone on its row and written: the answers are the writes
-            RETURN QUERY SELECT w.i, txlimit_written_v1(w.v, w.ts, t, p_row_shard[p_row_a[w.i]], -1, 0, p_rate[w.i],
-                                                        p_period_us[w.i], p_step_us[w.i], p_cap[w.i])
+            RETURN QUERY SELECT w.i, txlimit_written_v1(w.v, w.ts, t, p_row_shard[p_row_a[w.i]], -1, 0,
+                                                        txlimit_debt_until(w.v, w.ts, t, p_rate[w.i], p_period_us[w.i],
+                                                                           p_step_us[w.i], p_cap[w.i]))
                          FROM unnest(f_i, f_v, f_ts) AS w(i, v, ts);
             RETURN;
         END IF;
@@ -466,6 +465,7 @@ DECLARE
     v double precision; vts bigint; -- the row as the UPDATE left it
     va double precision; ta bigint; fa boolean; lv_a double precision; -- the rows as read: the plan
     vb double precision; tb bigint; fb boolean; lv_b double precision;
+    o integer; lv_o double precision; -- a written request's other pick and its level
     ans bytea;
 BEGIN
     IF p_shards[2] IS NULL AND NOT p_dry THEN
@@ -553,10 +553,14 @@ BEGIN
             held := CASE WHEN sh = greatest(a, b) THEN 2 ELSE 1 END;
         END IF;
     END IF;
-    IF v IS NOT NULL THEN
-        RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END,
-                                  CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END,
-                                  p_rate, p_period_us, p_step_us, p_cap);
+    IF v IS NOT NULL THEN -- written: the other pick's number and level, and the RetryAt of a debt
+        o := CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END;
+        lv_o := CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END;
+        IF v >= 0 THEN -- (a statement of its own, so that a grant leaves txlimit_retry_at out)
+            RETURN txlimit_written_v1(v, vts, t, sh, o, lv_o, 0);
+        END IF;
+        RETURN txlimit_written_v1(v, vts, t, sh, o, lv_o,
+                                  txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
     END IF;
     IF p_shards[2] IS NULL THEN
         a := p_shards[1];
@@ -614,8 +618,7 @@ DROP FUNCTION txlimit_alone(bigint, boolean[], integer[], double precision[], do
                             double precision[], bigint[], double precision[], text[], text[], integer[]);
 DROP FUNCTION txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
 DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
-DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, double precision,
-                                 bigint, bigint, double precision);
+DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, bigint);
 DROP FUNCTION txlimit_pack_v1(boolean, boolean, boolean, double precision, integer, integer, integer, bigint, bigint,
                               bigint);
 DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);

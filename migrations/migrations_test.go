@@ -63,7 +63,7 @@ func TestDownAndUpAgain(t *testing.T) {
 		// 00002: the rules
 		"function txlimit_clock", "function txlimit_level", "function txlimit_next_ts", "function txlimit_charge",
 		"function txlimit_left", "function txlimit_granted", "function txlimit_prunable", "function txlimit_grants_one",
-		"function txlimit_estimate", "function txlimit_retry_at",
+		"function txlimit_estimate", "function txlimit_retry_at", "function txlimit_debt_until",
 		// 00003: the decision
 		"function txlimit_stale", "function txlimit_pack_v1", "function txlimit_written_v1", "function txlimit_steer",
 		"function txlimit_lock_row", "function txlimit_answers", "function txlimit_alone", "function txlimit_decide_v1", "function txlimit_decide_one_v1",
