@@ -465,8 +465,7 @@ DECLARE
     v double precision; vts bigint; -- the row as the UPDATE left it
     va double precision; ta bigint; fa boolean; lv_a double precision; -- the rows as read: the plan
     vb double precision; tb bigint; fb boolean; lv_b double precision;
-    o integer; lv_o double precision; -- a written request's other pick and its level
-    ans bytea;
+    o integer; lv_o double precision; ans bytea; -- a written request's other pick and its level; the answer
 BEGIN
     IF p_shards[2] IS NULL AND NOT p_dry THEN
         -- Under READ COMMITTED, DecideOneRow's UPDATE of the row (p_tried) ran already and did not
@@ -575,11 +574,10 @@ BEGIN
         IF NOT txlimit_granted(1, v, 0, p_allow) THEN
             RETURN txlimit_pack_v1(false, false, false, lv_a, a, -1, 1, txlimit_retry_at(p_rate, p_period_us, p_step_us,
                                    p_cap, p_count, p_allow, false, va, ta, NULL, NULL, t), t, 0);
-        ELSIF p_dry THEN
+        ELSIF p_dry THEN -- a Check answers what the write would
             vts := txlimit_next_ts(ta, t, p_step_us);
-            RETURN txlimit_pack_v1(v >= 0, v < 0, false, v, a, -1, 1,
-                CASE WHEN v < 0 THEN txlimit_retry_at(p_rate, p_period_us, p_step_us, p_cap, 0, 0, false, v, vts,
-                                                      NULL, NULL, t) ELSE 0 END, t, vts);
+            RETURN txlimit_written_v1(v, vts, t, a, -1, 0,
+                                      txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
         END IF;
         held := CASE WHEN fa THEN 1 ELSE 0 END;
     END IF;
