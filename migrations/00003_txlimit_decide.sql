@@ -1,16 +1,18 @@
 -- +goose Up
 
--- The decision. Every call of the library is one call of txlimit_decide_one_v1 (a list of one
--- request, given as scalars) or txlimit_decide_v1 (a list, given as parallel arrays). Both take the
--- one road: plan on lock-free reads, lock the rows in the global order (name, key, shard, as
--- bytes), decide on what is locked, write. Where a request is alone on one row, the lock, the
--- decision and the write are one UPDATE of that row whose condition is the grant rule: its scan
--- reads the row as the plan does, and when another transaction changed the row meanwhile Postgres
--- locks the latest version and evaluates the rule again on it, so that the request is decided on
--- the row it holds. A request that UPDATE does not write (refused, or its row missing) goes on
--- through the steps below. Entry points carry a version in their name (see CONTRIBUTING.md).
--- Every row access is a primary-key probe (sequential scans are off for these functions), so under
--- SERIALIZABLE a decision holds tuple or page predicate locks only.
+-- The decision. Every call of the library is one statement: a list of one request, given as
+-- scalars, is txlimit_decide_one_v1, after, for a Limit on an unsharded limit, the one UPDATE of
+-- its row that the statement DecideOneRow (internal/dbsqlc/queries/engine.sql) tries first; a
+-- list, given as parallel arrays, is txlimit_decide_v1. All take the one road: plan on lock-free
+-- reads, lock the rows in the global order (name, key, shard, as bytes), decide on what is locked,
+-- write. Where a request is alone on one row, the lock, the decision and the write are one UPDATE
+-- of that row whose condition is the grant rule: its scan reads the row as the plan does, and when
+-- another transaction changed the row meanwhile Postgres locks the latest version and evaluates
+-- the rule again on it, so that the request is decided on the row it holds. A request that UPDATE
+-- does not write (refused, or its row missing) goes on through the steps below. Entry points carry
+-- a version in their name (see CONTRIBUTING.md). Every row access is a primary-key probe
+-- (sequential scans are off for these functions), so under SERIALIZABLE a decision holds tuple or
+-- page predicate locks only.
 
 -- txlimit_stale: whether a row whose xmax is xm (a 32-bit transaction ID; 0 or NULL: none) was
 -- written or locked by a transaction that the snapshot snap cannot see, in progress or committed
