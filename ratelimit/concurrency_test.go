@@ -312,9 +312,9 @@ func TestDenialWritesNothing(t *testing.T) {
 }
 
 // docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls on the pool that their row grants
-// (leaving it at zero or above) queue on the row's advisory lock, so that of the calls that find their row held by another
-// transaction only the first waits for the row itself; when the holder commits, each is decided in
-// turn on the latest row. A call the row refuses does not queue.
+// (leaving it at zero or above) queue on the row's advisory lock, so that of the calls that find
+// their row held by another transaction only the first waits for the row itself; when the holder
+// commits, each is decided in turn on the latest row. A call the row refuses does not queue.
 func TestHeldRowQueuesOnAdvisoryLock(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"l": {Rate: 10, Period: time.Hour}})
