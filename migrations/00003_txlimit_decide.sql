@@ -467,7 +467,7 @@ DECLARE
     v double precision; vts bigint; -- the row as the UPDATE left it
     va double precision; ta bigint; fa boolean; lv_a double precision; -- the rows as read: the plan
     vb double precision; tb bigint; fb boolean; lv_b double precision;
-    o integer; lv_o double precision; ans bytea; -- a written request's other pick and its level; the answer
+    o integer; lv_o double precision; ans bytea; lc tid; -- a written request's other pick and its level; the answer; a row locked
 BEGIN
     IF p_shards[2] IS NULL AND NOT p_dry THEN
         -- Under READ COMMITTED, DecideOneRow's UPDATE of the row (p_tried) ran already and did not
@@ -506,27 +506,25 @@ BEGIN
         END IF;
         -- A charge of one existing shard: locked without waiting, and when another transaction
         -- holds it, the other pick instead if that alone holds count; only when both are held,
-        -- waited for as an UPDATE does. A row this statement locks but does not write (changed
-        -- since its snapshot, or refused once locked) is left to the road for lists.
+        -- waited for as an UPDATE does. A row locked but not written (the rule refuses its latest
+        -- version) is left to the road for lists.
         IF ch = 1 AND fa OR ch = 2 AND fb THEN
             sh := CASE WHEN ch = 1 THEN a ELSE b END;
             FOR j IN 1 .. CASE WHEN (CASE WHEN ch = 1 THEN lv_b >= p_count AND fb ELSE lv_a >= p_count AND fa END)
                                THEN 2 ELSE 1 END LOOP
-                WITH l AS (
-                    SELECT l.ctid FROM txlimit_state l
-                    WHERE l.name = p_name AND l.key = p_key AND l.shard = sh FOR UPDATE SKIP LOCKED
-                ), u AS (
+                SELECT l.ctid INTO lc FROM txlimit_state l
+                WHERE l.name = p_name AND l.key = p_key AND l.shard = sh FOR UPDATE SKIP LOCKED;
+                got := FOUND;
+                IF got THEN -- locked, at its latest version: written where the rule grants it there
                     UPDATE txlimit_state s
                     SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us, p_cap),
                                              0, p_count),
                         ts = txlimit_next_ts(s.ts, t, p_step_us)
-                    FROM l
-                    WHERE s.ctid = l.ctid
+                    WHERE s.ctid = lc
                       AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us,
                                                                               p_step_us, p_cap), 0, p_count), 0, p_allow)
-                    RETURNING s.value, s.ts
-                )
-                SELECT EXISTS (SELECT FROM l), (SELECT u.value FROM u), (SELECT u.ts FROM u) INTO got, v, vts;
+                    RETURNING s.value, s.ts INTO v, vts;
+                END IF;
                 EXIT WHEN got;
                 sh := CASE WHEN sh = a THEN b ELSE a END; -- held by another transaction: the other pick
             END LOOP;
