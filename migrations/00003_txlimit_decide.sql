@@ -53,9 +53,8 @@ $$;
 
 -- txlimit_written_v1: the answer (txlimit_pack_v1) to a request granted by charging one row,
 -- written to (v, ts_us) at t_us: granted when v >= 0, else reserved until retry_at_us, when the row
--- is out of debt (txlimit_debt_until; 0 when v >= 0: a caller that knows the row is not in debt
--- passes 0 and so leaves txlimit_retry_at out of its statement); level_sum adds other_level, what
--- the other pick of a sharded limit holds (0 when unsharded, other_shard -1).
+-- is out of debt (txlimit_debt_until, 0 when v >= 0); level_sum adds other_level, what the other
+-- pick of a sharded limit holds (0 when unsharded, other_shard -1).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_written_v1(v double precision, ts_us bigint, t_us bigint, shard integer, other_shard integer,
                                    other_level double precision, retry_at_us bigint)
@@ -467,7 +466,7 @@ DECLARE
     v double precision; vts bigint; -- the row as the UPDATE left it
     va double precision; ta bigint; fa boolean; lv_a double precision; -- the rows as read: the plan
     vb double precision; tb bigint; fb boolean; lv_b double precision;
-    o integer; lv_o double precision; ans bytea; lc tid; -- a written request's other pick and its level; the answer; a row locked
+    ans bytea; lc tid; -- the answer; a row locked
 BEGIN
     IF p_shards[2] IS NULL AND NOT p_dry THEN
         -- Under READ COMMITTED, DecideOneRow's UPDATE of the row (p_tried) ran already and did not
@@ -552,13 +551,9 @@ BEGIN
             held := CASE WHEN sh = greatest(a, b) THEN 2 ELSE 1 END;
         END IF;
     END IF;
-    IF v IS NOT NULL THEN -- written: the other pick's number and level, and the RetryAt of a debt
-        o := CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END;
-        lv_o := CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END;
-        IF v >= 0 THEN -- (a statement of its own, so that a grant leaves txlimit_retry_at out)
-            RETURN txlimit_written_v1(v, vts, t, sh, o, lv_o, 0);
-        END IF;
-        RETURN txlimit_written_v1(v, vts, t, sh, o, lv_o,
+    IF v IS NOT NULL THEN
+        RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END,
+                                  CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END,
                                   txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
     END IF;
     IF p_shards[2] IS NULL THEN

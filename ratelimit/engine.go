@@ -33,8 +33,8 @@ func compareRows(a, b rowID) int {
 
 // decideCalls decides calls in list order, in one statement, and returns one outcome per call.
 // Each call is an all-or-nothing group; a call sees the effect of the calls granted before it in
-// the list. A list of one request is sent as scalars (DecideOneRow, DecideOne), any other as parallel arrays
-// (Decide); both are the same road (migrations/00003_txlimit_decide.sql). An error returned alone
+// the list. A list of one request is sent as scalars (DecideOneRow, DecideOne), any other as
+// parallel arrays (Decide); all are the same road (migrations/00003_txlimit_decide.sql). An error returned alone
 // (a database error) fails every call: nothing of the list was granted.
 func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) ([]outcome, error) {
 	var got []answer
