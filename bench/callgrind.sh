@@ -20,7 +20,13 @@
 # the CPU time the bench measures. The first execution plans the statement, so a small N counts
 # part of the planning in every figure. Needs valgrind and the Postgres 15 server binaries
 # (Debian: postgresql-15, valgrind); runs as the postgres user in a throwaway data dir.
+#
+# VARIANTS=DIR also counts each DIR/NAME.prep with DIR/NAME.stmt, net of DecideOneRow's harness:
+# NAME.prep holds what runs before the statements (for example CREATE OR REPLACE FUNCTION of a
+# changed body, then a PREPARE d(…) AS …, one statement per line), NAME.stmt the EXECUTE d(…) line,
+# KEY standing for a key k1 … k64. docs/design-history.md measured statement variants this way.
 set -euo pipefail
+shopt -s inherit_errexit # a failed count stops the script, not just its $(…)
 N=${1:-200}
 root=$(git rev-parse --show-toplevel)
 bin=${PGBIN:-/usr/lib/postgresql/15/bin}
@@ -102,4 +108,11 @@ for mode in floor decide-one one-deny one-shard list-grant list-deny; do
 	[[ $mode == list-* ]] && n=$((N / 4)) h=0
 	i=$(per "$mode" "$n")
 	printf '%-11s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h)) "$n"
+done
+for f in ${VARIANTS:+"$VARIANTS"/*.prep}; do
+	mode=variant-$(basename "$f" .prep)
+	{ echo "SET plan_cache_mode = force_generic_plan"; cat "$f"; } >"$tmp/$mode.prep"
+	cp "${f%.prep}.stmt" "$tmp/$mode.stmt"
+	i=$(per "$mode" "$N")
+	printf '%-11s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h12)) "$N"
 done
