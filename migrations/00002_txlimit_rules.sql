@@ -145,8 +145,8 @@ $$;
 -- and allow 0 on one row, when that row is out of debt. One microsecond earlier the same request is
 -- refused, so the answer is exact. The search tests the real-arithmetic estimate first (usually the
 -- answer: granted there, refused a microsecond before; for one row before anything else), and only
--- when float8 rounding or a cap puts the answer elsewhere gallops and bisects, ending within about
--- 130 tests for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
+-- when float8 rounding or a cap puts the answer elsewhere gallops from it and bisects, ending within
+-- about 130 tests for any input. The wait is bounded: t is at most from_us + 2^61 µs (about 73,000
 -- years, maxRetryWaitMicros in ratelimit); a request not granted by then returns that bound. This is
 -- the only place a RetryAt is computed.
 -- +goose StatementBegin
@@ -161,8 +161,8 @@ DECLARE
     horizon bigint := from_us + max_wait;
     lo bigint := from_us; hi bigint; stride bigint;
     t bigint := from_us; -- the instant tested next
-    phase integer := 0; -- what t is: 0 from_us, 1 the estimate then each gallop step (hi), 2 hi - 1,
-                        -- 3 a bisection point
+    phase integer := 0; -- what t is: 0 from_us, 1 the estimate, 2 a step down from hi (granted), 3 a
+                        -- step up from lo (refused), 4 a bisection point
     lv_a double precision; lv_b double precision := 0; ch integer; end_a double precision; end_b double precision;
     granted boolean;
 BEGIN
@@ -176,7 +176,10 @@ BEGIN
             RETURN hi;
         END IF;
     END IF;
-    -- Else one loop with one test, so that PL/pgSQL prepares the rules' expressions once.
+    -- Else one loop with one test, so that PL/pgSQL prepares the rules' expressions once. From the
+    -- estimate the search gallops (strides 1, 2, 4, …) down while granted or up while refused, then
+    -- bisects the last stride: float8 rounding puts the answer a few microseconds from the
+    -- estimate, so a few tests find it.
     LOOP
         -- The test: whether the request is granted at t.
         lv_a := txlimit_level(va, ta, t, rate, period_us, step_us, cap);
@@ -192,43 +195,46 @@ BEGIN
                 RETURN from_us;
             END IF;
             -- The estimate: when the emptiest charged row has its deficit.
-            hi := txlimit_estimate(rate, period_us, step_us,
-                                   -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
-                                   CASE WHEN ch = 2 THEN tb ELSE ta END, from_us);
-            stride := greatest(hi - lo, 1);
-            phase := 1; t := hi;
-        ELSIF phase = 1 THEN
-            -- Gallop until granted at hi (refused at lo), then test hi - 1: usually the estimate is
-            -- the answer, refused one microsecond earlier.
-            IF NOT granted THEN
-                IF hi >= horizon THEN
-                    RETURN horizon;
-                END IF;
-                lo := hi;
-                hi := least(hi + stride, horizon);
-                stride := least(stride * 2, max_wait);
-                t := hi;
-            ELSIF hi - lo > 1 THEN
-                phase := 2; t := hi - 1;
-            ELSE
-                RETURN hi;
-            END IF;
-        ELSE
-            -- Bisection between lo (refused) and hi (granted); its first point is hi - 1, where a
-            -- refusal ends the search at once.
-            IF phase = 2 AND NOT granted THEN
-                RETURN hi;
-            END IF;
+            t := txlimit_estimate(rate, period_us, step_us,
+                                  -least(CASE WHEN ch <> 2 THEN end_a END, CASE WHEN ch <> 1 THEN end_b END) - allow,
+                                  CASE WHEN ch = 2 THEN tb ELSE ta END, from_us);
+            phase := 1;
+            CONTINUE;
+        ELSIF phase = 1 THEN -- at the estimate: search down when granted, else up
+            stride := 1;
             IF granted THEN
-                hi := t;
+                hi := t; phase := 2;
+            ELSIF t >= horizon THEN
+                RETURN horizon;
             ELSE
-                lo := t;
+                lo := t; phase := 3;
             END IF;
-            IF hi - lo <= 1 THEN
-                RETURN hi;
+        ELSIF phase = 2 THEN -- galloping down
+            IF granted THEN
+                hi := t; stride := least(stride * 2, max_wait);
+            ELSE
+                lo := t; phase := 4;
             END IF;
-            phase := 3; t := lo + (hi - lo) / 2;
+        ELSIF phase = 3 THEN -- galloping up
+            IF granted THEN
+                hi := t; phase := 4;
+            ELSIF t >= horizon THEN
+                RETURN horizon;
+            ELSE
+                lo := t; stride := least(stride * 2, max_wait);
+            END IF;
+        ELSIF granted THEN -- bisecting: lo refused, hi granted
+            hi := t;
+        ELSE
+            lo := t;
         END IF;
+        IF phase <> 3 AND hi - lo <= 1 THEN
+            RETURN hi;
+        END IF;
+        IF phase = 2 AND hi - stride <= lo THEN
+            phase := 4;
+        END IF;
+        t := CASE phase WHEN 2 THEN hi - stride WHEN 3 THEN least(lo + stride, horizon) ELSE lo + (hi - lo) / 2 END;
     END LOOP;
 END
 $$;

@@ -160,8 +160,7 @@ CREATE TYPE txlimit_answer_v1 AS (i integer, answer bytea);
 -- decided on: for a request the first step wrote (w), the value and ts it left (q_va, q_ta);
 -- otherwise the rows as evaluated (va, ta and, when sharded, vb, tb), its charge, whether the rules
 -- grant it (ok) and whether it is refused to retry at once because it would be granted on a row
--- this call does not hold (now). A run of identical refusals (a flood on one key) searches its
--- RetryAt once.
+-- this call does not hold (now).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_answers(t bigint, p_count double precision[], p_allow double precision[],
                                 p_step_us bigint[], p_rate double precision[], p_period_us bigint[],
@@ -187,10 +186,6 @@ BEGIN
                                      ELSE txlimit_level(q.va, q.ta, t, q.rate, q.per, q.step, q.cap) END AS lva,
                                 CASE WHEN q.two THEN txlimit_level(q.vb, q.tb, t, q.rate, q.per, q.step, q.cap)
                                      ELSE 0 END AS lvb) l
-    ), refusal AS MATERIALIZED ( -- each distinct refusal, and when the same request is granted
-        SELECT d.*, txlimit_retry_at(d.rate, d.per, d.step, d.cap, d.cnt, d.alw, d.two, d.va, d.ta, d.vb, d.tb, t) AS at
-        FROM (SELECT DISTINCT rate, per, step, cap, cnt, alw, two, va, ta, coalesce(vb, 'NaN') AS vb, coalesce(tb, -1) AS tb
-              FROM q WHERE NOT ok AND NOT now) d
     )
     SELECT e.i, CASE WHEN e.w THEN txlimit_written_v1(e.va, e.ta, t, p_row_shard[p_row_a[e.i]], -1, 0,
                                                       txlimit_debt_until(e.va, e.ta, t, e.rate, e.per, e.step, e.cap))
@@ -199,17 +194,15 @@ BEGIN
                CASE WHEN e.ok THEN e.ea + CASE WHEN e.two THEN e.eb ELSE 0 END ELSE e.lva + e.lvb END,
                p_row_shard[p_row_a[e.i]], CASE WHEN e.two THEN p_row_shard[p_row_b[e.i]] ELSE -1 END, e.ch,
                CASE WHEN e.now THEN t
-                    WHEN NOT e.ok THEN rf.at
+                    WHEN NOT e.ok THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, e.cnt, e.alw, e.two, e.va, e.ta, e.vb,
+                                                        e.tb, t)
                     WHEN g.now_ok THEN 0
                     ELSE greatest(CASE WHEN e.ch <> 2 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
                                                                            e.ea, e.na, NULL, NULL, t) END,
                                   CASE WHEN e.ch <> 1 THEN txlimit_retry_at(e.rate, e.per, e.step, e.cap, 0, 0, false,
                                                                            e.eb, e.nb, NULL, NULL, t) END) END,
                t, CASE WHEN e.ok AND e.ch = 1 THEN e.na WHEN e.ok AND e.ch = 2 THEN e.nb ELSE 0 END) END
-    FROM e CROSS JOIN LATERAL (SELECT txlimit_granted(e.ch, e.ea, e.eb, 0) AS now_ok) g
-    LEFT JOIN refusal rf ON (rf.rate, rf.per, rf.step, rf.cap, rf.cnt, rf.alw, rf.two, rf.va, rf.ta, rf.vb, rf.tb)
-                            = (e.rate, e.per, e.step, e.cap, e.cnt, e.alw, e.two, e.va, e.ta, coalesce(e.vb, 'NaN'),
-                               coalesce(e.tb, -1));
+    FROM e CROSS JOIN LATERAL (SELECT txlimit_granted(e.ch, e.ea, e.eb, 0) AS now_ok) g;
 END
 $$;
 -- +goose StatementEnd

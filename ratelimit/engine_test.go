@@ -316,6 +316,10 @@ func TestRefusedRetryAtIsTheEarliestGrant(t *testing.T) {
 		// 10/s, up to 5 owed: at -4, 3 more would owe 7; at -2 (200 ms later) they fit.
 		{"token bucket reserve", ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}, []float64{10, 4}, 3, true, 200 * ms},
 		{"token bucket", ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}, []float64{10, 4}, 1, false, 500 * ms},
+		// At -3.182, 1 needs 4.182 more: 418.2 ms, where float8 has the row at 1 (just); the
+		// real-arithmetic estimate, ceil(4.182·10⁶/10) µs, is a microsecond later, and the search
+		// walks back from it.
+		{"token bucket, estimate a microsecond late", ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}, []float64{10, 3.182}, 1, false, 418200 * time.Microsecond},
 		// 5 a minute, up to 12 owed: at -10, 5 more would owe 15; the next window brings -5.
 		{"fixed window reserve", ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: 12, Start: t0}, []float64{5, 10}, 5, true, time.Minute},
 		{"fixed window", ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, MaxReserved: 12, Start: t0}, []float64{5, 10}, 1, false, 3 * time.Minute},

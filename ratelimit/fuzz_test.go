@@ -1121,7 +1121,7 @@ func fzSeeds() []fzSeed {
 			op(fzOpList|fzBit4, 0, fzQ("a", 0, 5), fzQ("a", 0, 3, fzReserve), fzQ("a", 0, 1, fzReserve)).
 			op(fzOpList|fzBit4|fzBit6, 0, fzQ("b", 1, 5, fzReserve, fzPicks(2, 0, 1)), fzQ("a", 0, 0.5, fzReserve), fzQ("b", 1, 1, fzReserve, fzPicks(2, 1, 0))).
 			op(fzOpList, 250000, fzQ("a", 0, 1, fzReserve), fzQ("a", 0, 0.5)).b},
-		// A list of lone unsharded calls (the lean loop): a run of identical refusals searched once,
+		// A list of lone unsharded calls (the lean loop): a run of identical refusals (each searches its RetryAt),
 		// then a smaller call granted; a reservation, then identical refused ones.
 		{"list_lean_refusal_runs", fzNewSeed(0, fzC(fw, 2, sec, 0, 5, 1, 0, 0), fzC(tb, 3, sec, 0, inf, 1, 0, 0)).
 			op(fzOpList|fzBit4, 0, fzQ("a", 0, 3), fzQ("a", 0, 3), fzQ("a", 0, 1)).

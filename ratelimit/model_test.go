@@ -11,7 +11,7 @@ package ratelimit_test
 //
 // RetryAt (docs/spec.md §3/§4) is the first microsecond at which the same request would be granted
 // (a refusal) or at which the charged rows are out of debt (a reservation), as the rules evaluate
-// it in float8; see modelLimit.firstGrant, which searches the way txlimit_first_grant does.
+// it in float8; see modelLimit.firstGrant, which searches the way txlimit_retry_at does.
 
 import (
 	"errors"
@@ -312,22 +312,29 @@ func (m modelLimit) firstGrant(count, allow float64, two bool, a, b modelRow, fr
 	}
 	_, ts := m.level(ref, from)
 	est = float64(ts-from) + float64(math.Ceil(float64(est*float64(m.periodUs/stepUs))/m.rate)*float64(stepUs))
-	hi := from + int64(min(max(est, 1), float64(modelMaxWait)))
-	lo := from
-	step := max(hi-lo, 1)
-	for !m.grantsAt(count, allow, two, a, b, hi) {
-		if hi >= horizon {
-			return horizon
+	// From the estimate: gallop (strides 1, 2, 4, …) down while granted or up while refused, then
+	// bisect the last stride.
+	t := from + int64(min(max(est, 1), float64(modelMaxWait)))
+	lo, hi, stride := from, t, int64(1)
+	if m.grantsAt(count, allow, two, a, b, t) {
+		for hi-lo > 1 && hi-stride > lo {
+			if !m.grantsAt(count, allow, two, a, b, hi-stride) {
+				lo = hi - stride
+				break
+			}
+			hi -= stride
+			stride = min(stride*2, modelMaxWait)
 		}
-		lo = hi
-		hi = min(hi+step, horizon)
-		step = min(step*2, modelMaxWait)
-	}
-	if hi-lo > 1 {
-		if !m.grantsAt(count, allow, two, a, b, hi-1) {
-			return hi
+	} else {
+		for lo = t; ; stride = min(stride*2, modelMaxWait) {
+			if lo >= horizon {
+				return horizon
+			}
+			if hi = min(lo+stride, horizon); m.grantsAt(count, allow, two, a, b, hi) {
+				break
+			}
+			lo = hi
 		}
-		hi--
 	}
 	for hi-lo > 1 {
 		mid := lo + (hi-lo)/2
