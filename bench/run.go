@@ -77,6 +77,24 @@ type RunOpts struct {
 	Tag string
 }
 
+// warmUps returns how many decisions each caller of the cell makes before the timed loop: one,
+// which opens its connection and creates an unsharded key's row; for a sharded contender, enough
+// that the key's calls have decided 2·Shards times (hot key: all callers together; per user: each
+// caller on its own key), which creates nearly every shard's row (a missing shard counts full, so
+// the calls charge it first). Without it the timed loop of a short cell on sharded keys measured
+// mostly the creation of rows: in quick mode, 16 shards per user at 64 callers decided 2,232/s
+// with 0.5 s cells and 8,679/s with 5 s cells (docs/design-history.md, 2026-11-27).
+func warmUps(def *Def, cell Cell) int {
+	if def.Shards < 2 {
+		return 1
+	}
+	perKey := 2 * def.Shards
+	if cell.Scenario == HotKey {
+		return max(1, (perKey+cell.Callers-1)/cell.Callers)
+	}
+	return perKey
+}
+
 // keysFor returns the key each caller uses.
 func keysFor(cell Cell, tag string) []string {
 	keys := make([]string, cell.Callers)
@@ -90,9 +108,9 @@ func keysFor(cell Cell, tag string) []string {
 	return keys
 }
 
-// RunCell measures one contender in one cell. Every caller first makes one decision (warm-up: rows
-// created, statements prepared, connections opened), then all decide in a loop until the duration
-// or their count is up. Counters, WAL and CPU cover the timed loop only.
+// RunCell measures one contender in one cell. A warm-up first creates the rows, prepares the
+// statements and opens the connections (warmUps), then all callers decide in a loop until the
+// duration or their count is up. Counters, WAL and CPU cover the timed loop only.
 func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, opts RunOpts) *Result {
 	res := &Result{Def: def, Cell: cell, Trips: -1, WAL: -1}
 	keys := keysFor(cell, opts.Tag)
@@ -101,7 +119,11 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 
 	var wg sync.WaitGroup
 	for i := range keys {
-		wg.Go(func() { _, _ = c.Decide(ctx, cell.Limit.Name, keys[i]) })
+		wg.Go(func() {
+			for range warmUps(def, cell) {
+				_, _ = c.Decide(ctx, cell.Limit.Name, keys[i])
+			}
+		})
 	}
 	wg.Wait()
 
