@@ -18,15 +18,18 @@
 -- written or locked by a transaction that the snapshot snap cannot see, in progress or committed
 -- after snap was taken (xr: snap's xmax as a number, next to which xm is widened to 64 bits).
 -- Under REPEATABLE READ or SERIALIZABLE, locking such a row could only fail, so steering passes
--- over it.
+-- over it. (One expression without FROM, so that Postgres inlines it into txlimit_steer: as a query
+-- of its own, run through the SQL-function executor, it cost a third of a sharded decision.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_stale(xm bigint, xr bigint, snap pg_snapshot)
 RETURNS boolean LANGUAGE sql VOLATILE AS $$
-    SELECT coalesce(xm, 0) <> 0 AND x.x8 >= 3
-           AND NOT pg_visible_in_snapshot(x.x8::text::xid8, snap)
-           AND (x.x8 >= xr OR pg_xact_status(x.x8::text::xid8) IS DISTINCT FROM 'aborted')
-    FROM (SELECT xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648) % 4294967296
-                 - 2147483648 AS x8) x
+    SELECT coalesce(xm, 0) <> 0
+           AND xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648) % 4294967296 - 2147483648 >= 3
+           AND NOT pg_visible_in_snapshot((xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648)
+                                                % 4294967296 - 2147483648)::text::xid8, snap)
+           AND (xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648) % 4294967296 - 2147483648 >= xr
+                OR pg_xact_status((xr + ((xm - (xr & 4294967295)) % 4294967296 + 4294967296 + 2147483648)
+                                   % 4294967296 - 2147483648)::text::xid8) IS DISTINCT FROM 'aborted')
 $$;
 -- +goose StatementEnd
 
