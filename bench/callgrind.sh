@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # callgrind.sh [N]: the backend's instructions per decision, counted by valgrind's callgrind in a
 # single-user Postgres backend (no network, no other sessions: the count is the same from run to
-# run, whatever the machine's load), for seven statements on the schema of migrations/:
+# run, whatever the machine's load), for eight statements on the schema of migrations/:
 #
 #   floor       UPDATE txlimit_state SET value = value - 1 … RETURNING value: the bench's floor
 #   decide-one  DecideOneRow (internal/dbsqlc/queries/engine.sql) granting a lone Limit, prepared
@@ -9,6 +9,8 @@
 #   one-deny    DecideOneRow refusing a lone Limit (its UPDATE writes nothing; txlimit_decide_one_v1
 #               answers)
 #   one-shard   DecideOne granting a lone Limit on a limit of 16 shards (READ COMMITTED)
+#   one-shard-ser  the same under SERIALIZABLE (steering checks its shard for staleness; the
+#               second pick is read only when the first cannot serve alone)
 #   list-grant  txlimit_decide_v1 over 32 requests on keys of their own, all granted
 #   list-deny   the same 32 requests, all refused (rows emptied until 2096)
 #   list-debts  32 requests refused on rows each owing its own amount (-0.037·i, until 2096): a
@@ -65,6 +67,8 @@ row, one_q = query("decideOneRow"), query("decideOne")
 one("decide-one", row_types, row, "NULL, 'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, 12345")
 one("one-deny", row_types, row, "NULL, 'deny', 'KEY', 1, 0, 100000, 10, 1000000, 10, 0, 12345, 12345")
 one("one-shard", one_types, one_q, "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")
+open(f"{tmp}/one-shard-ser.prep", "w").write("SET default_transaction_isolation = 'serializable'\n" + open(f"{tmp}/one-shard.prep").read())
+open(f"{tmp}/one-shard-ser.stmt", "w").write(open(f"{tmp}/one-shard.stmt").read())
 one("harness12", row_types, "SELECT $11", "NULL, 'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, 12345")
 one("harness13", one_types, "SELECT $13", "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")
 open(f"{tmp}/floor.prep", "w").write("PREPARE d(text) AS UPDATE txlimit_state SET value = value - 1 WHERE name = 'floor' AND key = $1 AND shard = 0 RETURNING value\n")
@@ -104,19 +108,19 @@ per() { # per MODE STATEMENTS: instructions per statement
 h1=$(per harness1 "$N")
 h12=$(per harness12 "$N")
 h13=$(per harness13 "$N")
-printf '%-11s %10s %10s\n' statement instructions net
-for mode in floor decide-one one-deny one-shard list-grant list-deny list-debts; do
+printf '%-14s %10s %10s\n' statement instructions net
+for mode in floor decide-one one-deny one-shard one-shard-ser list-grant list-deny list-debts; do
 	n=$N h=$h12
 	[[ $mode == floor ]] && h=$h1
-	[[ $mode == one-shard ]] && h=$h13
+	[[ $mode == one-shard* ]] && h=$h13
 	[[ $mode == list-* ]] && n=$((N / 4)) h=0
 	i=$(per "$mode" "$n")
-	printf '%-11s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h)) "$n"
+	printf '%-14s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h)) "$n"
 done
 for f in ${VARIANTS:+"$VARIANTS"/*.prep}; do
 	mode=variant-$(basename "$f" .prep)
 	{ echo "SET plan_cache_mode = force_generic_plan"; cat "$f"; } >"$tmp/$mode.prep"
 	cp "${f%.prep}.stmt" "$tmp/$mode.stmt"
 	i=$(per "$mode" "$N")
-	printf '%-11s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h12)) "$N"
+	printf '%-14s %10d %10d   (%d statements)\n' "$mode" "$i" $((i - h12)) "$N"
 done
