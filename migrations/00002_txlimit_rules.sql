@@ -157,13 +157,13 @@ RETURNS bigint
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 AS $$
 DECLARE
-    max_wait constant bigint := 2305843009213693952; -- 2^61
-    horizon bigint := from_us + max_wait;
-    lo bigint := from_us; hi bigint; stride bigint;
-    t bigint := from_us; -- the instant tested next
-    phase integer := 0; -- what t is: 0 from_us, 1 the estimate, 2 a step down from hi (granted), 3 a
-                        -- step up from lo (refused), 4 a bisection point
-    lv_a double precision; lv_b double precision := 0; ch integer; end_a double precision; end_b double precision;
+    -- No defaults here: PL/pgSQL evaluates each at every call, and the one-row answer below needs
+    -- none of them; they are set where the search starts.
+    max_wait bigint; horizon bigint; lo bigint; hi bigint; stride bigint;
+    t bigint; -- the instant tested next
+    phase integer; -- what t is: 0 from_us, 1 the estimate, 2 a step down from hi (granted), 3 a step
+                   -- up from lo (refused), 4 a bisection point
+    lv_a double precision; lv_b double precision; ch integer; end_a double precision; end_b double precision;
     granted boolean;
 BEGIN
     -- One row: usually the estimate is the answer (granted there, refused a microsecond earlier).
@@ -180,6 +180,8 @@ BEGIN
     -- estimate the search gallops (strides 1, 2, 4, …) down while granted or up while refused, then
     -- bisects the last stride: float8 rounding puts the answer a few microseconds from the
     -- estimate, so a few tests find it.
+    max_wait := 2305843009213693952; -- 2^61
+    horizon := from_us + max_wait; lo := from_us; t := from_us; phase := 0; lv_b := 0;
     LOOP
         -- The test: whether the request is granted at t.
         lv_a := txlimit_level(va, ta, t, rate, period_us, step_us, cap);

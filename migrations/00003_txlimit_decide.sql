@@ -305,16 +305,18 @@ SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off S
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
+    -- (Defaults only for what every call needs: PL/pgSQL evaluates each at every call. The rest is
+    -- set after the first step, which answers most lists alone.)
     t bigint := txlimit_clock(p_now_us);
-    n integer := cardinality(p_grp); m integer := cardinality(p_row_name);
-    todo boolean[] := array_fill(true, ARRAY[n]); held integer := p_held;
+    n integer := cardinality(p_grp); m integer;
+    todo boolean[]; held integer := p_held;
     -- Rows as read, then as locked (r_*); as the granted groups leave them (w_*); held.
     r_val double precision[]; r_ts bigint[]; w_val double precision[]; w_ts bigint[]; w_mod boolean[];
-    l_held boolean[]; lk record; changed boolean := false;
+    l_held boolean[]; lk record; changed boolean;
     -- Requests: written by the first step, the rows as evaluated, the charge, granted by the rules,
     -- refused to retry at once.
     q_w boolean[]; q_va double precision[]; q_ta bigint[]; q_vb double precision[]; q_tb bigint[];
-    q_ch integer[]; q_ok boolean[]; q_now boolean[]; plan_ch integer[] := array_fill(0, ARRAY[n]);
+    q_ch integer[]; q_ok boolean[]; q_now boolean[]; plan_ch integer[];
     g integer; e integer; a integer; b integer; lv_a double precision; lv_b double precision;
     rules_ok boolean; g_ok boolean;
     all_w boolean; f_i integer[]; f_v double precision[]; f_ts bigint[]; -- the requests txlimit_alone wrote
@@ -341,6 +343,8 @@ BEGIN
         END IF;
     END IF;
 
+    m := cardinality(p_row_name); todo := coalesce(todo, array_fill(true, ARRAY[n]));
+    plan_ch := array_fill(0, ARRAY[n]); changed := false;
     -- 1. Plan: every row read without a lock, and the list folded on them: each request left to
     -- decide, in list order, each all-or-nothing group seeing the groups granted before it.
     SELECT array_agg(s.value ORDER BY u.i), array_agg(s.ts ORDER BY u.i) INTO r_val, r_ts
