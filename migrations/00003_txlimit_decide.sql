@@ -19,7 +19,8 @@
 -- after snap was taken (xr: snap's xmax as a number, next to which xm is widened to 64 bits).
 -- Under REPEATABLE READ or SERIALIZABLE, locking such a row could only fail, so steering passes
 -- over it. (One expression without FROM, so that Postgres inlines it into txlimit_steer: as a query
--- of its own, run through the SQL-function executor, it cost a third of a sharded decision.)
+-- of its own, run through the SQL-function executor, it cost over a third of a sharded decision
+-- under SERIALIZABLE.)
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_stale(xm bigint, xr bigint, snap pg_snapshot)
 RETURNS boolean LANGUAGE sql VOLATILE AS $$
