@@ -480,7 +480,6 @@ BEGIN
     ELSIF p_shards[2] IS NOT NULL AND NOT p_dry THEN
         two := current_setting('transaction_isolation') = 'read committed';
         pos := txlimit_steer(p_name, p_key, p_shards, p_lock_key, NOT two);
-        a := p_shards[1]; b := p_shards[2]; lv_b := 0; got := false;
         IF pos = 0 THEN
             RETURN txlimit_pack_v1(false, false, true, 0, p_shards[1], p_shards[2], 0, 0, t, 0);
         END IF;
@@ -497,6 +496,8 @@ BEGIN
             fb := FOUND;
             vb := coalesce(vb, p_cap); tb := coalesce(tb, p_anchor_us);
             lv_b := txlimit_level(vb, tb, t, p_rate, p_period_us, p_step_us, p_cap);
+        ELSE
+            lv_b := 0;
         END IF;
         ch := txlimit_charge(lv_a, lv_b, two, p_count, 0);
         IF NOT txlimit_granted(ch, txlimit_left(0, ch, lv_a, lv_b, p_count), txlimit_left(1, ch, lv_a, lv_b, p_count),
