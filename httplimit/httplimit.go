@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/dunglas/httpsfv"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 
@@ -85,7 +86,9 @@ type Policy struct {
 	MissingKey MissingKey
 
 	// Name is the limit's name in the database and the policy's name in the header fields and the
-	// problem body. Unique within a Middleware. Required.
+	// problem body. Unique within a Middleware. Required. It is written in the header fields as a
+	// Structured Field String (RFC 9651), so it must be printable ASCII (0x20 to 0x7E); New refuses
+	// any other.
 	Name string
 }
 
@@ -184,6 +187,10 @@ func New(cfg *Config) (*Middleware, error) {
 		}
 		if _, dup := m.byName[p.Name]; dup {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q appears twice", i, p.Name)
+		}
+		if _, err := httpsfv.Marshal(httpsfv.NewItem(p.Name)); err != nil {
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q cannot be written in the RateLimit header fields: "+
+				"a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.Name)
 		}
 		if p.MissingKey < MissingKeyReject || p.MissingKey > MissingKeyShared {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].MissingKey %d is unknown", i, p.MissingKey)

@@ -557,4 +557,14 @@ func TestNewValidates(t *testing.T) {
 	}
 	_, err := httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "a", Config: perIP}}, FailClosedRetryAfter: -time.Second})
 	require.EqualError(t, err, "httplimit: New: set Config.FailClosedRetryAfter to 0 (the default, 5s) or more (got -1s)")
+
+	// A name the header fields cannot carry (RFC 9651 Strings are printable ASCII) is refused
+	// here, not found out later by responses that silently lose their RateLimit fields.
+	for _, name := range []string{"café", "a\tb", "line\nbreak"} {
+		_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "ok", Config: perIP}, {Name: name, Config: perIP}}})
+		require.EqualError(t, err, fmt.Sprintf("httplimit: Config.Policies[1].Name %q cannot be written in the RateLimit header "+
+			"fields: a Structured Field String is printable ASCII (0x20 to 0x7E)", name))
+	}
+	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "per ip ~!", Config: perIP}}})
+	require.NoError(t, err, "printable ASCII, spaces included, is a String")
 }
