@@ -290,15 +290,24 @@ func (b *Batcher) run(ln *lane) {
 			ln.mu.Unlock() // closed, nothing queued, nothing in flight
 			return
 		}
+		// Taking a call out of the queue under ln.mu is what makes it in flight: one whose context
+		// has ended by then is left out (its caller, woken by ctx, finds it not taken and returns
+		// ctx.Err()), so a call cancelled while queued is never charged.
 		n := min(len(ln.queue), b.maxBatch)
-		batch := make([]*pending, n)
-		copy(batch, ln.queue)
-		for _, p := range batch {
-			p.taken = true
+		batch := make([]*pending, 0, n)
+		for _, p := range ln.queue[:n] {
+			if p.ctx.Err() == nil {
+				p.taken = true
+				batch = append(batch, p)
+			}
 		}
 		rest := copy(ln.queue, ln.queue[n:])
 		clear(ln.queue[rest:])
 		ln.queue = ln.queue[:rest]
+		if len(batch) == 0 {
+			ln.mu.Unlock()
+			continue
+		}
 		ln.busy = true
 		ln.mu.Unlock()
 		b.decide(batch)

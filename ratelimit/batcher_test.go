@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -400,6 +401,64 @@ func TestBatcherCancelWhileQueuedChargesNothing(t *testing.T) {
 	r, err := b.Check(ctx, "tb", "cancelled", nil)
 	require.NoError(t, err)
 	require.Equal(t, 4.0, r.Value, "full: nothing was charged")
+}
+
+// endHook runs f once, when armed, at the end of the statement of the call tagged id (bWithID), on
+// the goroutine that ran it, after its reply was read.
+type endHook struct {
+	id    int
+	armed atomic.Bool
+	f     func()
+}
+
+func (h *endHook) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (h *endHook) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if id, ok := ctx.Value(bCallID{}).(int); ok && id == h.id && h.armed.CompareAndSwap(true, false) {
+		h.f()
+	}
+}
+
+// The same when the lane's goroutine, not the cancelled caller, is the first to take the lane's
+// lock after the cancel: the call is cancelled while the lane is still busy with the batch before
+// it, so it is still queued, and the lane must leave it out of the next batch. One processor
+// makes the order of the two goroutines the same at every run (with more, this failed 16 times
+// in 20 before the lane checked).
+func TestBatcherCancelWhileQueuedLaneFirst(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	hook := &endHook{id: 1}
+	env := newBundle(t, &testdb.Options{MaxConns: 8, Tracer: hook}, &ratelimit.LimiterConfig{Limits: bLimits, Now: bFrozen})
+	b, log := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool := env.ctx, env.pool
+	lock, blocked := blockLane(t, env, b, log, "k", 1) // call 1 decided inline, waiting for its row
+
+	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
+	defer cancel()
+	queued := bAsync(func() (ratelimit.Result, error) { return b.LimitN(cctx, "tb", "cancelled", 3, nil) })
+	eventually(t, "first call queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+	kept := bAsync(func() (ratelimit.Result, error) { return b.LimitN(bWithID(ctx, 3), "tb", "kept", 2, nil) })
+	eventually(t, "both calls queued", func() bool { return ratelimit.QueuedCalls(b) == 2 })
+
+	// Call 2 is cancelled as call 1's statement returns: the lane is still busy with call 1.
+	var queuedAtCancel atomic.Int64
+	hook.f = func() { queuedAtCancel.Store(int64(ratelimit.QueuedCalls(b))); cancel() }
+	hook.armed.Store(true)
+	lock.release(t)
+	time.Sleep(time.Second) // this goroutine waits on none of the calls: the lane and call 2 race alone
+
+	require.NoError(t, bWait(t, blocked).err)
+	o := bWait(t, queued)
+	k := bWait(t, kept)
+	require.NoError(t, k.err)
+	require.Equal(t, int64(2), queuedAtCancel.Load(), "call 2 was still queued when it was cancelled")
+	require.ErrorIs(t, o.err, context.Canceled)
+	require.False(t, log.taken(2), "the call cancelled while queued never reached the engine")
+	_, found := testdb.RowVersion(t, pool, "tb", "cancelled", 0)
+	require.False(t, found, "nothing was written for the call cancelled while queued")
+	require.Equal(t, 1, k.res.Batched, "the cancelled call was not in the batch")
+	require.Equal(t, 3.0, k.res.Value)
 }
 
 // A call whose context ends while its batch is being decided returns at once; the batch goes on
