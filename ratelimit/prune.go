@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"math"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 	"github.com/txlimit/txlimit/internal/driver"
@@ -9,7 +10,8 @@ import (
 
 // PruneOpts are the options of Prune. A nil *PruneOpts is the zero value.
 type PruneOpts struct {
-	// BatchSize is how many rows each round of Prune reads and deletes. Defaults to 1000.
+	// BatchSize is how many rows each round of Prune reads and deletes. Defaults to 1000; a size
+	// above math.MaxInt32 is taken as math.MaxInt32 (what the statement's LIMIT can carry).
 	BatchSize int
 
 	// Config, when set, is used instead of the limit registered under the name. Defaults to nil.
@@ -34,6 +36,7 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 	if batch <= 0 {
 		batch = 1000
 	}
+	batch = min(batch, math.MaxInt32) // Batch is an int32 parameter
 	s, err := l.prepare(op, db, name, "", &LimitOpts{Config: opts.Config})
 	if err != nil {
 		return 0, err

@@ -1,6 +1,7 @@
 package ratelimit_test
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -95,6 +96,24 @@ func TestPruneNeverChangesAFutureDecision(t *testing.T) {
 }
 
 // PruneAll prunes every registered limit and reports the rows deleted per limit.
+// A BatchSize beyond what the statement's LIMIT carries (an int32) prunes as math.MaxInt32 does:
+// before, 1<<32 wrapped to LIMIT 0 and pruned nothing, 1<<31 to a negative LIMIT and failed.
+func TestPruneHugeBatchSize(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	for _, size := range []int{1 << 32, 1 << 31, math.MaxInt} {
+		b.clock.Set(t0)
+		for _, k := range []string{"a", "b", "c"} {
+			_, err := b.lim.Limit(b.ctx, b.pool, "tb", k, nil)
+			require.NoError(t, err)
+		}
+		b.clock.Set(t0.Add(time.Hour)) // every row full again: all three prunable
+		n, err := b.lim.Prune(b.ctx, b.pool, "tb", &ratelimit.PruneOpts{BatchSize: size})
+		require.NoError(t, err, "BatchSize %d", size)
+		require.EqualValues(t, 3, n, "BatchSize %d", size)
+	}
+}
+
 func TestPruneAll(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{

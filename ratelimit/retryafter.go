@@ -37,7 +37,8 @@ type Row struct {
 //
 // from defaults, when zero, to the time a decision reads: LimiterConfig.Now when set, else the
 // database's clock. Bad input (a name, key or config a call would refuse, a Value that is not
-// finite, a zero TS) is an error matching ErrInvalid, with no SQL run.
+// finite, a zero TS, a from or TS more than 2^62 µs, about 146,000 years, from the Unix epoch) is
+// an error matching ErrInvalid, with no SQL run.
 func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, rows []Row) ([]time.Time, error) {
 	const op = "OutOfDebtAt"
 	if err := checkExecutor(op, db); err != nil {
@@ -48,6 +49,9 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 	}
 	p := dbsqlc.OutOfDebtAtParams{NowUs: l.clock()}
 	if !from.IsZero() {
+		if !timeInRange(from) {
+			return nil, &ArgumentError{Op: op, Arg: "from", Reason: fmt.Sprintf("must lie within 2^62 µs (about 146,000 years) of the Unix epoch, got %s", from)}
+		}
 		p.NowUs = pgtype.Int8{Int64: from.UnixMicro(), Valid: true}
 	}
 	for i, r := range rows {
@@ -60,6 +64,8 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].Value", i), Reason: fmt.Sprintf("must be finite, got %g", r.Value)}
 		case r.TS.IsZero():
 			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].TS", i), Reason: "is zero: pass the row's ts (Result.TS)"}
+		case !timeInRange(r.TS):
+			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].TS", i), Reason: fmt.Sprintf("must lie within 2^62 µs (about 146,000 years) of the Unix epoch, got %s", r.TS)}
 		}
 		p.Rates = append(p.Rates, s.rate)
 		p.PeriodUs = append(p.PeriodUs, s.periodUs)
@@ -83,4 +89,15 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 		out[i] = usTime(g.RetryAtUs)
 	}
 	return out, nil
+}
+
+// maxTimeMicros bounds the times OutOfDebtAt accepts, in microseconds either side of the Unix
+// epoch: far enough for any row's ts, near enough that the search's arithmetic (a time plus up to
+// 2^61 µs, differences of two times) stays within a bigint.
+const maxTimeMicros = 1 << 62
+
+// timeInRange reports whether t lies within maxTimeMicros of the Unix epoch (checked on the
+// time.Time: UnixMicro wraps beyond about 292,000 years).
+func timeInRange(t time.Time) bool {
+	return !t.Before(time.UnixMicro(-maxTimeMicros)) && !t.After(time.UnixMicro(maxTimeMicros))
 }

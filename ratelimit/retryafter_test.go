@@ -96,6 +96,8 @@ func TestOutOfDebtAtBadInput(t *testing.T) {
 		{closed, ratelimit.Row{Name: "tok", Value: math.NaN(), TS: t0}, "rows[1].Value"},
 		{closed, ratelimit.Row{Name: "tok", Value: math.Inf(-1), TS: t0}, "rows[1].Value"},
 		{closed, ratelimit.Row{Name: "tok", Value: -1}, "rows[1].TS"},
+		{closed, ratelimit.Row{Name: "tok", Value: -1, TS: time.Date(290000, 1, 1, 0, 0, 0, 0, time.UTC)}, "rows[1].TS"},
+		{closed, ratelimit.Row{Name: "tok", Value: -1, TS: time.Date(-150000, 1, 1, 0, 0, 0, 0, time.UTC)}, "rows[1].TS"},
 	} {
 		_, err := b.lim.OutOfDebtAt(b.ctx, c.db, time.Time{}, []ratelimit.Row{{Name: "tok", Value: -1, TS: t0}, c.row})
 		var arg *ratelimit.ArgumentError
@@ -103,4 +105,18 @@ func TestOutOfDebtAtBadInput(t *testing.T) {
 		require.Equal(t, c.want, arg.Arg)
 		require.ErrorIs(t, err, ratelimit.ErrInvalid)
 	}
+	// A from so far off that the search's arithmetic would leave a bigint (its bound is from plus
+	// 2^61 µs), or that UnixMicro would wrap.
+	for _, from := range []time.Time{time.Date(290000, 1, 1, 0, 0, 0, 0, time.UTC), time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)} {
+		_, err := b.lim.OutOfDebtAt(b.ctx, closed, from, []ratelimit.Row{{Name: "tok", Value: -1, TS: t0}})
+		var arg *ratelimit.ArgumentError
+		require.True(t, errors.As(err, &arg), "from %s: got %v", from, err)
+		require.Equal(t, "from", arg.Arg)
+	}
+	// The bound itself is accepted and answered.
+	edge := time.UnixMicro(1 << 62)
+	got, err = b.lim.OutOfDebtAt(b.ctx, b.pool, edge, []ratelimit.Row{{Name: "tok", Value: -1, TS: edge}})
+	require.NoError(t, err)
+	require.Len(t, got, 1)
+	require.True(t, got[0].Equal(edge.Add(100*time.Millisecond)), "got %s", got[0])
 }

@@ -123,10 +123,14 @@ func (e *SetupError) Is(target error) bool {
 // Unwrap returns Err, the database's error.
 func (e *SetupError) Unwrap() error { return e.Err }
 
-// dbError wraps an error of op's database call. A missing txlimit table or function becomes a
-// *SetupError, at the price of one more query on db to read the search_path; anything else is
-// returned as "ratelimit: op: err".
+// dbError wraps an error of op's database call. When ctx has ended, the error also wraps
+// ctx.Err(), whichever driver reported it (lib/pq reports a cancelled statement as SQLSTATE 57014
+// alone). A missing txlimit table or function becomes a *SetupError, at the price of one more
+// query on db to read the search_path; anything else is returned as "ratelimit: op: err".
 func dbError(ctx context.Context, db Executor, op string, err error) error {
+	if ce := ctx.Err(); ce != nil && !errors.Is(err, ce) {
+		return fmt.Errorf("ratelimit: %s: %w: %w", op, ce, err)
+	}
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") ||
 		!strings.Contains(pgErr.Message, "txlimit_") {

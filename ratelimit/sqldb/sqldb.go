@@ -18,6 +18,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"reflect"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -45,25 +46,15 @@ type Querier interface {
 // *pq.Error, pgx's *pgconn.PgError) also matches *pgconn.PgError under errors.As, so that
 // ratelimit.IsRetryable and ratelimit's *SetupError work with either driver.
 //
-// A nil db, or a nil *sql.DB, *sql.Tx or *sql.Conn, gives a nil Executor, which every call of
-// package ratelimit refuses with an *ArgumentError. Wrap itself costs one small allocation; keep
+// A nil db, or a nil pointer of any type (a nil *sql.DB, *sql.Tx or *sql.Conn, a nil *sqlx.DB),
+// gives a nil Executor, which every call of package ratelimit refuses with an *ArgumentError. Wrap itself costs one small allocation; keep
 // the result for as long as db lives, or wrap per call, as is convenient.
 func Wrap(db Querier) ratelimit.Executor {
-	switch h := db.(type) {
-	case nil:
+	if db == nil {
 		return nil
-	case *sql.DB:
-		if h == nil {
-			return nil
-		}
-	case *sql.Tx:
-		if h == nil {
-			return nil
-		}
-	case *sql.Conn:
-		if h == nil {
-			return nil
-		}
+	}
+	if v := reflect.ValueOf(db); v.Kind() == reflect.Pointer && v.IsNil() {
+		return nil
 	}
 	return &executor{db: db}
 }

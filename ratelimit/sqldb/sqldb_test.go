@@ -62,6 +62,9 @@ func TestConn(t *testing.T) {
 	}
 }
 
+// embedsDB has the shape of *sqlx.DB: a struct embedding *sql.DB.
+type embedsDB struct{ *sql.DB }
+
 // TestWrapNil: a nil handle gives a nil Executor, which every call refuses as bad input; a bare
 // *sql.Tx is refused with the fix.
 func TestWrapNil(t *testing.T) {
@@ -75,10 +78,14 @@ func TestWrapNil(t *testing.T) {
 	require.Nil(t, sqldb.Wrap(nilDB))
 	require.Nil(t, sqldb.Wrap(nilTx))
 	require.Nil(t, sqldb.Wrap(nilConn))
+	var nilEmbeds *embedsDB // the shape of *sqlx.DB
+	require.Nil(t, sqldb.Wrap(nilEmbeds))
 	lim, err := ratelimit.New(nil)
 	require.NoError(t, err)
-	_, err = lim.Limit(context.Background(), sqldb.Wrap(nilDB), "msg", "u", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: 1e9}})
-	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	for _, h := range []sqldb.Querier{nilDB, nilEmbeds} {
+		_, err = lim.Limit(context.Background(), sqldb.Wrap(h), "msg", "u", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: 1e9}})
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	}
 
 	db, _ := testdb.SQLDB(t, "pgx", false)
 	_, err = lim.Limit(context.Background(), db, "msg", "u", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: 1e9}})

@@ -69,6 +69,7 @@ func Run(t *testing.T, open Open) {
 		{"DenialWritesNothing", true, testDenialWritesNothing},
 		{"Concurrent", true, testConcurrent},
 		{"SerializationFailure", true, testSerializationFailure},
+		{"ContextEndsWhileWaiting", true, testContextEndsWhileWaiting},
 		{"NotMigrated", false, testNotMigrated},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -287,6 +288,34 @@ func testSerializationFailure(t *testing.T, h Handle) {
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, "40001", pgErr.Code)
 	require.True(t, ratelimit.IsRetryable(err))
+}
+
+// testContextEndsWhileWaiting: a call whose context ends while it waits for a row another
+// transaction holds returns an error matching the context's (docs/spec.md §7), whatever the driver
+// (lib/pq reports the cancelled statement as SQLSTATE 57014 alone).
+func testContextEndsWhileWaiting(t *testing.T, h Handle) {
+	ctx := context.Background()
+	lim := newLimiter(t, t0)
+	_, err := lim.Limit(ctx, h.DB, "msg", "held", nil) // the row exists
+	require.NoError(t, err)
+	holder, err := h.Inspect.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, "SELECT 1 FROM txlimit_state WHERE name = 'msg' AND key = 'held' FOR UPDATE")
+	require.NoError(t, err)
+	for what, call := range map[string]func(context.Context) error{
+		"Limit": func(c context.Context) error { _, err := lim.Limit(c, h.DB, "msg", "held", nil); return err },
+		"Credit": func(c context.Context) error {
+			_, err := lim.Credit(c, h.DB, "msg", "held", 1, nil)
+			return err
+		},
+		"Reset": func(c context.Context) error { return lim.Reset(c, h.DB, "msg", "held") },
+	} {
+		c, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		err := call(c)
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded, what)
+	}
 }
 
 // testNotMigrated: a missing table is a *SetupError naming the fix, with the SQLSTATE.
