@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # callgrind.sh [N]: the backend's instructions per decision, counted by valgrind's callgrind in a
 # single-user Postgres backend (no network, no other sessions: the count is the same from run to
-# run, whatever the machine's load), for eight statements on the schema of migrations/:
+# run, whatever the machine's load), for nine statements on the schema of migrations/:
 #
 #   floor       UPDATE txlimit_state SET value = value - 1 … RETURNING value: the bench's floor
 #   decide-one  DecideOneRow (internal/dbsqlc/queries/engine.sql) granting a lone Limit, prepared
@@ -15,6 +15,8 @@
 #   list-deny   the same 32 requests, all refused (rows emptied until 2096)
 #   list-debts  32 requests refused on rows each owing its own amount (-0.037·i, until 2096): a
 #               RetryAt search each, some of whose estimates float8 rounding puts a microsecond off
+#   list-mixed  32 requests on keys of their own, every other one refused (a Batcher's batch on a
+#               deny-heavy limit of many keys)
 #
 # Each figure is (instructions of a session running N statements − those of a session running
 # none) / N. The single-user harness adds its own cost per statement (parsing EXECUTE and its
@@ -84,8 +86,15 @@ def lst(name, rate, cap):
         arr([1000000] * n, "bigint[]"), arr([cap] * n, "float8[]"), arr([0] * n, "bigint[]"),
         arr(range(1, n + 1), "int[]"), arr([0] * n, "int[]"), arr([name] * n, "text[]"),
         arr([f"k{i}" for i in range(1, n + 1)], "text[]"), arr([0] * n, "int[]")]) + ", 0)\n")
+mixed = ("SELECT count(*) FROM txlimit_decide_v1(NULL, " + ", ".join([
+    arr(range(n), "int[]"), arr([1] * n, "float8[]"), arr([0] * n, "float8[]"), arr(["f"] * n, "bool[]"),
+    arr(["t"] * n, "bool[]"), arr([1] * n, "bigint[]"), arr([1e9, 10] * (n // 2), "float8[]"),
+    arr([1000000] * n, "bigint[]"), arr([1e9, 10] * (n // 2), "float8[]"), arr([0] * n, "bigint[]"),
+    arr([x for j in range(1, n // 2 + 1) for x in (j, n // 2 + j)], "int[]"), arr([0] * n, "int[]"),
+    arr(["allow"] * (n // 2) + ["deny"] * (n // 2), "text[]"),
+    arr([f"k{j}" for j in range(1, n // 2 + 1)] * 2, "text[]"), arr([0] * n, "int[]")]) + ", 0)\n")
 for mode, stmt in (("list-grant", lst("allow", 1e9, 1e9)), ("list-deny", lst("deny", 10, 10)),
-                   ("list-debts", lst("debts", 10, 10))):
+                   ("list-debts", lst("debts", 10, 10)), ("list-mixed", mixed)):
     open(f"{tmp}/{mode}.prep", "w").write("SELECT 1\n")
     open(f"{tmp}/{mode}.stmt", "w").write(stmt)
 EOF
@@ -109,7 +118,7 @@ h1=$(per harness1 "$N")
 h12=$(per harness12 "$N")
 h13=$(per harness13 "$N")
 printf '%-14s %10s %10s\n' statement instructions net
-for mode in floor decide-one one-deny one-shard one-shard-ser list-grant list-deny list-debts; do
+for mode in floor decide-one one-deny one-shard one-shard-ser list-grant list-deny list-debts list-mixed; do
 	n=$N h=$h12
 	[[ $mode == floor ]] && h=$h1
 	[[ $mode == one-shard* ]] && h=$h13

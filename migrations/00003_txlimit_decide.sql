@@ -258,15 +258,18 @@ BEGIN
     END IF;
     SELECT array_agg(x.i), array_agg(x.w), array_agg(x.v), array_agg(x.ts), array_agg(x.decided), max(x.r)
     INTO f_i, f_w, f_v, f_ts, f_dec, e
-    FROM (SELECT v.i::integer AS i, w.i IS NOT NULL AS w, coalesce(w.v, r.value) AS v, coalesce(w.ts, r.ts) AS ts,
-                 w.i IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t,
+    FROM (SELECT v.i::integer AS i, w.p IS NOT NULL AS w, coalesce(f_v[w.p], r.value) AS v,
+                 coalesce(f_ts[w.p], r.ts) AS ts,
+                 w.p IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t,
                      p_rate[v.i], p_period_us[v.i], p_step_us[v.i], p_cap[v.i]), 0, p_count[v.i]), 0, p_allow[v.i])
                      AS decided,
                  p_row_a[v.i] AS r
           FROM unnest(p_fast) WITH ORDINALITY AS v(fast, i)
-          LEFT JOIN unnest(f_i, f_v, f_ts) AS w(i, v, ts) ON w.i = v.i
+          -- w.p: the request's place among those written. (A join with unnest(f_i) would be a nested
+          -- loop, every request against every write: 40% of a mixed list of 128.)
+          CROSS JOIN LATERAL (SELECT array_position(f_i, v.i::integer) AS p OFFSET 0) w
           LEFT JOIN LATERAL (SELECT s.value, s.ts FROM txlimit_state s
-                             WHERE w.i IS NULL AND s.name = p_row_name[p_row_a[v.i]] AND s.key = p_row_key[p_row_a[v.i]]
+                             WHERE w.p IS NULL AND s.name = p_row_name[p_row_a[v.i]] AND s.key = p_row_key[p_row_a[v.i]]
                                AND s.shard = p_row_shard[p_row_a[v.i]] OFFSET 0) r ON true
           WHERE v.fast ORDER BY v.i) x;
     todo := array_fill(true, ARRAY[n]);
