@@ -318,8 +318,9 @@ DECLARE
     t bigint := txlimit_clock(p_now_us);
     n integer := cardinality(p_grp); m integer;
     todo boolean[]; held integer := p_held;
-    -- Rows as read, then as locked (r_*); as the granted groups leave them (w_*); held.
-    r_val double precision[]; r_ts bigint[]; w_val double precision[]; w_ts bigint[]; w_mod boolean[];
+    -- Rows as read, then as locked (r_*); as the granted groups leave them (w_*; w_req, the first
+    -- granted request that charges the row, whose config stamps it if missing); held.
+    r_val double precision[]; r_ts bigint[]; w_val double precision[]; w_ts bigint[]; w_req integer[];
     l_held boolean[]; lk record; changed boolean;
     -- Requests: written by the first step, the rows as evaluated, the charge, granted by the rules,
     -- refused to retry at once.
@@ -360,7 +361,7 @@ BEGIN
     LEFT JOIN LATERAL (SELECT s.value, s.ts FROM txlimit_state s
                        WHERE s.name = u.nm AND s.key = u.ky AND s.shard = u.sh OFFSET 0) s ON true;
     FOR pass IN 1 .. 2 LOOP
-        w_val := r_val; w_ts := r_ts; w_mod := array_fill(false, ARRAY[m]);
+        w_val := r_val; w_ts := r_ts; w_req := array_fill(NULL::integer, ARRAY[m]);
         g := 1;
         WHILE g <= n LOOP
             e := g; -- the group: requests g .. e
@@ -402,11 +403,11 @@ BEGIN
                     END IF;
                     IF q_ch[i] <> 2 THEN
                         w_val[a] := txlimit_left(0, q_ch[i], lv_a, lv_b, p_count[i]);
-                        w_ts[a] := txlimit_next_ts(q_ta[i], t, p_step_us[i]); w_mod[a] := true;
+                        w_ts[a] := txlimit_next_ts(q_ta[i], t, p_step_us[i]); w_req[a] := coalesce(w_req[a], i);
                     END IF;
                     IF q_ch[i] <> 1 THEN
                         w_val[b] := txlimit_left(1, q_ch[i], lv_a, lv_b, p_count[i]);
-                        w_ts[b] := txlimit_next_ts(q_tb[i], t, p_step_us[i]); w_mod[b] := true;
+                        w_ts[b] := txlimit_next_ts(q_tb[i], t, p_step_us[i]); w_req[b] := coalesce(w_req[b], i);
                     END IF;
                 END LOOP;
             ELSIF NOT rules_ok THEN
@@ -420,8 +421,8 @@ BEGIN
         -- missing. A row before one the call may hold already is only tried.
         l_held := array_fill(false, ARRAY[m]);
         FOR r IN 1 .. m LOOP
-            CONTINUE WHEN NOT w_mod[r];
-            a := coalesce(array_position(p_row_a, r), array_position(p_row_b, r)); -- a request using row r
+            CONTINUE WHEN w_req[r] IS NULL;
+            a := w_req[r];
             lk := txlimit_lock_row(p_row_name[r], p_row_key[r], p_row_shard[r], p_cap[a], p_anchor_us[a], r < held,
                                    hashtextextended(p_row_key[r], hashtext(p_row_name[r])) # p_row_shard[r]
                                    # ('txlimit_state'::regclass::oid::bigint << 20));
@@ -437,8 +438,8 @@ BEGIN
 
     -- 4. Write every row a granted group changed.
     UPDATE txlimit_state s SET value = w.v, ts = w.t
-    FROM unnest(p_row_name, p_row_key, p_row_shard, w_mod, w_val, w_ts) AS w(nm, ky, sh, md, v, t)
-    WHERE w.md AND s.name = w.nm AND s.key = w.ky AND s.shard = w.sh;
+    FROM unnest(p_row_name, p_row_key, p_row_shard, w_req, w_val, w_ts) AS w(nm, ky, sh, rq, v, t)
+    WHERE w.rq IS NOT NULL AND s.name = w.nm AND s.key = w.ky AND s.shard = w.sh;
 
     -- 5. The answers.
     RETURN QUERY SELECT * FROM txlimit_answers(t, p_count, p_allow, p_step_us, p_rate, p_period_us, p_cap,

@@ -300,6 +300,34 @@ func TestRetryAtFarAhead(t *testing.T) {
 	}
 }
 
+// A missing row that a list creates to lock it is stamped with the config of the request granted
+// on it, not that of another request of the list on the same row (here a Check with a smaller
+// capacity, before it): the list decides as the calls one by one would, and nothing else is left
+// in the row. (The stamp shows when little has refilled since the epoch: a period of 100 years.)
+func TestListStampsAMissingRowWithTheGrantedConfig(t *testing.T) {
+	t.Parallel()
+	small := ratelimit.Config{Rate: 1, Period: ratelimit.MaxPeriod, Capacity: 5}
+	big := ratelimit.Config{Rate: 1, Period: ratelimit.MaxPeriod, Capacity: 10}
+	b := setup(t, nil)
+	got, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, []ratelimit.ListCall{
+		{Reqs: []ratelimit.Request{{Name: "n", Key: "k", Count: 1, Config: &small}}, Single: true, Dry: true},
+		{Reqs: []ratelimit.Request{{Name: "n", Key: "k", Count: 8, Config: &big}}, Single: true},
+	})
+	require.NoError(t, err)
+	require.NoError(t, errs[1])
+	r := got[1].Results[0]
+	require.True(t, r.OK, "the list refused what the call alone is granted: value %v", r.Value)
+	require.Equal(t, 2.0, r.Value)
+
+	one, err := b.lim.LimitN(b.ctx, b.pool, "n", "k2", 8, &ratelimit.LimitOpts{Config: &big})
+	require.NoError(t, err)
+	require.True(t, one.OK)
+	require.Equal(t, one.Value, r.Value, "as the call alone")
+	st, err := b.lim.State(b.ctx, b.pool, "n", "k", &ratelimit.LimitOpts{Config: &big})
+	require.NoError(t, err)
+	require.Equal(t, 2.0, st.Value)
+}
+
 // docs/spec.md §3: a reservation refused because it would owe more than MaxReserved gets the
 // RetryAt at which the same reservation is granted: one microsecond earlier it is still refused.
 // The same holds for a plain refusal.
