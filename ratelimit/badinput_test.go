@@ -172,3 +172,33 @@ func second[T any](_ T, err error) error { return err }
 
 // errorsAs is errors.As, in an expression.
 func errorsAs[T error](err error, target *T) bool { return errors.As(err, target) }
+
+// A count that the bound cap + MaxReserved admits only through float rounding (0.1 + 0.2 is
+// 0.30000000000000004) is refused by the rule even on full rows, so it is an argument error, not a
+// denial that never pays off (docs/spec.md §5); the count just under it is granted.
+func TestCountBoundRoundedUp(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{
+		"one": {Rate: 0.1, Period: time.Second, MaxReserved: 0.2},            // capacity 0.1
+		"two": {Rate: 0.2, Period: time.Second, MaxReserved: 0.4, Shards: 2}, // per shard 0.1 and 0.2
+	})
+	reserve := &ratelimit.LimitOpts{Reserve: true}
+	tenth, fifth := 0.1, 0.2 // float64 arithmetic (a constant expression would be exact)
+	for _, c := range []struct {
+		name      string
+		bad, good float64
+	}{
+		{"one", tenth + fifth, 0.3},
+		{"two", 2 * (tenth + fifth), 0.6},
+	} {
+		require.Greater(t, c.bad, c.good)
+		_, err := b.lim.LimitN(b.ctx, b.pool, c.name, "k", c.bad, reserve)
+		var arg *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &arg, "%s: %g", c.name, c.bad)
+		require.Equal(t, "count", arg.Arg)
+		r, err := b.lim.LimitN(b.ctx, b.pool, c.name, "k", c.good, reserve)
+		require.NoError(t, err)
+		require.True(t, r.OK, "%s: %g on full rows", c.name, c.good)
+		require.True(t, r.Reserved)
+	}
+}

@@ -318,7 +318,19 @@ func (s spec) checkRequest(op string, count float64, reserve bool) error {
 		return &ArgumentError{Op: op, Arg: "Reserve", Reason: fmt.Sprintf(
 			"limit %q has MaxReserved 0, which allows no reservation: set MaxReserved (or Unbounded)", s.name)}
 	}
-	if m := s.maxCount(reserve); count > m {
+	// The grant rule's own float operations on full rows (txlimit_left, txlimit_granted): a bound
+	// cap + MaxReserved rounded up in float64 would let through a count that no row could ever
+	// grant (0.1 + 0.2 of a capacity of 0.1 with MaxReserved 0.2).
+	allow, fits := 0.0, false
+	if reserve {
+		allow = s.maxRes
+	}
+	if s.shards >= 2 && count > s.capacity {
+		fits = (s.capacity+s.capacity-count)/2 >= -allow // both shards charged, left equal
+	} else {
+		fits = s.capacity-count >= -allow
+	}
+	if m := s.maxCount(reserve); count > m || !fits {
 		what := "the capacity"
 		if s.shards >= 2 {
 			what = "what two shards hold together"

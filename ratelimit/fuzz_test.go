@@ -449,7 +449,7 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 	if wantErr == nil {
 		m, wantErr = modelResolve(name, key, cfg)
 	}
-	if wantErr == nil && count > m.maxGrant(opts.Reserve) {
+	if wantErr == nil && m.neverGranted(count, opts.Reserve) {
 		wantErr = errModelArgument
 	}
 	r.picks, r.picked = nil, 0
@@ -507,7 +507,7 @@ func modelRequest(q fzReq, name, key string, cfg *ratelimit.Config, count float6
 	case err != nil:
 	case seen[[2]string{name, key}]:
 		err = errModelArgument
-	case modelCheckCount(count) != nil, count > m.maxGrant(q.reserve):
+	case modelCheckCount(count) != nil, m.neverGranted(count, q.reserve):
 		err = errModelArgument
 	}
 	seen[[2]string{name, key}] = true

@@ -184,6 +184,21 @@ func (m modelLimit) maxGrant(reserve bool) float64 {
 	return per
 }
 
+// neverGranted reports whether count (with Reserve when reserve) is more than any call could ever
+// be granted: above maxGrant, or refused by the rule even on full rows (float rounding of the
+// bound cap + MaxReserved).
+func (m modelLimit) neverGranted(count float64, reserve bool) bool {
+	if count > m.maxGrant(reserve) {
+		return true
+	}
+	allow := 0.0
+	if reserve {
+		allow = m.maxRes
+	}
+	full := m.missingRow()
+	return !m.grantsAt(count, allow, m.shards >= 2, full, full, full.ts)
+}
+
 // level evaluates a stored row at now: the tokens it holds and the ts it moves to (docs/spec.md §2-§4).
 // Same float8 operations, in the same order, as txlimit_level and txlimit_next_ts.
 func (m modelLimit) level(r modelRow, now int64) (float64, int64) {
