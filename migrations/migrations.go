@@ -23,6 +23,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -112,11 +113,13 @@ func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, error) {
 }
 
 // retryable says whether a failed attempt to take or release the lock is worth another try: yes
-// when the lock is held by another migrator or the connection failed, no when Postgres refused the
-// statement (a permission error, say), which a retry would only repeat for five minutes.
+// when the lock is held by another migrator, the connection failed, or the attempt lost a
+// serialization race (40001, 40P01: a role or database whose default_transaction_isolation is
+// REPEATABLE READ or SERIALIZABLE, while the holder touches the lock row); no when Postgres
+// refused the statement (a permission error, say), which a retry would only repeat for five minutes.
 func retryable(err error) bool {
 	var pgErr *pgconn.PgError
-	return !errors.As(err, &pgErr)
+	return !errors.As(err, &pgErr) || pgErr.Code == "40001" || pgErr.Code == "40P01"
 }
 
 // Option changes what Up does.
@@ -201,26 +204,37 @@ func ensureSchema(ctx context.Context, pool *pgxpool.Pool, create bool) error {
 	if err := pool.QueryRow(ctx, "SELECT to_regnamespace($1) IS NOT NULL", pgx.Identifier{target}.Sanitize()).Scan(&exists); err != nil {
 		return fmt.Errorf("look up schema %q: %w", target, err)
 	}
-	if exists {
-		return nil
+	if !exists {
+		if !create {
+			return fmt.Errorf("schema %q, the first of search_path %q, does not exist: create it, or call Up with CreateSchema()", target, searchPath)
+		}
+		_, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{target}.Sanitize())
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+			err = nil // created concurrently by another migrator between the check and the CREATE
+		}
+		if err != nil {
+			return fmt.Errorf("create schema %q: %w", target, err)
+		}
 	}
-	if !create {
-		return fmt.Errorf("schema %q, the first of search_path %q, does not exist: create it, or call Up with CreateSchema()", target, searchPath)
+	// goose and the lock create their tables in current_schema(): the first schema of the
+	// search_path that exists and that the role may use. Anything but the target would migrate a
+	// later schema.
+	var current pgtype.Text
+	if err := pool.QueryRow(ctx, "SELECT current_schema()").Scan(&current); err != nil {
+		return fmt.Errorf("read current_schema(): %w", err)
 	}
-	_, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{target}.Sanitize())
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
-		err = nil // created concurrently by another migrator between the check and the CREATE
-	}
-	if err != nil {
-		return fmt.Errorf("create schema %q: %w", target, err)
+	if current.String != target {
+		return fmt.Errorf("schema %q, the first of search_path %q, is not the one Postgres uses (current_schema() is %q): "+
+			"grant the role USAGE and CREATE on %q, or set search_path to the schema txlimit is to live in",
+			target, searchPath, current.String, target)
 	}
 	return nil
 }
 
 // splitSearchPath splits a search_path setting into schema names as Postgres reads them:
 // double-quoted names keep their case and "" stands for one quote; other names are folded to lower
-// case; "$user" is returned as it is.
+// case (A to Z only, as Postgres does in a multibyte encoding); "$user" is returned as it is.
 func splitSearchPath(s string) []string {
 	var out []string
 	for i := 0; i < len(s); {
@@ -251,7 +265,7 @@ func splitSearchPath(s string) []string {
 			for i < len(s) && s[i] != ',' {
 				i++
 			}
-			name.WriteString(strings.ToLower(strings.TrimSpace(s[start:i])))
+			name.WriteString(asciiLower(strings.TrimSpace(s[start:i])))
 		}
 		for i < len(s) && s[i] != ',' {
 			i++
@@ -268,4 +282,15 @@ func LockID(schema string) int64 {
 	h.Write([]byte("txlimit migrations\x00"))
 	h.Write([]byte(schema))
 	return int64(h.Sum64()>>1) | 1
+}
+
+// asciiLower folds A to Z to lower case and leaves every other byte as it is.
+func asciiLower(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if 'A' <= c && c <= 'Z' {
+			b[i] = c + ('a' - 'A')
+		}
+	}
+	return string(b)
 }

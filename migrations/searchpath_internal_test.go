@@ -15,6 +15,7 @@ func TestSplitSearchPath(t *testing.T) {
 		{` "Mixed Case" , "with""quote",x`, []string{"Mixed Case", `with"quote`, "x"}},
 		{``, nil},
 		{`""`, []string{""}},
+		{`ÄPP, Zé`, []string{"Äpp", "zé"}}, // Postgres folds A to Z only in a multibyte encoding
 	} {
 		if got := splitSearchPath(c.in); !slices.Equal(got, c.want) {
 			t.Errorf("step %d: splitSearchPath(%q) = %q; want %q", i, c.in, got, c.want)

@@ -163,3 +163,83 @@ func TestUpOnAOneConnectionPool(t *testing.T) {
 		t.Fatalf("Up on a pool of one connection: %v", err)
 	}
 }
+
+// TestConcurrentMigratorsUnderSerializableDefault: with default_transaction_isolation SERIALIZABLE
+// (set on a role or database), a migrator waiting for the lock loses serialization races on the
+// lock row (40001) whenever its holder touches it; those are retried like a held lock, so every Up
+// succeeds (before, most rounds failed one at once).
+func TestConcurrentMigratorsUnderSerializableDefault(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for round := range 3 {
+		schema := testdb.NewSchema(t)
+		const n = 8
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.ConnConfig.RuntimeParams["search_path"] = schema
+			cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "serializable"
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			wg.Go(func() { errs[i] = migrations.Up(ctx, pool) })
+		}
+		wg.Wait()
+		for i, err := range errs {
+			if err != nil {
+				t.Errorf("round %d, migrator %d: %v", round, i, err)
+			}
+		}
+	}
+}
+
+// TestUpRefusesASchemaItCannotUse: a first schema of the search_path that the role may not use is
+// skipped by Postgres (current_schema() is the next one); Up says so instead of migrating the
+// later schema.
+func TestUpRefusesASchemaItCannotUse(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	first, later := testdb.NewSchema(t), testdb.NewSchema(t)
+	admin := testdb.PoolOn(t, "public")
+	role := first + "_role"
+	for _, q := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT USAGE, CREATE ON SCHEMA " + later + " TO " + role,
+	} {
+		if _, err := admin.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), "DROP OWNED BY "+role)
+		_, _ = admin.Exec(context.Background(), "DROP ROLE "+role)
+	})
+	cfg, err := pgxpool.ParseConfig(testdb.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	cfg.ConnConfig.RuntimeParams["search_path"] = first + ", " + later
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	err = migrations.Up(ctx, pool)
+	if err == nil || !strings.Contains(err.Error(), "is not the one Postgres uses") || !strings.Contains(err.Error(), first) {
+		t.Fatalf("Up with a first schema the role cannot use: %v; want an error naming %q", err, first)
+	}
+	var n int
+	if err := admin.QueryRow(ctx, "SELECT count(*) FROM pg_tables WHERE schemaname = $1", later).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatalf("Up created %d tables in the later schema %q", n, later)
+	}
+}

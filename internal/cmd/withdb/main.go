@@ -110,10 +110,15 @@ func runOne(ctx context.Context, db *devdb.DB, args []string) int {
 // withSearchPath returns the connection string dsn with its search_path set to schema (a plain
 // identifier), through the options parameter ("-c search_path=schema"), which libpq, pgx and
 // lib/pq all pass to the server: added to a postgres:// URL's options, or as a key=value string's
-// last keyword (it replaces an options keyword before it).
+// last keyword (it replaces an options keyword before it). A search_path parameter of dsn itself
+// would be sent after options and win, running the command in the user's own schema: a URL's is
+// removed, and a key=value string that sets one is refused.
 func withSearchPath(dsn, schema string) (string, error) {
 	opt := "-csearch_path=" + schema
 	if !strings.HasPrefix(dsn, "postgres://") && !strings.HasPrefix(dsn, "postgresql://") {
+		if strings.Contains(dsn, "search_path") {
+			return "", errors.New("the connection string sets search_path: remove it (withdb runs the command in a fresh schema of its own)")
+		}
 		return dsn + " options=" + opt, nil
 	}
 	u, err := url.Parse(dsn)
@@ -121,6 +126,7 @@ func withSearchPath(dsn, schema string) (string, error) {
 		return "", fmt.Errorf("the database URL does not parse: %w", err)
 	}
 	q := u.Query()
+	q.Del("search_path")
 	q.Set("options", strings.TrimSpace(q.Get("options")+" "+opt))
 	u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20") // libpq reads no "+" as a space
 	return u.String(), nil
