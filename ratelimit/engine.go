@@ -271,6 +271,9 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []answer) []o
 				if d.charged == 2 || d.charged == 3 {
 					r.Shards = append(r.Shards, int(d.shardB))
 				}
+				if len(r.Shards) == 2 && r.Shards[0] > r.Shards[1] {
+					r.Shards[0], r.Shards[1] = r.Shards[1], r.Shards[0] // ascending, whichever was picked first
+				}
 			}
 			res.OK = res.OK && r.OK && !d.busy
 			res.Results[i] = r

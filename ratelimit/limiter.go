@@ -149,7 +149,8 @@ type Result struct {
 	// reservation's debt. Zero when denied or when two shards were charged.
 	TS time.Time
 
-	// Shards lists the shard rows that were charged ([0] for an unsharded limit); empty when denied.
+	// Shards lists the shard rows that were charged, in ascending order ([0] for an unsharded
+	// limit); empty when denied.
 	Shards []int
 
 	// Config is the config the decision was made with, defaults applied (Capacity and Shards as

@@ -16,6 +16,7 @@ package ratelimit_test
 import (
 	"errors"
 	"math"
+	"slices"
 	"sort"
 	"testing"
 	"time"
@@ -464,6 +465,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 				if p.ch == 2 || p.ch == 3 {
 					res.Shards = append(res.Shards, r.b)
 				}
+				slices.Sort(res.Shards) // Result.Shards is ascending
 			}
 		} else {
 			res.Value = p.la

@@ -142,12 +142,13 @@ func runShardSteps(t *testing.T, e *shardEnv, name, key string, cfg ratelimit.Co
 			if s.retry != 0 {
 				wantRetry = shardT0.Add(s.retry)
 			}
-			if res.OK != s.ok || res.Reserved != s.reserved || !slices.Equal(res.Shards, s.charged) ||
+			charged := slices.Sorted(slices.Values(s.charged)) // Result.Shards is ascending
+			if res.OK != s.ok || res.Reserved != s.reserved || !slices.Equal(res.Shards, charged) ||
 				res.Value != s.value || !res.RetryAt.Equal(wantRetry) {
 				t.Fatalf("step %d (t%d): %s(%g, reserve=%v, pick %v) got ok %v reserved %v shards %v value %g retry %s; want ok %v reserved %v shards %v value %g retry %s",
 					i, s.at, s.op, s.count, s.reserve, s.pick,
 					res.OK, res.Reserved, res.Shards, res.Value, fmtRetry(res.RetryAt),
-					s.ok, s.reserved, s.charged, s.value, fmtRetry(wantRetry))
+					s.ok, s.reserved, charged, s.value, fmtRetry(wantRetry))
 			}
 			if !res.Time.Equal(at) {
 				t.Fatalf("step %d (t%d): decision time %v, want the injected %v", i, s.at, res.Time, at)
@@ -309,7 +310,7 @@ func TestShardExact(t *testing.T) {
 			{at: 9, pick: [2]int{5, 9}, count: 6, reserve: true, ok: true, reserved: true, charged: []int{5, 9}, value: -2,
 				retry: time.Second, levels: map[int]float64{5: -1, 9: -1}},
 			// Result.Value covers the two candidates (1); Limiter.State the whole limit (23).
-			{at: 9, pick: [2]int{12, 3}, count: 3, ok: true, charged: []int{12, 3}, value: 1, levels: map[int]float64{3: 0.5, 5: -1, 9: -1, 12: 0.5}},
+			{at: 9, pick: [2]int{12, 3}, count: 3, ok: true, charged: []int{3, 12}, value: 1, levels: map[int]float64{3: 0.5, 5: -1, 9: -1, 12: 0.5}},
 			{at: 9, op: shardCredit, count: 4, credited: 4, value: 27, levels: map[int]float64{3: 0.5, 9: 0, 12: 0.5}},
 			{at: 9, op: shardCredit, count: 2, credited: 2, value: 29, levels: map[int]float64{3: 0.5, 12: 0.5}},
 			{at: 9, op: shardCredit, count: 2, credited: 2, value: 31, levels: map[int]float64{12: 1}},
@@ -330,7 +331,7 @@ func TestShardExact(t *testing.T) {
 			{at: 5, pick: [2]int{0, 1}, count: 1.5, ok: true, charged: []int{0}, value: 1.5, levels: map[int]float64{0: 0, 1: 1.5}},
 			// Shard 2 is created at t7 in the window that began at t5: its debt of 0.5 is paid
 			// by the window at t10, not one Period after t7.
-			{at: 7, pick: [2]int{2, 0}, count: 3, reserve: true, ok: true, reserved: true, charged: []int{2, 0}, value: -1, retry: 10 * shardTick,
+			{at: 7, pick: [2]int{2, 0}, count: 3, reserve: true, ok: true, reserved: true, charged: []int{0, 2}, value: -1, retry: 10 * shardTick,
 				levels: map[int]float64{0: -0.5, 1: 1.5, 2: -0.5}},
 		})
 	})
@@ -416,7 +417,7 @@ func TestShardCountChange(t *testing.T) {
 			// A call on a missing candidate row first creates both candidates full (1 each here).
 			{at: 0, pick: [2]int{0, 2}, count: 1, ok: true, charged: []int{0}, value: 1, levels: map[int]float64{0: 0}},
 			{at: 0, pick: [2]int{2, 3}, count: 1, ok: true, charged: []int{2}, value: 1, levels: map[int]float64{0: 0, 2: 0}},
-			{at: 0, pick: [2]int{3, 2}, count: 1.5, reserve: true, ok: true, reserved: true, charged: []int{3, 2}, value: -0.5, retry: 50 * time.Millisecond,
+			{at: 0, pick: [2]int{3, 2}, count: 1.5, reserve: true, ok: true, reserved: true, charged: []int{2, 3}, value: -0.5, retry: 50 * time.Millisecond,
 				levels: map[int]float64{0: 0, 2: -0.25, 3: -0.25}},
 			// Read with 2 shards: shard 0 holds 0; shard 1 never had a row, so it is full at the
 			// new 2; shards 2 and 3 are ignored, their debt forgotten. 2 tokens, within Capacity 4.
@@ -438,7 +439,7 @@ func TestShardCountChange(t *testing.T) {
 		{"shrink 4 to 2, pre-created row", "shrink", four, []shardStep{
 			{at: 0, pick: [2]int{3, 1}, count: 0.5, ok: true, charged: []int{3}, value: 1.5, levels: map[int]float64{3: 0.5}},
 			{at: 0, cfg: &two, op: shardCheck, pick: [2]int{1, 0}, count: 2, ok: true, charged: []int{1}, value: 2},
-			{at: 0, cfg: &two, pick: [2]int{1, 0}, count: 3, ok: true, charged: []int{1, 0}, value: 1, levels: map[int]float64{0: 0.5, 1: 0.5}},
+			{at: 0, cfg: &two, pick: [2]int{1, 0}, count: 3, ok: true, charged: []int{0, 1}, value: 1, levels: map[int]float64{0: 0.5, 1: 0.5}},
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
