@@ -25,7 +25,10 @@
 // migrate up applies the pending migrations in the schema of --schema (with --create-schema it
 // creates that schema first); migrate down rolls back the last one, which for the first migration
 // drops txlimit_state and with it the state of every limit: on a terminal it asks for "yes"
-// first, and elsewhere it needs --yes. migrate status lists the migrations.
+// first, and elsewhere it needs --yes; it refuses a schema that a newer txlimit migrated beyond
+// this one's latest migration. migrate status lists the migrations; it only reads (USAGE on the
+// schema and SELECT on txlimit_goose_version are enough), and finds every one pending in a schema
+// never migrated, creating nothing there.
 //
 // names lists every limit name that has rows in the table, with its row count and the config the
 // command knows for it, if any.
@@ -59,7 +62,8 @@
 //	1  the database failed: unreachable, not migrated (the message names the migrate command that
 //	   fixes it), or an error from a statement
 //	2  usage: an unknown command or flag, a missing argument, an unreadable config file; migrate
-//	   down not confirmed (no --yes and no terminal to ask on, or an answer other than "yes")
+//	   down not confirmed (no --yes and no terminal to ask on, an answer other than "yes", or an
+//	   interrupt or --timeout before the answer)
 //	3  invalid input: a limit name the command has no config for (an argument NAME, or for prune a
 //	   name found in the table), a bad config or key (ratelimit.ErrInvalid)
 //
@@ -70,12 +74,12 @@ package cli
 import (
 	"bufio"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"sort"
 	"strings"
@@ -117,7 +121,8 @@ type Options struct {
 
 	// Stdin is where migrate down reads its confirmation. The command asks only when Stdin is a
 	// terminal (it has a Stat method reporting a character device, as an *os.File on a terminal
-	// does); otherwise migrate down needs --yes. Defaults to nil: os.Stdin.
+	// does); otherwise migrate down needs --yes. When the context ends before the answer, Run
+	// returns and leaves a read of Stdin pending. Defaults to nil: os.Stdin.
 	Stdin io.Reader
 
 	// Name is the program's name in messages. Defaults to "txlimit".
@@ -624,20 +629,18 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 			return c.noSchemaError(where, fmt.Sprintf("run \"%s --create-schema\" to create the schema, or pass --schema with an existing one", c.migrateUp()))
 		}
 	}
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
 	var out []MigrationJSON
 	var text strings.Builder
 	switch dir {
 	case "up":
-		before := map[int64]bool{}
+		// Up migrates the first schema named in the search_path, which is current_schema() only
+		// when it exists already: with --create-schema it may be a new one, created by Up. So the
+		// state before is read where the search_path leads now, without writing there, and counts
+		// only when Up migrated that same schema.
+		var before []*goose.MigrationStatus
 		if where.Schema != "" {
-			st, err := status(ctx, db)
-			if err != nil {
+			if before, _, err = status(ctx, pool, where.Schema); err != nil {
 				return err
-			}
-			for _, s := range st {
-				before[s.Source.Version] = s.State == goose.StateApplied
 			}
 		}
 		var opts []migrations.Option
@@ -647,12 +650,22 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		if err := migrations.Up(ctx, pool, opts...); err != nil {
 			return dbError(fmt.Errorf("migrate up: %w", err))
 		}
-		st, err := status(ctx, db)
+		after, err := dbsqlc.New().CurrentSchema(ctx, pool)
+		if err != nil {
+			return dbError(fmt.Errorf("migrate up: find the schema migrated: %w", err))
+		}
+		applied := map[int64]bool{}
+		if after.Schema == where.Schema {
+			for _, s := range before {
+				applied[s.Source.Version] = s.State == goose.StateApplied
+			}
+		}
+		st, _, err := status(ctx, pool, after.Schema)
 		if err != nil {
 			return err
 		}
 		for _, s := range st {
-			if s.State == goose.StateApplied && !before[s.Source.Version] {
+			if s.State == goose.StateApplied && !applied[s.Source.Version] {
 				out = append(out, migrationJSON(s.Source, "up", nil))
 				fmt.Fprintf(&text, "up    %s\n", fileName(s.Source))
 			}
@@ -661,13 +674,15 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 			text.WriteString("up to date\n")
 		}
 	case "down":
-		p, err := migrations.NewProvider(ctx, db)
+		// Read what to roll back without the migration lock (only Down takes it), so that a
+		// refused or unconfirmed down has written nothing.
+		st, dbVersion, err := status(ctx, pool, where.Schema)
 		if err != nil {
-			return dbError(err)
+			return err
 		}
-		st, err := p.Status(ctx)
-		if err != nil {
-			return dbError(fmt.Errorf("migrate down: %w", err))
+		if latest := migrations.Latest(); dbVersion > latest {
+			return dbError(fmt.Errorf("migrate down: schema is at version %d, newer than this %s's latest (%d): "+
+				"roll it back with the %s that migrated it (schema %q): nothing was rolled back", dbVersion, c.name, latest, c.name, where.Schema))
 		}
 		var last *goose.MigrationStatus
 		for _, s := range st {
@@ -682,6 +697,12 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		if err := c.confirmDown(ctx, pool, where.Schema, last.Source); err != nil {
 			return err
 		}
+		db := stdlib.OpenDBFromPool(pool)
+		defer db.Close()
+		p, err := migrations.NewProvider(ctx, db)
+		if err != nil {
+			return dbError(err)
+		}
 		r, err := p.Down(ctx)
 		if err != nil {
 			return dbError(fmt.Errorf("migrate down: %w", err))
@@ -689,7 +710,7 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		out = append(out, migrationJSON(r.Source, "down", nil))
 		fmt.Fprintf(&text, "down  %s\n", fileName(r.Source))
 	case "status":
-		st, err := status(ctx, db)
+		st, _, err := status(ctx, pool, where.Schema)
 		if err != nil {
 			return err
 		}
@@ -711,24 +732,56 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 	return c.print(map[string]any{"migrations": out}, text.String())
 }
 
-// status lists the migrations and their state.
-func status(ctx context.Context, db *sql.DB) ([]*goose.MigrationStatus, error) {
-	p, err := migrations.NewProvider(ctx, db)
+// status lists the embedded migrations and their state in schema, and returns the highest version
+// the schema's version table records (0 when none), which may be a migration newer than this
+// build's. It reads the version table as goose does, with plain SELECTs: it takes no migration lock
+// and creates nothing, so it needs no more than SELECT on the table, never waits for a running
+// migrator, and finds every migration pending in a schema without the table.
+func status(ctx context.Context, pool *pgxpool.Pool, schema string) ([]*goose.MigrationStatus, int64, error) {
+	names, err := fs.Glob(migrations.FS, "*.sql")
 	if err != nil {
-		return nil, dbError(err)
+		return nil, 0, err
 	}
-	st, err := p.Status(ctx)
+	st := make([]*goose.MigrationStatus, 0, len(names))
+	for _, name := range names {
+		v, err := goose.NumericComponent(name)
+		if err != nil {
+			return nil, 0, fmt.Errorf("migrate status: embedded migration %s: %w", name, err)
+		}
+		st = append(st, &goose.MigrationStatus{Source: &goose.Source{Type: goose.TypeSQL, Path: name, Version: v}, State: goose.StatePending})
+	}
+	sort.Slice(st, func(i, j int) bool { return st[i].Source.Version < st[j].Source.Version })
+	q := dbsqlc.New()
+	exists, err := q.VersionTableExists(ctx, pool, schema)
 	if err != nil {
-		return nil, dbError(fmt.Errorf("migrate status: %w", err))
+		return nil, 0, dbError(fmt.Errorf("migrate status: look up %s in schema %q: %w", migrations.VersionTable, schema, err))
 	}
-	return st, nil
+	if !exists {
+		return st, 0, nil
+	}
+	rows, err := q.MigrationVersions(ctx, pool) // schema is current_schema(): the search_path's
+	if err != nil {
+		return nil, 0, dbError(fmt.Errorf("migrate status: read %s in schema %q: %w", migrations.VersionTable, schema, err))
+	}
+	applied := map[int64]time.Time{}
+	var dbVersion int64
+	for _, r := range rows {
+		applied[r.VersionID] = r.Tstamp.Time
+		dbVersion = max(dbVersion, r.VersionID)
+	}
+	for _, s := range st {
+		if at, ok := applied[s.Source.Version]; ok {
+			s.State, s.AppliedAt = goose.StateApplied, at
+		}
+	}
+	return st, dbVersion, nil
 }
 
 // errNotConfirmed is the cause of a migrate down that was not confirmed.
 var errNotConfirmed = errors.New("migrate down not confirmed")
 
-// confirmDown asks whether to roll back m, unless --yes was given: on a terminal it reads "yes";
-// elsewhere it refuses.
+// confirmDown asks whether to roll back m, unless --yes was given: on a terminal it reads "yes",
+// and gives up when ctx ends first (an interrupt, --timeout); elsewhere it refuses.
 func (c *command) confirmDown(ctx context.Context, pool *pgxpool.Pool, schema string, m *goose.Source) error {
 	if c.yes {
 		return nil
@@ -749,7 +802,26 @@ func (c *command) confirmDown(ctx context.Context, pool *pgxpool.Pool, schema st
 			msg: what + "; pass --yes to roll back where no terminal can confirm: nothing was rolled back"}
 	}
 	fmt.Fprintf(c.stderr, "%s.\nType yes to roll back: ", what)
-	answer, _ := bufio.NewReader(c.stdin).ReadString('\n')
+	// The answer is read aside, so that an interrupt or --timeout ends the wait: a read from a
+	// terminal heeds no context. On that path the reader is left blocked until the next line or
+	// the end of the input, which for a process that is about to exit is nothing.
+	answers := make(chan string, 1)
+	go func() {
+		answer, _ := bufio.NewReader(c.stdin).ReadString('\n')
+		answers <- answer
+	}()
+	var answer string
+	select {
+	case answer = <-answers:
+	case <-ctx.Done():
+		why := "interrupted"
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			why = "--timeout expired"
+		}
+		fmt.Fprintln(c.stderr)
+		return &exitError{code: ExitUsage, err: errNotConfirmed,
+			msg: fmt.Sprintf("migrate down not confirmed (%s before an answer): nothing was rolled back", why)}
+	}
 	if strings.TrimSpace(answer) != "yes" {
 		return &exitError{code: ExitUsage, err: errNotConfirmed, msg: "migrate down not confirmed: nothing was rolled back"}
 	}

@@ -7,6 +7,8 @@ package dbsqlc
 
 import (
 	"context"
+
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 const currentSchema = `-- name: CurrentSchema :one
@@ -61,4 +63,52 @@ func (q *Queries) LimitNames(ctx context.Context, db DBTX) ([]LimitNamesRow, err
 		return nil, err
 	}
 	return items, nil
+}
+
+const migrationVersions = `-- name: MigrationVersions :many
+SELECT DISTINCT ON (v.version_id) v.version_id, v.tstamp
+FROM txlimit_goose_version v
+ORDER BY v.version_id, v.tstamp DESC
+`
+
+type MigrationVersionsRow struct {
+	VersionID int64
+	Tstamp    pgtype.Timestamp
+}
+
+// MigrationVersions reads the goose version table of the search_path's schema as goose does: a
+// version is applied when it has a row (goose's Down deletes them), at the time of its latest row;
+// version 0 is the row goose adds with the table. It takes no lock and writes nothing.
+func (q *Queries) MigrationVersions(ctx context.Context, db DBTX) ([]MigrationVersionsRow, error) {
+	rows, err := db.Query(ctx, migrationVersions)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []MigrationVersionsRow
+	for rows.Next() {
+		var i MigrationVersionsRow
+		if err := rows.Scan(&i.VersionID, &i.Tstamp); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const versionTableExists = `-- name: VersionTableExists :one
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables
+               WHERE schemaname = $1::text AND tablename = 'txlimit_goose_version')::boolean AS found
+`
+
+// VersionTableExists reports whether schema holds txlimit's goose version table
+// (migrations.VersionTable), so that `txlimit migrate status` can read it without creating it.
+func (q *Queries) VersionTableExists(ctx context.Context, db DBTX, schema string) (bool, error) {
+	row := db.QueryRow(ctx, versionTableExists, schema)
+	var found bool
+	err := row.Scan(&found)
+	return found, err
 }

@@ -12,3 +12,17 @@ ORDER BY s.name;
 -- schemas exists) and the search_path itself, so that the operator command can say where it looked.
 SELECT coalesce(current_schema(), '')::text AS schema,
        current_setting('search_path')::text AS search_path;
+
+-- name: VersionTableExists :one
+-- VersionTableExists reports whether schema holds txlimit's goose version table
+-- (migrations.VersionTable), so that `txlimit migrate status` can read it without creating it.
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables
+               WHERE schemaname = sqlc.arg('schema')::text AND tablename = 'txlimit_goose_version')::boolean AS found;
+
+-- name: MigrationVersions :many
+-- MigrationVersions reads the goose version table of the search_path's schema as goose does: a
+-- version is applied when it has a row (goose's Down deletes them), at the time of its latest row;
+-- version 0 is the row goose adds with the table. It takes no lock and writes nothing.
+SELECT DISTINCT ON (v.version_id) v.version_id, v.tstamp
+FROM txlimit_goose_version v
+ORDER BY v.version_id, v.tstamp DESC;

@@ -1,0 +1,214 @@
+package cli_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/cli"
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/migrations"
+)
+
+// tables lists the tables of schema, sorted.
+func tables(t *testing.T, dsn, schema string) []string {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, "SELECT tablename FROM pg_tables WHERE schemaname = $1 ORDER BY tablename", schema)
+	require.NoError(t, err)
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return names
+}
+
+// exec runs sql on the test database as its user.
+func exec(t *testing.T, dsn, sql string) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, sql)
+	require.NoError(t, err, sql)
+}
+
+// allUp is migrate up's text output on a schema with nothing applied.
+const allUp = "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n"
+
+// TestCommandMigrateUpNamedSchema: migrate up reports the migrations it applied to the first
+// schema named in --schema, also when that schema is new and the search_path led to another,
+// migrated one before; and its look at the state before writes nothing to that other schema.
+func TestCommandMigrateUpNamedSchema(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	old, _ := migrated(t, dsn)
+	fresh := testdb.NewSchema(t) + "_new" // a name no schema has; dropped at the end
+	t.Cleanup(func() { exec(t, dsn, "DROP SCHEMA IF EXISTS "+pgx.Identifier{fresh}.Sanitize()+" CASCADE") })
+
+	path := fresh + ", " + old
+	r := run(t, dsn, nil, "--schema", path, "--json", "migrate", "up", "--create-schema")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	var got struct{ Migrations []cli.MigrationJSON }
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &got))
+	require.Len(t, got.Migrations, int(migrations.Latest()), r.stdout)
+	for i, m := range got.Migrations {
+		require.Equal(t, int64(i+1), m.Version)
+		require.Equal(t, "up", m.State)
+	}
+	r = run(t, dsn, nil, "--schema", path, "migrate", "up", "--create-schema")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "up to date\n", r.stdout)
+
+	// Text output too, into yet another new schema in front of the migrated one.
+	fresh2 := testdb.NewSchema(t) + "_new"
+	t.Cleanup(func() { exec(t, dsn, "DROP SCHEMA IF EXISTS "+pgx.Identifier{fresh2}.Sanitize()+" CASCADE") })
+	r = run(t, dsn, nil, "--schema", fresh2+", "+old, "migrate", "up", "--create-schema")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, allUp, r.stdout)
+
+	// Without --create-schema, up into a missing first schema fails, and the existing schema
+	// the search_path leads to meanwhile is left as it was: no goose table appears there.
+	empty := testdb.NewSchema(t)
+	missing := testdb.NewSchema(t) + "_missing"
+	r = run(t, dsn, nil, "--schema", missing+", "+empty, "migrate", "up")
+	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
+	require.Contains(t, r.stderr, fmt.Sprintf("schema %q, the first of search_path", missing))
+	require.Empty(t, tables(t, dsn, empty))
+}
+
+// TestCommandMigrateStatusReadsOnly: migrate status, and migrate down with nothing to roll back,
+// only read: they create no table in an unmigrated schema, and a role that may only SELECT the
+// version table lists the migrations.
+func TestCommandMigrateStatusReadsOnly(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	empty := testdb.NewSchema(t)
+	r := run(t, dsn, nil, "--schema", empty, "migrate", "status")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	pending := "pending" + strings.Repeat(" ", 24)
+	require.Equal(t, pending+"00001_txlimit_table.sql\n"+pending+"00002_txlimit_rules.sql\n"+pending+"00003_txlimit_decide.sql\n", r.stdout)
+	r = run(t, dsn, nil, "--schema", empty, "migrate", "down", "--yes")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "nothing to roll back\n", r.stdout)
+	require.Empty(t, tables(t, dsn, empty), "a read-only command created tables")
+
+	// A role with USAGE on a migrated schema and SELECT on its version table, nothing more.
+	schema, _ := migrated(t, dsn)
+	var b [6]byte
+	_, err := rand.Read(b[:])
+	require.NoError(t, err)
+	role := "txlimit_cli_ro_" + hex.EncodeToString(b[:])
+	password := hex.EncodeToString(b[:]) + "-pw"
+	q := pgx.Identifier{role}.Sanitize()
+	exec(t, dsn, fmt.Sprintf("CREATE ROLE %s LOGIN PASSWORD '%s' NOSUPERUSER NOCREATEDB NOCREATEROLE", q, password))
+	t.Cleanup(func() {
+		exec(t, dsn, fmt.Sprintf("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '%s'", role))
+		exec(t, dsn, "DROP OWNED BY "+q)
+		exec(t, dsn, "DROP ROLE "+q)
+	})
+	exec(t, dsn, fmt.Sprintf("GRANT USAGE ON SCHEMA %s TO %s; GRANT SELECT ON %s TO %s",
+		pgx.Identifier{schema}.Sanitize(), q, pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), q))
+	cfg, err := pgx.ParseConfig(dsn)
+	require.NoError(t, err)
+	roleDSN := fmt.Sprintf("host=%s port=%s dbname=%s user=%s password=%s sslmode=disable",
+		cfg.Host, strconv.Itoa(int(cfg.Port)), cfg.Database, role, password)
+	r = run(t, roleDSN, nil, "--schema", schema, "--json", "migrate", "status")
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	var st struct{ Migrations []cli.MigrationJSON }
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
+	require.Len(t, st.Migrations, int(migrations.Latest()))
+	for _, m := range st.Migrations {
+		require.Equal(t, "applied", m.State, r.stdout)
+		require.NotNil(t, m.AppliedAt)
+		require.WithinDuration(t, time.Now(), *m.AppliedAt, time.Hour)
+	}
+}
+
+// TestCommandMigrateDownPromptEnds: the confirmation prompt of migrate down gives up when the
+// command's context ends, by --timeout or an interrupt (the caller cancelling the context): not
+// confirmed, exit 2, nothing rolled back.
+func TestCommandMigrateDownPromptEnds(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	_, s := migrated(t, dsn)
+	for _, tc := range []struct {
+		name string
+		args []string
+		ctx  func() (context.Context, context.CancelFunc)
+		why  string
+	}{
+		{"timeout", []string{"--timeout", "2s"}, func() (context.Context, context.CancelFunc) {
+			return context.WithCancel(context.Background())
+		}, "--timeout expired"},
+		{"interrupt", nil, func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(2*time.Second, cancel) // Ctrl-C while the prompt waits
+			return ctx, cancel
+		}, "interrupted"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pr, pw := io.Pipe() // a terminal on which no one types
+			t.Cleanup(func() { pw.Close() })
+			ctx, cancel := tc.ctx()
+			defer cancel()
+			var stdout, stderr bytes.Buffer
+			done := make(chan int, 1)
+			go func() {
+				done <- cli.Run(ctx, append(append(s, "migrate", "down"), tc.args...), &stdout, &stderr, &cli.Options{
+					Stdin:  tty{pr},
+					Getenv: func(k string) string { return map[string]string{"DATABASE_URL": dsn}[k] },
+				})
+			}()
+			select {
+			case code := <-done:
+				require.Equal(t, cli.ExitUsage, code, stderr.String())
+			case <-time.After(30 * time.Second):
+				pw.Close() // let the command end
+				<-done
+				t.Fatalf("the prompt ignored the end of the context: stderr %q", stderr.String())
+			}
+			require.Empty(t, stdout.String())
+			require.True(t, strings.HasSuffix(stderr.String(), "Type yes to roll back: \ntxlimit: migrate down not confirmed ("+tc.why+
+				" before an answer): nothing was rolled back\n"), stderr.String())
+		})
+	}
+	r := run(t, dsn, nil, append(s, "--json", "migrate", "status")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
+}
+
+// TestCommandMigrateDownNewerSchema: migrate down on a schema that a newer txlimit migrated
+// further than this one's latest migration refuses, before asking, naming both versions.
+func TestCommandMigrateDownNewerSchema(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	schema, s := migrated(t, dsn)
+	latest := migrations.Latest()
+	exec(t, dsn, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true)",
+		pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), latest+1))
+	want := fmt.Sprintf("txlimit: migrate down: schema is at version %d, newer than this txlimit's latest (%d): "+
+		"roll it back with the txlimit that migrated it (schema %q): nothing was rolled back\n", latest+1, latest, schema)
+	r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
+	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
+	require.Equal(t, want, r.stderr)
+	r = run(t, dsn, &cli.Options{Stdin: tty{strings.NewReader("yes\n")}}, append(s, "migrate", "down")...)
+	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
+	require.Equal(t, want, r.stderr, "asked before refusing")
+	r = run(t, dsn, nil, append(s, "--json", "migrate", "status")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
+}
