@@ -194,6 +194,10 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 	}
 	cellDefs := rep.cellDefs()
 	total, done := len(cells)*len(cellDefs), 0
+	warmShards := 0 // every contender of a cell warms up as the most sharded one must (warmUps)
+	for _, def := range cellDefs {
+		warmShards = max(warmShards, def.Shards)
+	}
 	for ci, cell := range cells {
 		for _, def := range cellDefs {
 			if err := ctx.Err(); err != nil {
@@ -201,7 +205,7 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 			}
 			done++
 			r := RunCell(ctx, env, def, contenders[def.ID], cell, RunOpts{
-				Duration: mode.Cell, MaxPerCaller: maxPerCaller, Tag: fmt.Sprintf("c%d-%s", ci, def.ID),
+				Duration: mode.Cell, MaxPerCaller: maxPerCaller, Tag: fmt.Sprintf("c%d-%s", ci, def.ID), WarmShards: warmShards,
 			})
 			rep.Results = append(rep.Results, r)
 			progress(fmt.Sprintf("[%d/%d]", done, total), r)
@@ -308,7 +312,7 @@ func progress(prefix string, r *Result) {
 		fmtRate(r.PerSecond()), fmtDur(r.P50), fmtDur(r.P99))
 	line += fmt.Sprintf("  (%d in %s)", r.Decisions, r.Elapsed.Round(time.Millisecond))
 	if r.CPU.OK && r.Decisions > 0 {
-		self, srv, idle := r.CPU.columns(r.Decisions, r.Elapsed.Seconds(), serverOf(r.Def.Family) != "")
+		self, srv, idle := r.CPU.columns(r.Decisions, r.Wall.Seconds(), serverOf(r.Def.Family) != "")
 		line += fmt.Sprintf("  CPU µs/dec %s + %s, idle %s", self, srv, idle)
 	}
 	if r.Abandoned > 0 {

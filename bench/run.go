@@ -42,8 +42,13 @@ type Result struct {
 	// Abandoned counts decisions given up between two attempts when the window closed.
 	Abandoned int64
 	FirstErr  error
-	Elapsed   time.Duration
-	P50, P99  time.Duration
+	// Elapsed runs from the start of the timed loop to the last call that did not end abandoned:
+	// the throughput's denominator. A caller asleep in a retry backoff when the window closes
+	// wakes only to abandon its call (ErrStopped), which would otherwise stretch the cell (by up
+	// to the 200 ms of InSerializableTx's longest backoff). Wall runs to the end of the last call,
+	// abandoned or not, the span CPU covers.
+	Elapsed, Wall time.Duration
+	P50, P99      time.Duration
 	// Trips counts round trips (Postgres statements or Redis commands); -1 when not applicable.
 	Trips int64
 	// WAL is the bytes of WAL Postgres wrote while the cell ran; -1 when not measured.
@@ -75,20 +80,25 @@ type RunOpts struct {
 	MaxPerCaller int
 	// Tag makes the cell's keys unique in the run.
 	Tag string
+	// WarmShards is the most shards of the contenders the cell is run for (warmUps); 0 or 1 when
+	// none is sharded.
+	WarmShards int
 }
 
 // warmUps returns how many decisions each caller of the cell makes before the timed loop: one,
-// which opens its connection and creates an unsharded key's row; for a sharded contender, enough
-// that the key's calls have decided 2·Shards times (hot key: all callers together; per user: each
-// caller on its own key), which creates nearly every shard's row (a missing shard counts full, so
-// the calls charge it first). Without it the timed loop of a short cell on sharded keys measured
-// mostly the creation of rows: in quick mode, 16 shards per user at 64 callers decided 2,232/s
-// with 0.5 s cells and 8,679/s with 5 s cells (docs/design-history.md, 2026-11-27).
-func warmUps(def *Def, cell Cell) int {
-	if def.Shards < 2 {
+// which opens its connection and creates an unsharded key's row; when a contender of the cell is
+// sharded (shards, the most of them), enough that the key's calls have decided 2·shards times
+// (hot key: all callers together; per user: each caller on its own key), which creates nearly
+// every shard's row (a missing shard counts full, so the calls charge it first). Without it the
+// timed loop of a short cell on sharded keys measured mostly the creation of rows: in quick mode,
+// 16 shards per user at 64 callers decided 2,232/s with 0.5 s cells and 8,679/s with 5 s cells
+// (docs/design-history.md, 2026-11-27). Every contender of a cell makes as many, so that all start
+// the timed loop with their buckets alike (a deny-heavy key of burst 10 is empty after 32).
+func warmUps(shards int, cell Cell) int {
+	if shards < 2 {
 		return 1
 	}
-	perKey := 2 * def.Shards
+	perKey := 2 * shards
 	if cell.Scenario == HotKey {
 		return max(1, (perKey+cell.Callers-1)/cell.Callers)
 	}
@@ -120,7 +130,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	var wg sync.WaitGroup
 	for i := range keys {
 		wg.Go(func() {
-			for range warmUps(def, cell) {
+			for range warmUps(max(opts.WarmShards, def.Shards), cell) {
 				_, _ = c.Decide(ctx, cell.Limit.Name, keys[i])
 			}
 		})
@@ -146,7 +156,8 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 
 	type tally struct {
 		counts
-		h histogram
+		h    histogram
+		last time.Time // when the caller's last call that was not abandoned returned
 	}
 	tallies := make([]tally, len(keys))
 	cpu0 := readCPU(env.ServerPIDs)
@@ -165,12 +176,19 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 				if t.record(d, err) {
 					t.h.add(time.Since(t0))
 				}
+				if !errors.Is(err, ErrStopped) {
+					t.last = time.Now()
+				}
 			}
 		})
 	}
 	wg.Wait()
-	res.Elapsed = time.Since(start)
+	res.Wall = time.Since(start)
 	res.CPU = cpuSince(cpu0, env.ServerPIDs, serverOf(def.Family))
+	res.Elapsed = res.Wall
+	if last := lastReturn(tallies, func(t tally) time.Time { return t.last }); !last.IsZero() {
+		res.Elapsed = last.Sub(start)
+	}
 
 	if def.Family.OnPostgres() || def.Family == FamilyRedis {
 		res.Trips = trips() - trips0
@@ -336,6 +354,17 @@ func (h *histogram) quantile(q float64) time.Duration {
 	return 0
 }
 
+// lastReturn is the latest of the callers' last returns (zero when none returned).
+func lastReturn[T any](ts []T, last func(T) time.Time) time.Time {
+	var m time.Time
+	for _, t := range ts {
+		if l := last(t); l.After(m) {
+			m = l
+		}
+	}
+	return m
+}
+
 // counts tallies one caller's decisions.
 type counts struct {
 	decisions, allowed, errors, retries, abandoned int64
@@ -349,7 +378,6 @@ func (t *counts) record(d Decision, err error) bool {
 		t.abandoned++
 		return false
 	}
-	t.retries += int64(d.Retries)
 	if err != nil {
 		t.errors++
 		if t.firstErr == nil {
@@ -357,6 +385,7 @@ func (t *counts) record(d Decision, err error) bool {
 		}
 		return false
 	}
+	t.retries += int64(d.Retries) // per decision: an error's or an abandoned call's attempts are not counted
 	t.decisions++
 	if d.Allowed {
 		t.allowed++
