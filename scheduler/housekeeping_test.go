@@ -348,7 +348,8 @@ func TestStrandedWorker(t *testing.T) {
 		now = at
 		return workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
 	}
-	orphanFix := `"no River client works queue \"orphan\": add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens"`
+	orphanFix := `"no River client works queue \"orphan\": add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens ` +
+		`(a job that had started when its client stopped may have done its work: settle it with Scheduler.SettleTx instead)"`
 	defaultFix := `"River's clients work queue \"default\" but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind"`
 	line := func(queue string, jobs, id int64, at time.Time, worked bool, fix string) string {
 		return fmt.Sprintf(`level=WARN msg="txlimit: reserved jobs stranded" queue=%s jobs=%d first_job_id=%d first_scheduled_at=%s worked=%t fix=%s`,
@@ -402,4 +403,58 @@ func TestStrandedWorker(t *testing.T) {
 	require.NoError(t, json.Unmarshal(metadataValue(t, jobRow(t, b, ids[0]).Metadata, scheduler.StrandedKey), &mark))
 	require.True(t, mark.At.Equal(t0.Add(90*time.Second+time.Microsecond)), "marked at %s", mark.At)
 	require.Nil(t, metadataValue(t, jobRow(t, b, ids[3]).Metadata, scheduler.StrandedKey))
+}
+
+// TestStrandedWorkerFindsAnInterruptedJob: a reserved job that had started when its client
+// stopped (a deploy) is put back by River as available, attempted; when no client works its queue
+// any more its tokens stay reserved, so the stranded check reports it like one never started.
+// CancelTx refuses it (its work may have been done); SettleTx settles it, and the check then
+// leaves it alone.
+func TestStrandedWorkerFindsAnInterruptedJob(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	started := make(chan int64, 1)
+	worker := newClient(t, b.pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(1)},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			started <- job.ID
+			<-ctx.Done() // a long call, cut short by the client stopping
+			return ctx.Err()
+		},
+	})
+	require.NoError(t, worker.Start(ctx))
+	var id int64
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		r, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 5, callArgs{}, nil)
+		if err == nil {
+			id = r.Job.ID
+		}
+		return err
+	}))
+	select {
+	case got := <-started:
+		require.Equal(t, id, got)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the job did not start")
+	}
+	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, worker.StopAndCancel(stopCtx))
+	job := jobRow(t, b, id)
+	require.NotNil(t, job.AttemptedAt, "the job started")
+	require.InDelta(t, 5.0, 10-value(t, b, "calls", "k"), 0.5, "its 5 tokens stay reserved")
+	err := inTx(t, b.pool, true, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, id); return err })
+	var notCancellable *scheduler.NotCancellableError
+	require.ErrorAs(t, err, &notCancellable, "a job that started may have done its work")
+
+	later := func() time.Time { return time.Now().Add(25 * time.Hour) }
+	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()}, later)
+	require.NoError(t, err)
+	out := workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
+	require.Equal(t, int64(1), out.Total, "%+v", out)
+
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 5); return err }))
+	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
+	require.Equal(t, int64(0), out.Total, "a settled job is not stranded: %+v", out)
 }

@@ -122,7 +122,8 @@ func (w *strandedWorker) check(ctx context.Context) (strandedOutput, error) {
 		w.stranded.Add(ctx, q.Jobs, w.meter.Attrs(q.Queue, func() []attribute.KeyValue {
 			return []attribute.KeyValue{attribute.String("txlimit.queue", q.Queue)}
 		}).Add...)
-		fix := fmt.Sprintf("no River client works queue %q: add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens", q.Queue)
+		fix := fmt.Sprintf("no River client works queue %q: add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens "+
+			"(a job that had started when its client stopped may have done its work: settle it with Scheduler.SettleTx instead)", q.Queue)
 		if q.Worked {
 			fix = fmt.Sprintf("River's clients work queue %q but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind", q.Queue)
 		}

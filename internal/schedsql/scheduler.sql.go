@@ -85,8 +85,8 @@ const markStranded = `-- name: MarkStranded :many
 WITH found AS (
     SELECT j.id
     FROM river_job j
-    WHERE j.state IN ('available', 'scheduled')
-      AND j.attempted_at IS NULL
+    WHERE j.state IN ('available', 'scheduled', 'retryable')
+      AND NOT (j.metadata ? 'txlimit_settled')
       AND j.scheduled_at < coalesce($1::timestamptz, now()) - $2::bigint * interval '1 microsecond'
       AND j.metadata ? 'txlimit_reserved'
       AND NOT (j.metadata ? 'txlimit_stranded')
@@ -116,10 +116,12 @@ type MarkStrandedRow struct {
 }
 
 // MarkStranded marks (metadata key txlimit_stranded, the time it ran) at most 1000 reserved jobs
-// that have not started though they were due more than after_us microseconds before now (the
-// database's clock unless given), in ID order, and returns them with whether River's queue table
-// lists their queue. A marked job is not returned again, so each is counted once, by whichever
-// check finds it first; jobs locked by a worker that is starting them are skipped.
+// not settled and waiting to run (available, scheduled, or retryable: never started, or put back
+// by River after a stopped client or a failed attempt) though they were due more than after_us
+// microseconds before now (the database's clock unless given), in ID order, and returns them with
+// whether River's queue table lists their queue. A marked job is not returned again, so each is
+// counted once, by whichever check finds it first; jobs locked by a worker that is starting them
+// are skipped.
 func (q *Queries) MarkStranded(ctx context.Context, db DBTX, arg MarkStrandedParams) ([]MarkStrandedRow, error) {
 	rows, err := db.Query(ctx, markStranded, arg.Now, arg.AfterUs)
 	if err != nil {
