@@ -254,7 +254,7 @@ type spec struct {
 	maxRes    float64 // per shard; +Inf means unbounded
 	periodUs  int64
 	stepUs    int64 // the refill step: 1 for a token bucket, periodUs for a fixed window
-	anchorUs  int64 // fixed window grid phase in [0, periodUs); 0 for a token bucket
+	anchorUs  int64 // fixed window: the last start of the key's grid at or before the epoch, in (-periodUs, 0]; 0 for a token bucket
 }
 
 func newSpec(name, key string, cfg Config) spec {
@@ -272,7 +272,12 @@ func newSpec(name, key string, cfg Config) spec {
 	}
 	if cfg.Kind == FixedWindow {
 		s.stepUs = s.periodUs
-		s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs)
+		// A missing row is stamped at this anchor, so it must not lie after any clock reading: the
+		// grid start at or before the epoch, not the phase after it (a period of 80 years with a
+		// phase in 2040 would stamp a row in the future, and its first window would last two).
+		if s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs); s.anchorUs > 0 {
+			s.anchorUs -= s.periodUs
+		}
 	}
 	return s
 }

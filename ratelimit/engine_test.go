@@ -509,3 +509,31 @@ func TestListRegrantedOnLockedRowsHasNoRetryAt(t *testing.T) {
 		})
 	}
 }
+
+// A fixed window whose grid's phase after the epoch lies after now (a period of 80 years starting
+// in 2040): a missing row is full at the start of the window holding now (1960), its TS is that
+// start, the next window starts in 2040, and then it is full again (docs/spec.md §4). Before, the
+// row was stamped at the phase itself, in the future, and the first window lasted two periods.
+func TestFixedWindowPhaseAfterNow(t *testing.T) {
+	t.Parallel()
+	period := 80 * 365 * 24 * time.Hour
+	start := time.Date(2040, 1, 1, 0, 0, 0, 0, time.UTC)
+	b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 1, Period: period, Start: start}})
+	now := time.Date(2026, 6, 1, 0, 0, 0, 0, time.UTC)
+	b.clock.Set(now)
+	winStart := start.Add(-period)
+	require.True(t, !winStart.After(now) && start.After(now))
+
+	r, err := b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.True(t, r.TS.Equal(winStart), "TS %s, want the window's start %s", r.TS, winStart)
+	r, err = b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+	require.NoError(t, err)
+	require.False(t, r.OK)
+	require.True(t, r.RetryAt.Equal(start), "RetryAt %s, want the next window's start %s", r.RetryAt, start)
+	b.clock.Set(start)
+	r, err = b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK, "the window starting %s refills", start)
+}

@@ -54,7 +54,7 @@ type modelLimit struct {
 	maxRes    float64 // MaxReserved/N; +Inf for Unbounded
 	noReserve bool    // MaxReserved is 0: a request with Reserve is an argument error
 	periodUs  int64
-	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs
+	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs; in (-periodUs, 0]
 }
 
 // Model errors: the classes of typed error the library must return (docs/spec.md §5).
@@ -155,6 +155,9 @@ func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
 			m.anchorUs = floorMod(cfg.Start.UnixMicro(), m.periodUs)
 		} else {
 			m.anchorUs = int64(fnv1a([]byte(name), []byte{0}, []byte(key)) % uint64(m.periodUs))
+		}
+		if m.anchorUs > 0 {
+			m.anchorUs -= m.periodUs // the grid's last start at or before the epoch: a missing row's stamp
 		}
 	}
 	return m, nil
