@@ -19,8 +19,13 @@ var ErrBatcherClosed = errors.New("ratelimit: batcher is closed")
 type BatcherConfig struct {
 	// Lanes is the number of deciding lanes. Each lane decides one batch at a time on one
 	// connection of the pool, acquired for the batch and released after it, so a Batcher holds at
-	// most Lanes connections at once. Every (name, key) always goes to the same lane, so two batches
-	// never wait on each other's row locks. More lanes decide more distinct keys in parallel, on
+	// most Lanes connections at once. A call on one (name, key) always goes to that key's lane, so
+	// two batches of such calls never wait on each other's row locks. A LimitMany goes to the lane
+	// of its smallest (name, key): with more than one lane it can meet a batch of another lane on
+	// one of its other rows, and a request whose row sorts before one its batch already holds is
+	// then refused with RetryAt = Time (retry at once: an under-grant, never an over-grant, as
+	// docs/spec.md §7 says of lists). With one lane this cannot happen. More lanes decide more
+	// distinct keys in parallel, on
 	// more database cores, and one lane's round trip and commit overlap another's; fewer lanes give
 	// every key bigger batches, which cost the database less per decision. Defaults to 1 (see
 	// docs/design-history.md, "the Batcher keeps one lane by default", for how it was chosen).
