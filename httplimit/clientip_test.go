@@ -164,3 +164,46 @@ func TestClientIPPanicsOnBadOptions(t *testing.T) {
 		require.PanicsWithValue(t, c.want, func() { httplimit.ClientIP(c.opts) }, "step %d", i)
 	}
 }
+
+// TestClientIPUnixSocketPeer: a peer that is not an IP (a proxy on a Unix socket: RemoteAddr "@")
+// gives no key where the key would be the peer or the peer must be a trusted network, but behind
+// TrustedProxyCount alone any peer is trusted (docs/spec.md §11): its header is read.
+func TestClientIPUnixSocketPeer(t *testing.T) {
+	t.Parallel()
+	req := func(xff string) *http.Request {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.RemoteAddr = "@"
+		if xff != "" {
+			r.Header.Set("X-Forwarded-For", xff)
+		}
+		return r
+	}
+	count := httplimit.ClientIP(&httplimit.IPOpts{TrustedProxyCount: 1})
+	k, err := count(req("198.51.100.7"))
+	require.NoError(t, err)
+	require.Equal(t, "198.51.100.7", k)
+	_, err = count(req("")) // the proxy's own request: the key would be the peer
+	require.ErrorIs(t, err, httplimit.ErrNoKey)
+	_, err = httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: prefixes("10.0.0.0/8")})(req("198.51.100.7"))
+	require.ErrorIs(t, err, httplimit.ErrNoKey, "a Unix peer is in no trusted network")
+}
+
+// TestClientIPMappedTrustedProxies: a trusted network written as IPv4-mapped IPv6 is its IPv4
+// network, for the peer as for the header's hops (both are compared as IPv4).
+func TestClientIPMappedTrustedProxies(t *testing.T) {
+	t.Parallel()
+	key := httplimit.ClientIP(&httplimit.IPOpts{TrustedProxies: prefixes("::ffff:10.0.0.0/104", "192.0.2.0/24")})
+	for _, c := range []struct{ remote, xff, want string }{
+		{"192.0.2.1:1234", "198.51.100.7, 10.0.0.2", "198.51.100.7"}, // a mapped-network hop is skipped
+		{"10.0.0.1:1234", "198.51.100.7", "198.51.100.7"},            // a peer in it is trusted
+		{"[::ffff:10.0.0.1]:1234", "198.51.100.7", "198.51.100.7"},   // in either spelling
+		{"203.0.113.9:1234", "198.51.100.7", "203.0.113.9"},          // an untrusted peer is the key
+	} {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.RemoteAddr = c.remote
+		r.Header.Set("X-Forwarded-For", c.xff)
+		k, err := key(r)
+		require.NoError(t, err, c.remote)
+		require.Equal(t, c.want, k, "peer %s, X-Forwarded-For %q", c.remote, c.xff)
+	}
+}

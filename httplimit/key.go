@@ -63,8 +63,8 @@ type IPOpts struct {
 	// read only when the immediate peer (Request.RemoteAddr) is in one of them; otherwise the
 	// peer is the client. Unless TrustedProxyCount is set, the client is then the right-most
 	// address in Header that is not in one of them. Anyone can send the header, so trusting a
-	// network that clients can reach the server from lets them choose their key. Defaults to
-	// none.
+	// network that clients can reach the server from lets them choose their key. An IPv4-mapped
+	// IPv6 network (::ffff:10.0.0.0/104) stands for the IPv4 network it maps. Defaults to none.
 	TrustedProxies []netip.Prefix
 
 	// TrustedProxyCount is the number of proxies that each append one address to Header
@@ -114,10 +114,17 @@ func ClientIP(opts *IPOpts) KeyFunc {
 	if o.Header != headerXFF && o.Header != headerForwarded && o.Header != headerRealIP {
 		panic(fmt.Sprintf(`httplimit: ClientIP: set IPOpts.Header to the one header your proxies write: "X-Forwarded-For" (the default), "Forwarded" or "X-Real-IP" (got %q)`, opts.Header))
 	}
+	// The trusted networks, an IPv4-mapped IPv6 one (::ffff:10.0.0.0/104) as the IPv4 network it
+	// maps (10.0.0.0/8): peers and header entries are compared as IPv4 (parseAddr unmaps them).
+	proxies := make([]netip.Prefix, len(o.TrustedProxies))
 	for i, p := range o.TrustedProxies {
 		if !p.IsValid() {
 			panic(fmt.Sprintf(`httplimit: ClientIP: set IPOpts.TrustedProxies[%d] to a valid network, e.g. netip.MustParsePrefix("10.0.0.0/8") (got %s)`, i, p))
 		}
+		if a := p.Addr(); a.Is4In6() && p.Bits() >= 96 {
+			p = netip.PrefixFrom(a.Unmap(), p.Bits()-96)
+		}
+		proxies[i] = p
 	}
 	name := o.Header // as the documentation spells it
 	if name == headerRealIP {
@@ -146,8 +153,8 @@ func ClientIP(opts *IPOpts) KeyFunc {
 		noClient = fmt.Sprintf("has fewer than IPOpts.TrustedProxyCount (%d) addresses, or the one at that place from the right is not an IP address", o.TrustedProxyCount)
 	case len(o.TrustedProxies) > 0:
 		noClient = "names no address outside IPOpts.TrustedProxies, or the right-most such entry is not an IP address"
-		nets := make([]net.IPNet, len(o.TrustedProxies))
-		for i, p := range o.TrustedProxies {
+		nets := make([]net.IPNet, len(proxies))
+		for i, p := range proxies {
 			p = p.Masked()
 			nets[i] = net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
 		}
@@ -157,7 +164,7 @@ func ClientIP(opts *IPOpts) KeyFunc {
 		panic(fmt.Sprintf("httplimit: ClientIP: %v", err))
 	}
 	trusted := func(a netip.Addr) bool {
-		for _, p := range o.TrustedProxies {
+		for _, p := range proxies {
 			if p.Contains(a) {
 				return true
 			}
@@ -165,20 +172,35 @@ func ClientIP(opts *IPOpts) KeyFunc {
 		return false
 	}
 	return func(r *http.Request) (string, error) {
-		peer, ok := parseAddr(r.RemoteAddr)
-		if !ok {
-			// A Unix socket, say: no IP to key on; the policy's MissingKey decides.
-			return "", fmt.Errorf("%w: ClientIP: RemoteAddr %q is not an IP address", ErrNoKey, r.RemoteAddr)
-		}
+		// The peer is needed only where the key is the peer or it must be a trusted proxy: behind
+		// TrustedProxyCount alone any peer is trusted, a proxy on a Unix socket (RemoteAddr "@")
+		// too. Elsewhere a RemoteAddr that is not an IP (a Unix socket) gives no key, and the
+		// policy's MissingKey decides.
+		peer, peerOK := parseAddr(r.RemoteAddr)
+		noPeer := fmt.Errorf("%w: ClientIP: RemoteAddr %q is not an IP address", ErrNoKey, r.RemoteAddr)
 		client := peer
 		switch {
 		case strategy == nil: // no trusted proxy
-		case len(o.TrustedProxies) > 0 && !trusted(peer): // not through a trusted proxy
+			if !peerOK {
+				return "", noPeer
+			}
+		case len(proxies) > 0 && (!peerOK || !trusted(peer)): // not through a trusted proxy
+			if !peerOK {
+				return "", noPeer
+			}
 		case len(r.Header.Values(o.Header)) == 0: // the trusted peer's own request
+			if !peerOK {
+				return "", noPeer
+			}
 		default:
 			s := strategy.ClientIP(r.Header, r.RemoteAddr)
+			var ok bool
 			if client, ok = parseAddr(s); !ok {
-				return "", fmt.Errorf("%w: ClientIP: the %s header from %s %s", ErrNoKey, name, peer, noClient)
+				from := r.RemoteAddr
+				if peerOK {
+					from = peer.String()
+				}
+				return "", fmt.Errorf("%w: ClientIP: the %s header from %s %s", ErrNoKey, name, from, noClient)
 			}
 		}
 		bits := o.IPv6Prefix
