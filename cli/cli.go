@@ -120,8 +120,8 @@ type Options struct {
 	Getenv func(string) string
 
 	// Stdin is where migrate down reads its confirmation. The command asks only when Stdin is a
-	// terminal (it has a Stat method reporting a character device, as an *os.File on a terminal
-	// does); otherwise migrate down needs --yes. When the context ends before the answer, Run
+	// terminal (it has a Stat method reporting a character device other than /dev/null, as an
+	// *os.File on a terminal does); otherwise migrate down needs --yes. When the context ends before the answer, Run
 	// returns and leaves a read of Stdin pending. Defaults to nil: os.Stdin.
 	Stdin io.Reader
 
@@ -844,7 +844,13 @@ func isTerminal(r io.Reader) bool {
 		return false
 	}
 	fi, err := f.Stat()
-	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+	if err != nil || fi.Mode()&os.ModeCharDevice == 0 {
+		return false
+	}
+	// /dev/null is a character device too, and what cron, systemd and docker run without -i give
+	// a program as its input: no one there to answer.
+	null, err := os.Stat(os.DevNull)
+	return err != nil || !os.SameFile(fi, null)
 }
 
 func fileName(s *goose.Source) string {

@@ -432,6 +432,8 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 	}{
 		{stdin: strings.NewReader("yes\n"), args: down, code: cli.ExitUsage, // not a terminal: no one to ask
 			stderr: "txlimit: " + what + "; pass --yes to roll back where no terminal can confirm: nothing was rolled back\n"},
+		{stdin: devNull(t), args: down, code: cli.ExitUsage, // a character device, but no one there (cron, systemd)
+			stderr: "txlimit: " + what + "; pass --yes to roll back where no terminal can confirm: nothing was rolled back\n"},
 		{stdin: tty{strings.NewReader("no\n")}, args: down, code: cli.ExitUsage,
 			stderr: what + ".\nType yes to roll back: txlimit: migrate down not confirmed: nothing was rolled back\n"},
 		{stdin: tty{strings.NewReader("")}, args: down, code: cli.ExitUsage,
@@ -450,7 +452,7 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 		if r.code != st.code || r.stdout != st.stdout || r.stderr != st.stderr {
 			t.Fatalf("step %d: got exit %d, stdout %q, stderr %q; want %d, %q, %q", i, r.code, r.stdout, r.stderr, st.code, st.stdout, st.stderr)
 		}
-		if i == 2 {
+		if i == 3 {
 			require.Equal(t, 1, testdb.CountRows(t, pool), "step %d: the state is gone", i)
 		}
 	}
@@ -480,4 +482,12 @@ func TestCommandMigrateUpCreateSchema(t *testing.T) {
 	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "up to date\n", r.stdout)
+}
+
+// devNull opens /dev/null for reading, closed when the test ends.
+func devNull(t *testing.T) *os.File {
+	f, err := os.Open(os.DevNull)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	return f
 }
