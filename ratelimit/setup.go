@@ -57,7 +57,7 @@ type SetupError struct {
 // argument types, and the SQLSTATE); Postgres's own message stays available through Unwrap. A
 // forgotten migration, on search_path "app":
 //
-//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: relation "txlimit_state" does not exist in search_path "app" (SQLSTATE 42P01; see docs/deploy.md)
+//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: relation "txlimit_state" does not exist in search_path "app" (SQLSTATE 42P01; see docs/deploy.md)
 //
 // For package scheduler's problems: "scheduler: <Op>: <Fix> (<Problem>)", then the database's
 // error, if any.
@@ -101,7 +101,7 @@ func (e *SetupError) Error() string {
 	if e.SearchPath == "" {
 		aborted = "the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; "
 	}
-	return fmt.Sprintf("%s: %s: run %s(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: %s in %s (%s%ssee docs/deploy.md)",
+	return fmt.Sprintf("%s: %s: run %s(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: %s in %s (%s%ssee docs/deploy.md)",
 		pkg, e.Op, fix, missing, where, code, aborted)
 }
 

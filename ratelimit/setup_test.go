@@ -50,7 +50,7 @@ func requireSetupError(t *testing.T, step string, err error, op, searchPath, cod
 // missingIn is the message of a *SetupError of op for a missing object (Postgres's message without
 // argument types) in search_path searchPath.
 func missingIn(op, missing, code, searchPath string) string {
-	return "ratelimit: " + op + ": run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: " +
+	return "ratelimit: " + op + ": run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: " +
 		missing + ` in search_path "` + searchPath + `" (SQLSTATE ` + code + "; see docs/deploy.md)"
 }
 
@@ -112,7 +112,7 @@ func TestSetupErrors(t *testing.T) {
 		defer tx.Rollback(ctx)
 		err = calls[0].call(tx)
 		requireSetupError(t, "in a transaction", err, "Limit", "", "42P01",
-			"ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: "+
+			"ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: "+
 				"relation \"txlimit_state\" does not exist in this connection's search_path (SQLSTATE 42P01; "+
 				"the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; see docs/deploy.md)")
 	})

@@ -58,7 +58,7 @@ func TestOneSetupError(t *testing.T) {
 		problem error
 		msg     string
 	}{
-		{schema, "ratelimit", nil, `ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path, or set search_path to the schema it ran in: function txlimit_decide does not exist in search_path "app" (SQLSTATE 42883; see docs/deploy.md)`},
+		{schema, "ratelimit", nil, `ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: function txlimit_decide does not exist in search_path "app" (SQLSTATE 42883; see docs/deploy.md)`},
 		{hook, "scheduler", scheduler.ErrNoPreciseHook, `scheduler: ReserveTx: add the hook (PreciseHook is not registered on the River client)`},
 	} {
 		var se *scheduler.SetupError // the same type as *ratelimit.SetupError
