@@ -39,12 +39,14 @@ type LimiterConfig struct {
 	//   - txlimit.decisions counts requests decided by limit, call and outcome: "granted" or
 	//     "reserved" for each request of a granted call, "denied" for each denied request of a
 	//     denied call (the others of that call consumed nothing and are not counted), "error" for
-	//     each request of a call that failed (with error.type "invalid", "busy", "canceled" or
-	//     "database"; an invalid call carries no limit name, which may be the invalid input).
+	//     each request of a call that failed (with error.type "invalid", "busy", "canceled",
+	//     "closed" (a Batcher after Close) or "database"; an invalid call carries no limit name,
+	//     which may be the invalid input).
 	//   - txlimit.decision.duration is the time a call took, in seconds, by call and outcome of
 	//     the call as a whole.
 	//   - txlimit.tx.retries counts the transactions InSerializableTx ran again after a
-	//     serialization failure or deadlock (with this Limiter in TxOpts.Limiter).
+	//     serialization failure or deadlock, a *BusyError's rerun after its wait included (with
+	//     this Limiter in TxOpts.Limiter).
 	//   - txlimit.busy counts sharded decisions that found every candidate shard taken
 	//     (*BusyError), by limit.
 	//   - txlimit.batch.size is the number of calls a Batcher decided together in one statement.

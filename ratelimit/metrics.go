@@ -142,6 +142,8 @@ func errorType(err error) string {
 		return "busy"
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return "canceled"
+	case errors.Is(err, ErrBatcherClosed):
+		return "closed" // nothing was sent to the database
 	}
 	return "database"
 }

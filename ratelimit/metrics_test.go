@@ -167,3 +167,72 @@ func TestMetricsBusy(t *testing.T) {
 	require.Equal(t, int64(2), metrictest.Sum(t, rm, "txlimit.decisions", attribute.String("txlimit.op", "LimitN"),
 		attribute.String("txlimit.limit", "s"), attribute.String("txlimit.outcome", "granted")))
 }
+
+// TestMetricsBusyRerunIsARetry: InSerializableTx's rerun after a *BusyError (it waited for the
+// shard, and the rerun costs no attempt) is a transaction run again after a serialization
+// failure: txlimit.tx.retries counts it and the Logger gets its debug line.
+func TestMetricsBusyRerunIsARetry(t *testing.T) {
+	t.Parallel()
+	reader := sdkmetric.NewManualReader()
+	var logs strings.Builder
+	b := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	ctx, pool, limiter := b.ctx, b.pool, b.lim
+	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
+	var holders []pgx.Tx
+	for range 2 { // each open transaction holds one shard
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		r, err := limiter.Limit(ctx, tx, "s", "k", nil)
+		require.NoError(t, err)
+		require.True(t, r.OK)
+		holders = append(holders, tx)
+	}
+	released := make(chan struct{})
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		_ = holders[0].Rollback(context.Background())
+		close(released)
+	}()
+	runs := 0
+	err := ratelimit.InSerializableTx(ctx, pool, &ratelimit.TxOpts{Limiter: limiter}, func(ctx context.Context, tx pgx.Tx) error {
+		runs++
+		_, err := limiter.Limit(ctx, tx, "s", "k", nil)
+		return err
+	})
+	require.NoError(t, err)
+	<-released // before the cleanup's rollbacks
+	require.Equal(t, 2, runs)
+	rm := metrictest.Collect(t, reader)
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.busy", attribute.String("txlimit.limit", "s")))
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.tx.retries"))
+	require.Contains(t, logs.String(), "serializable transaction retried")
+}
+
+// TestMetricsClosedBatcher: a call on a closed Batcher sent nothing to the database: its error is
+// typed "closed", not "database", and it logs no failed decision.
+func TestMetricsClosedBatcher(t *testing.T) {
+	t.Parallel()
+	reader := sdkmetric.NewManualReader()
+	var logs strings.Builder
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{
+		Limits:        map[string]ratelimit.Config{"a": {Rate: 2, Period: time.Minute}},
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	bt, err := ratelimit.NewBatcher(b.pool, b.lim, nil)
+	require.NoError(t, err)
+	bt.Close()
+	_, err = bt.Limit(b.ctx, "a", "k", nil)
+	require.ErrorIs(t, err, ratelimit.ErrBatcherClosed)
+	rm := metrictest.Collect(t, reader)
+	attrs := []attribute.KeyValue{attribute.String("txlimit.op", "LimitN"), attribute.String("txlimit.limit", "a"),
+		attribute.String("txlimit.outcome", "error")}
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.decisions", append(attrs, attribute.String("error.type", "closed"))...))
+	require.Zero(t, metrictest.Sum(t, rm, "txlimit.decisions", append(attrs, attribute.String("error.type", "database"))...))
+	require.NotContains(t, logs.String(), "decision failed")
+}

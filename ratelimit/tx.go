@@ -106,6 +106,7 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 			}); err != nil {
 				return errors.Join(err, last)
 			}
+			obs.retry(ctx, attempt+1, last) // a rerun, though it costs no attempt
 			continue
 		}
 		if attempt == o.MaxAttempts {
