@@ -263,6 +263,11 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 			return ManyResult{}, ctx.Err() // in flight: the batch goes on without this caller
 		}
 	}
+	if p.err != nil && ctx.Err() != nil {
+		// Its batch failed, and its context has ended: the batch was cancelled because its
+		// callers, this one among them, left. The caller's own error, as on the inline path.
+		return ManyResult{}, ctx.Err()
+	}
 	return p.result()
 }
 

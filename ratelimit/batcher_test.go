@@ -733,3 +733,39 @@ func TestBatcherBesideTransactionsIsExact(t *testing.T) {
 		t.Logf("key %s: %d granted, value %.4f", key, g, st.Value)
 	}
 }
+
+// TestBatcherDeadlineInFailedBatch: queued calls whose deadline passes while their batch waits
+// for a connection return their own context's error (DeadlineExceeded), not the batch's, which
+// fails with "context canceled" once all its callers have left.
+func TestBatcherDeadlineInFailedBatch(t *testing.T) {
+	t.Parallel()
+	env := newBundle(t, &testdb.Options{MaxConns: 1}, &ratelimit.LimiterConfig{Limits: bLimits, Now: bFrozen})
+	b, log := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx := env.ctx
+	_, err := b.Limit(ctx, "tb", "warm", nil)
+	require.NoError(t, err)
+	const rounds, callers = 5, 32
+	for round := range rounds {
+		held, err := env.pool.Acquire(ctx) // the only connection
+		require.NoError(t, err)
+		blocker := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 1000+round), "tb", "k", nil) })
+		eventually(t, "blocker taken", func() bool { return log.taken(1000 + round) })
+		dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		errs := make([]error, callers)
+		var wg sync.WaitGroup
+		for i := range callers {
+			wg.Go(func() { _, errs[i] = b.Limit(dctx, "tb", "k", nil) })
+		}
+		eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == callers })
+		held.Release()                      // the blocker runs; the lane takes the 32 as one batch,
+		held2, err := env.pool.Acquire(ctx) // which then waits for the connection taken back here
+		require.NoError(t, err)
+		require.NoError(t, bWait(t, blocker).err)
+		wg.Wait()
+		cancel()
+		held2.Release()
+		for i, e := range errs {
+			require.ErrorIs(t, e, context.DeadlineExceeded, "round %d, call %d", round, i)
+		}
+	}
+}
