@@ -524,12 +524,13 @@ BEGIN
                 SELECT l.ctid INTO lc FROM txlimit_state l
                 WHERE l.name = p_name AND l.key = p_key AND l.shard = sh FOR UPDATE SKIP LOCKED;
                 got := FOUND;
-                IF got THEN -- locked, at its latest version: written where the rule grants it there
+                IF got THEN -- locked: written if still as the plan read it (else decided again below)
                     UPDATE txlimit_state s
                     SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us, p_cap),
                                              0, p_count),
                         ts = txlimit_next_ts(s.ts, t, p_step_us)
                     WHERE s.ctid = lc
+                      AND s.value = CASE WHEN sh = a THEN va ELSE vb END AND s.ts = CASE WHEN sh = a THEN ta ELSE tb END
                       AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us,
                                                                               p_step_us, p_cap), 0, p_count), 0, p_allow)
                     RETURNING s.value, s.ts INTO v, vts;
@@ -546,12 +547,14 @@ BEGIN
         END IF;
     END IF;
     -- The one row to charge, waiting for it when another transaction holds it: the UPDATE writes it
-    -- where the rule grants the request on its latest version (see the top of this file).
+    -- where the rule grants the request on its latest version (see the top of this file); a
+    -- shard only if still as the plan read it (else its charge is decided again, below).
     IF sh IS NOT NULL AND got IS NOT TRUE THEN
         UPDATE txlimit_state s
         SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us, p_cap), 0, p_count),
             ts = txlimit_next_ts(s.ts, t, p_step_us)
         WHERE s.name = p_name AND s.key = p_key AND s.shard = sh
+          AND (b IS NULL OR (s.value = CASE WHEN sh = a THEN va ELSE vb END AND s.ts = CASE WHEN sh = a THEN ta ELSE tb END))
           AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us,
                                                                   p_cap), 0, p_count), 0, p_allow)
         RETURNING s.value, s.ts INTO v, vts;

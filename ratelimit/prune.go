@@ -21,9 +21,10 @@ type PruneOpts struct {
 // Prune deletes the rows of limit name that are provably equivalent to missing rows, so that a
 // table of per-user limits does not grow with every user ever seen. A row goes only if, at the
 // clock, it holds its full (per-shard) capacity and, for a fixed window, lies on its key's window
-// grid: then every later decision evaluates it exactly as a missing row, so pruning never changes a
-// future decision. Rows charged meanwhile are re-checked and kept. Rows of shards beyond
-// Config.Shards are left to Reset. It returns how many rows were deleted.
+// grid: then every later decision whose clock reading is at or after Prune's evaluates it exactly as
+// a missing row, so pruning never changes such a decision (docs/spec.md §10 says why a reading
+// before the row's ts can tell the two apart). Rows charged meanwhile are re-checked and kept. Rows
+// of shards beyond Config.Shards are left to Reset. It returns how many rows were deleted.
 //
 // Prune works in rounds of two statements (list, delete) over BatchSize rows in key order; run it
 // from a periodic job, on a pool rather than inside a long transaction.

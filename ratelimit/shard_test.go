@@ -1101,3 +1101,45 @@ func TestShardPassesOverStaleShards(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []int{0}, r.Shards, "a committed lock before the snapshot leaves the row usable")
 }
+
+// A lone sharded LimitN that waited for its charged shard finds it changed: the charge is decided
+// again on both picks (docs/spec.md §7, steps 1 to 4), not by the one row's rule. 2 shards of 5/s,
+// cap 5, MaxReserved 5 each, at 2 and 5, picks (1, 0), LimitN(4, Reserve): shard 1 alone is
+// chosen; it is held and committed at 1 meanwhile; on (2, 1) neither alone holds 4 and they differ
+// by less than 4, so both are charged to end equal: -0.5 each, RetryAt 100 ms (0.5 at 5/s).
+// Before, shard 1 alone was charged to -3, RetryAt 600 ms.
+func TestShardWaitedRowChangedIsDecidedAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"sh": {Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 10}})
+	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 1, 0 })
+	_, err := b.pool.Exec(b.ctx, `INSERT INTO txlimit_state (name, key, shard, value, ts) VALUES ('sh','k',0,2,$1), ('sh','k',1,5,$1)`, t0.UnixMicro())
+	require.NoError(t, err)
+	y, err := b.pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = y.Rollback(b.ctx) }()
+	testdb.LockRow(t, y, "sh", "k", 1)
+	type out struct {
+		r   ratelimit.Result
+		err error
+	}
+	ch := make(chan out, 1)
+	go func() {
+		r, err := b.lim.LimitN(b.ctx, b.pool, "sh", "k", 4, &ratelimit.LimitOpts{Reserve: true})
+		ch <- out{r, err}
+	}()
+	var ypid uint32
+	require.NoError(t, y.QueryRow(b.ctx, "SELECT pg_backend_pid()").Scan(&ypid))
+	eventually(t, "the call waits for shard 1", func() bool { return testdb.BlockedBy(t, b.pool, ypid) > 0 })
+	_, err = y.Exec(b.ctx, `UPDATE txlimit_state SET value = 1 WHERE name = 'sh' AND key = 'k' AND shard = 1`)
+	require.NoError(t, err)
+	require.NoError(t, y.Commit(b.ctx))
+	o := <-ch
+	require.NoError(t, o.err)
+	require.True(t, o.r.OK)
+	require.True(t, o.r.Reserved)
+	require.Equal(t, []int{0, 1}, o.r.Shards)
+	require.Equal(t, t0.Add(100*ms), o.r.RetryAt)
+	st, err := b.lim.State(b.ctx, b.pool, "sh", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, []float64{-0.5, -0.5}, st.Shards)
+}
