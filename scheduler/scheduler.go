@@ -137,7 +137,9 @@ type Reservation struct {
 // with the RetryAt at which the same call could succeed. Bad input is an error matching
 // ratelimit.ErrInvalid, also with nothing written; so is a job that River refuses to insert
 // (arguments it cannot encode, invalid insert options), an *ratelimit.ArgumentError wrapping
-// River's error. The reservation and the job are written in a savepoint of tx (two more round
+// River's error, and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
+// up to 2^61 µs; the job's JSON metadata holds no later time). The reservation and the job are
+// written in a savepoint of tx (two more round
 // trips: SAVEPOINT and RELEASE), so any failure leaves tx as it was, unless the error says to roll
 // tx back (the savepoint itself could not be rolled back). Each call is a subtransaction: one
 // transaction that reserves more than 64 times makes Postgres track its subtransactions in a
@@ -239,6 +241,10 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
+	if r.ScheduledAt.Year() > 9999 { // ratelimit reserves up to about year 75,000 when unbounded
+		return nil, argError(op, "count", fmt.Sprintf("reserves tokens due only at %s, after the year 9999 that the job's metadata "+
+			"(JSON) can hold: reserve less, or schedule the work another way", r.ScheduledAt.Format(time.RFC3339)), nil)
+	}
 	md, err := withKey(insertOpts.Metadata, reservedKey, &rec)
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: %s: record the reservation: %w", op, err)

@@ -497,3 +497,25 @@ func TestReserveTxUnworkedQueue(t *testing.T) {
 	_, err = scheduler.New(client, b.limiter, &scheduler.Config{Queues: []string{"llm", ""}})
 	require.EqualError(t, err, `scheduler: New: Config.Queues[1] is empty: name a queue your River clients work, e.g. river.QueueDefault`)
 }
+
+// TestReserveTxBeyondYear9999: an unbounded reservation can be due tens of thousands of years
+// ahead (ratelimit bounds a wait at 2^61 µs), which a job's JSON metadata cannot hold: ReserveTx
+// refuses it as bad input, and the transaction is as it was (nothing reserved, no job).
+func TestReserveTxBeyondYear9999(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Hour, MaxReserved: ratelimit.Unbounded})
+	ctx := context.Background()
+	err := inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 1e15, callArgs{}, nil)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		require.ErrorContains(t, err, "after the year 9999")
+		st, err := b.limiter.State(ctx, tx, "calls", "k", nil)
+		require.NoError(t, err)
+		require.Equal(t, 1.0, st.Value, "the savepoint rolled back: nothing reserved")
+		return nil
+	})
+	require.NoError(t, err)
+	var jobs int
+	require.NoError(t, b.pool.QueryRow(ctx, "SELECT count(*) FROM river_job").Scan(&jobs))
+	require.Zero(t, jobs)
+}
