@@ -265,6 +265,13 @@ func (c *command) parse(args []string) ([]string, error) {
 				fs.PrintDefaults()
 				return nil, err
 			}
+			// The flag package stops at the first error: a --json after it was not read, though
+			// the error is to be reported as JSON then too.
+			for _, a := range args {
+				if a == "--json" || a == "-json" || a == "--json=true" || a == "-json=true" {
+					c.json = true
+				}
+			}
 			return nil, usagef("%v", err)
 		}
 		args = fs.Args()
@@ -608,6 +615,16 @@ type MigrationJSON struct {
 func (c *command) migrate(ctx context.Context, dir string) error {
 	if dir != "up" && dir != "down" && dir != "status" {
 		return usagef("migrate takes one of up, down, status, not %q", dir)
+	}
+	for _, f := range []string{"rate", "period", "capacity", "max-reserved", "kind", "shards", "start"} {
+		if c.set[f] {
+			return usagef("--%s is not for migrate: migrations need no limit config", f)
+		}
+	}
+	if c.configFile != "" { // not used here, but a file that does not load is an error for every command
+		if _, _, _, err := c.limiter(); err != nil {
+			return err
+		}
 	}
 	if c.createSchema && dir != "up" {
 		return usagef("--create-schema is for migrate up")

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -46,6 +47,9 @@ func LoadLimits(r io.Reader) (map[string]ratelimit.Config, error) {
 	var raw map[string]LimitJSON
 	if err := dec.Decode(&raw); err != nil {
 		return nil, fmt.Errorf("limits: %w", err)
+	}
+	if _, err := dec.Token(); err != io.EOF { // one object, then nothing but white space
+		return nil, errors.New("limits: malformed JSON: more after the object")
 	}
 	out := make(map[string]ratelimit.Config, len(raw))
 	for name, l := range raw {

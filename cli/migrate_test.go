@@ -212,3 +212,31 @@ func TestCommandMigrateDownNewerSchema(t *testing.T) {
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
 }
+
+// TestCommandReviewedFlags: a limits file with anything after its object is malformed JSON (exit
+// 2, as any malformed file); --json applies to a usage error even when it comes after the bad
+// flag; migrate refuses the limit-config flags it would ignore.
+func TestCommandReviewedFlags(t *testing.T) {
+	t.Parallel()
+	for _, in := range []string{
+		`{"a":{"rate":1,"period":"1m"}} garbage`,
+		`{"a":{"rate":1,"period":"1m"}} {"b":{"rate":1,"period":"1m"}}`,
+		`{"a":{"rate":1,"period":"1m"}}}`,
+	} {
+		_, err := cli.LoadLimits(strings.NewReader(in))
+		require.Error(t, err, in)
+	}
+	_, err := cli.LoadLimits(strings.NewReader("{\"a\":{\"rate\":1,\"period\":\"1m\"}}\n\t "))
+	require.NoError(t, err, "white space after the object is fine")
+
+	dsn := testdb.DSN(t)
+	r := run(t, dsn, nil, "--bogus", "--json", "names")
+	require.Equal(t, cli.ExitUsage, r.code)
+	require.JSONEq(t, `{"error":"flag provided but not defined: -bogus","exit_code":2}`, strings.TrimSpace(r.stderr))
+
+	r = run(t, dsn, nil, "--config", "/nonexistent", "migrate", "status")
+	require.Equal(t, cli.ExitUsage, r.code, "an unreadable config file: %s", r.stderr)
+	r = run(t, dsn, nil, "--rate", "1", "migrate", "status")
+	require.Equal(t, cli.ExitUsage, r.code, r.stderr)
+	require.Contains(t, r.stderr, "--rate is not for migrate")
+}

@@ -78,8 +78,10 @@ type GateConfig struct {
 // database error from the decision fails the attempt (River retries it later); it never lets the
 // job through.
 //
-// Jobs inserted by Scheduler.ReserveTx carry a payment for their first attempt, so a Gate over
-// their kind lets that attempt through.
+// A Gate's payment is for its own limit (name and key): a job behind two Gates (one in
+// river.Config.Middleware, one of its worker) pays each. Jobs inserted by Scheduler.ReserveTx
+// carry a payment for their first attempt that stands for whatever they reserved, so any Gate over
+// their kind lets that attempt through: gate such jobs only by the limits they reserve.
 type Gate struct {
 	river.MiddlewareDefaults
 
@@ -115,7 +117,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	if !ok {
 		return doInner(ctx)
 	}
-	if p, ok := paidFor(job); ok {
+	if p, ok := paidFor(job, req.Name, req.Key); ok {
 		if wait := p.Due.Sub(g.now()); !p.Due.IsZero() && wait > 0 {
 			return river.JobSnooze(min(wait, maxSnooze))
 		}
@@ -136,13 +138,14 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	}
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
-		wait := res.RetryAfter() + jitter(req.JitterKey, g.jitter)
+		// Capped before the jitter is added: RetryAfter saturates at the largest Duration.
+		wait := min(res.RetryAfter(), maxSnooze) + jitter(req.JitterKey, g.jitter)
 		return river.JobSnooze(min(max(wait, time.Millisecond), maxSnooze))
 	case !res.Reserved:
 		return g.run(ctx, doInner)
 	}
 	wait := res.RetryAfter()
-	if err := river.MetadataSet(ctx, paidKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait)}); err != nil {
+	if err := river.MetadataSet(ctx, paidKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait), Name: req.Name, Key: req.Key}); err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, err)
 	}
 	return river.JobSnooze(min(wait, maxSnooze))

@@ -175,3 +175,83 @@ func TestGateRate(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, bad.Jobs, "no job failed, was discarded or cancelled")
 }
+
+// TestGateTwoGatesPayEach: a job behind two Gates (one global, one of its worker), each of its own
+// limit, pays both: the second never takes the first one's payment for its own. Both limits are
+// empty; the job reserves on "a" and waits; when a's token is due it reserves on "b" (it does not
+// run without touching "b").
+func TestGateTwoGatesPayEach(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{
+		limits: map[string]ratelimit.Config{
+			"a": {Rate: 1, Period: time.Minute, MaxReserved: 1},
+			"b": {Rate: 1, Period: time.Minute, MaxReserved: 1},
+		},
+		now: frozen(t0),
+	})
+	isCall := func(job *rivertype.JobRow) bool { return job.Kind == callArgs{}.Kind() }
+	gate := func(name string) *scheduler.Gate {
+		g, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter,
+			Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+				return scheduler.GateRequest{Name: name}, isCall(job)
+			}})
+		require.NoError(t, err)
+		return g
+	}
+	gateA, gateB := gate("a"), gate("b")
+	clock := time.Now()
+	scheduler.SetGateNow(gateA, func() time.Time { return clock })
+	scheduler.SetGateNow(gateB, func() time.Time { return clock })
+	var ran atomic.Int64
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gateA, gateB}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	for _, name := range []string{"a", "b"} { // both limits empty
+		res, err := b.limiter.Limit(ctx, b.pool, name, "", nil)
+		require.NoError(t, err)
+		require.True(t, res.OK)
+	}
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind) // reserved on "a"
+	require.Equal(t, -1.0, value(t, b, "a", ""))
+
+	clock = clock.Add(time.Minute) // a's token is due
+	res, err = w.WorkJob(ctx, t, tx, res.Job)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "b is empty: the job reserves there and waits")
+	require.Equal(t, -1.0, value(t, b, "b", ""))
+	require.Zero(t, ran.Load())
+}
+
+// TestGateDenialOfAnEndlessWait: a denial whose RetryAfter saturates (a debt a tiny rate would
+// pay in thousands of years) snoozes the longest snooze, jitter or not; before, the jitter
+// overflowed the sum and the job came back after a millisecond, at every poll.
+func TestGateDenialOfAnEndlessWait(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1e-9, Capacity: 1, Period: time.Hour}}})
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Jitter: time.Second,
+		Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+			return scheduler.GateRequest{Name: "calls", JitterKey: "k"}, job.Kind == callArgs{}.Kind()
+		}})
+	require.NoError(t, err)
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
+	before := time.Now()
+	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+	after := time.Now()
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
+	requireSnoozedFor(t, scheduler.MaxSnooze, before, after, res.Job.ScheduledAt)
+}

@@ -22,17 +22,24 @@ type paid struct {
 	// Due, when set, is when the reservation's tokens are due, on the clock of the process that
 	// reserved them (River schedules snoozes on the same clock).
 	Due time.Time `json:"due,omitzero"`
+	// Name and Key are the limit a Gate paid; empty for ReserveTx's payment, which stands for
+	// whatever the job reserved.
+	Name string `json:"name,omitempty"`
+	Key  string `json:"key,omitempty"`
 }
 
-// paidFor returns the payment recorded on job for its current attempt, if any.
-func paidFor(job *rivertype.JobRow) (paid, bool) {
+// paidFor returns the payment recorded on job for its current attempt and the limit (name, key),
+// if any: a Gate's payment counts only for its own limit, so that a second Gate on the job (one
+// global, one of the worker) never takes the first one's payment for its own.
+func paidFor(job *rivertype.JobRow, name, key string) (paid, bool) {
 	var m struct {
 		Paid *paid `json:"txlimit_paid"`
 	}
 	if len(job.Metadata) == 0 || json.Unmarshal(job.Metadata, &m) != nil || m.Paid == nil {
 		return paid{}, false
 	}
-	return *m.Paid, m.Paid.Attempt == job.Attempt
+	p := *m.Paid
+	return p, p.Attempt == job.Attempt && (p.Name == "" || p.Name == name && p.Key == key)
 }
 
 // withPaid returns metadata (a JSON object, or empty) with paidKey set to p.
