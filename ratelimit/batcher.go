@@ -232,10 +232,7 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 			ln.wake.Signal() // only then: waking the lane's goroutine for nothing costs a caller alone
 		}
 		ln.mu.Unlock()
-		if p.err != nil && ctx.Err() != nil {
-			return ManyResult{}, ctx.Err() // it left in flight: its statement was cancelled
-		}
-		return p.result()
+		return p.outcome(ctx)
 	}
 	ln.queue = append(ln.queue, p)
 	ln.wake.Signal()
@@ -263,9 +260,14 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 			return ManyResult{}, ctx.Err() // in flight: the batch goes on without this caller
 		}
 	}
+	return p.outcome(ctx)
+}
+
+// outcome is the decided call's outcome for a caller whose context is ctx: when its batch failed
+// after ctx ended, the caller's own ctx.Err() (the batch's statement was cancelled because its
+// callers, this one among them, had left), else result.
+func (p *pending) outcome(ctx context.Context) (ManyResult, error) {
 	if p.err != nil && ctx.Err() != nil {
-		// Its batch failed, and its context has ended: the batch was cancelled because its
-		// callers, this one among them, left. The caller's own error, as on the inline path.
 		return ManyResult{}, ctx.Err()
 	}
 	return p.result()

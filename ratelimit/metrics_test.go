@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -144,14 +145,7 @@ func TestMetricsBusy(t *testing.T) {
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
-	for range 2 { // each holds one shard (the second is steered to the free one)
-		tx, err := pool.Begin(ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		r, err := limiter.Limit(ctx, tx, "s", "k", nil)
-		require.NoError(t, err)
-		require.True(t, r.OK)
-	}
+	holdShards(t, pool, limiter, "s", "k", 2)
 	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
@@ -182,16 +176,7 @@ func TestMetricsBusyRerunIsARetry(t *testing.T) {
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
-	var holders []pgx.Tx
-	for range 2 { // each open transaction holds one shard
-		tx, err := pool.Begin(ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		r, err := limiter.Limit(ctx, tx, "s", "k", nil)
-		require.NoError(t, err)
-		require.True(t, r.OK)
-		holders = append(holders, tx)
-	}
+	holders := holdShards(t, pool, limiter, "s", "k", 2)
 	released := make(chan struct{})
 	go func() {
 		time.Sleep(200 * time.Millisecond)
@@ -235,4 +220,23 @@ func TestMetricsClosedBatcher(t *testing.T) {
 	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.decisions", append(attrs, attribute.String("error.type", "closed"))...))
 	require.Zero(t, metrictest.Sum(t, rm, "txlimit.decisions", append(attrs, attribute.String("error.type", "database"))...))
 	require.NotContains(t, logs.String(), "decision failed")
+}
+
+// holdShards opens n transactions that each decide once on (name, key) and stay open, so that
+// each holds one shard (steering sends each to a free one); they are rolled back when the test
+// ends.
+func holdShards(t *testing.T, pool *pgxpool.Pool, limiter *ratelimit.Limiter, name, key string, n int) []pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	txs := make([]pgx.Tx, n)
+	for i := range txs {
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		r, err := limiter.Limit(ctx, tx, name, key, nil)
+		require.NoError(t, err)
+		require.True(t, r.OK)
+		txs[i] = tx
+	}
+	return txs
 }
