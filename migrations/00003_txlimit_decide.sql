@@ -72,11 +72,16 @@ $$;
 -- txlimit_steer: where a lone request on a sharded limit starts among its candidate shards (its
 -- position in p_shards: a is that candidate, b the one after it), so that concurrent callers of one
 -- key are steered apart before they read a row: the first candidate whose transaction-scoped
--- advisory lock (p_lock_key XOR the table's OID shifted left 20 bits XOR the shard: only ever
--- tried, held until the transaction ends) this transaction gets and, under REPEATABLE READ or
+-- advisory lock (p_lock_key XOR the table's OID shifted left 20 bits XOR the shard: tried, waited
+-- for only as below, held until the transaction ends) this transaction gets and, under REPEATABLE READ or
 -- SERIALIZABLE (p_snapshot), whose row is not stale (locking it from this snapshot could only
--- fail). When every candidate is taken, READ COMMITTED goes on with the first (and may wait for its
--- row); under a snapshot the answer is 0: busy, having read and written nothing.
+-- fail). When every candidate is taken, READ COMMITTED goes on with the first: a transaction that
+-- has no transaction ID yet (it holds no row lock: a call on the pool, say) first waits for that
+-- candidate's advisory lock, so that it sleeps until the shard's holder commits and then reads the
+-- shard as that left it, instead of waiting for the row, finding it changed and deciding again
+-- (docs/design-history.md, 2026-11-27, measured it); one that holds rows may wait for the row itself,
+-- as any SQL does, and never for an advisory lock, where it could close a deadlock with what it
+-- holds. Under a snapshot the answer is 0: busy, having read and written nothing.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_steer(p_name text, p_key text, p_shards integer[], p_lock_key bigint, p_snapshot boolean)
 RETURNS integer
@@ -99,7 +104,12 @@ BEGIN
         END IF;
         RETURN j;
     END LOOP;
-    RETURN CASE WHEN p_snapshot THEN 0 ELSE 1 END;
+    IF p_snapshot THEN
+        RETURN 0;
+    ELSIF pg_current_xact_id_if_assigned() IS NULL THEN
+        PERFORM pg_advisory_xact_lock(lock_key # p_shards[1]::bigint);
+    END IF;
+    RETURN 1;
 END
 $$;
 -- +goose StatementEnd

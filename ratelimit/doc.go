@@ -79,12 +79,17 @@
 // candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
 // transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
 // FNV-1a hash of name and key, the OID of the state table (so schemas do not share them) and the
-// shard; it is only ever tried, never waited for, and is released when the transaction ends. It
-// is a hint, not a guard: exactness rests on the row locks alone. Under REPEATABLE READ and
+// shard, released when the transaction ends. It is a hint, not a guard: exactness rests on the
+// row locks alone. Under REPEATABLE READ and
 // SERIALIZABLE a candidate is also passed over when it is stale: when a transaction that the
 // caller's snapshot cannot see has changed or locked its row, since locking it from that snapshot
 // could only fail. When every candidate is taken (or stale), under READ COMMITTED the call goes on
-// with its first candidate (and may wait for its row lock); under REPEATABLE READ or SERIALIZABLE
+// with its first candidate: a call whose transaction holds no row lock yet (a call on the pool, or
+// the first decision of a transaction that has written nothing) first waits for that candidate's
+// advisory lock, so that it sleeps until the shard's holder commits and then reads the shard as
+// that left it; one whose transaction holds rows may wait for the row itself, as any SQL does,
+// never for an advisory lock, where it could close a deadlock with what it holds. Under
+// REPEATABLE READ or SERIALIZABLE
 // it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE 40001) to retry
 // like any other. Check and CheckN take no advisory lock; LimitMany and a Batcher's longer batches
 // do not use them either. A transaction holds one or more such locks per sharded key it decided

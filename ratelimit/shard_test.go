@@ -998,6 +998,65 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	require.Equal(t, 4-3.0, v.Value, "three tokens of four were taken")
 }
 
+// Under READ COMMITTED, a call that finds every candidate shard taken and holds no row lock yet (a
+// call on the pool) waits for its first candidate's steering lock, then reads and charges that
+// shard as its holder left it: it neither waits for a row it would find changed nor is refused to
+// retry at once. A transaction that holds a row does not wait for a steering lock (where it could
+// close a deadlock with what it holds): it goes on to its first pick's row.
+func TestShardWaitsForATakenShardsSteeringLock(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	e.set(shardT0, [2]int{1, 0})
+	base := ratelimit.ShardLockBase("s", "k")
+	type answer struct {
+		r   ratelimit.Result
+		err error
+	}
+	hold := func() pgx.Tx { // a transaction deciding on both shards, their rows free
+		t.Helper()
+		tx, err := e.pool.Begin(e.ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(e.ctx) })
+		testdb.HoldSteerLock(t, tx, base, 0)
+		testdb.HoldSteerLock(t, tx, base, 1)
+		return tx
+	}
+
+	holder := hold()
+	done := make(chan answer, 1)
+	go func() {
+		r, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+		done <- answer{r, err}
+	}()
+	require.Eventually(t, func() bool { return testdb.SteerWaiters(t, e.pool, base, 1) == 1 },
+		5*time.Second, 10*time.Millisecond, "the call should wait for its first candidate's steering lock")
+	require.Empty(t, done, "the call went on while every shard was taken")
+	require.NoError(t, holder.Commit(e.ctx))
+	a := <-done
+	require.NoError(t, a.err)
+	require.True(t, a.r.OK)
+	require.Equal(t, []int{1}, a.r.Shards, "both full: the first candidate")
+	require.Equal(t, 1+2.0, a.r.Value)
+
+	// A transaction holding a row (it decided on another key first) goes on to its first pick's
+	// row, free here, without waiting for the steering lock.
+	holder = hold()
+	tx, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(e.ctx)
+	_, err = e.lim.Limit(e.ctx, tx, "s", "other", nil)
+	require.NoError(t, err)
+	quick, cancel := context.WithTimeout(e.ctx, 3*time.Second)
+	defer cancel()
+	r, err := e.lim.Limit(quick, tx, "s", "k", nil)
+	require.NoError(t, err, "a transaction holding a row waited for a steering lock")
+	require.True(t, r.OK)
+	require.Equal(t, []int{0}, r.Shards, "shard 0 now holds more")
+	require.NoError(t, tx.Commit(e.ctx))
+	require.NoError(t, holder.Rollback(e.ctx))
+}
+
 // A decision that planned, on its lock-free read, to combine two shards re-decides on their latest
 // levels once it holds both locks: when one alone now holds the count (under READ COMMITTED, after
 // a concurrent Credit), it charges that one alone, as the rule says, instead of splitting the

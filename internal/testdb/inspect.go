@@ -102,21 +102,47 @@ func lockRow(tb testing.TB, tx pgx.Tx, strength, name, key string, shard int) {
 	}
 }
 
-// queueLock is the advisory lock key on which the decision queues lone calls on the pool for a row
-// (base: the hash of the limit's name and key the package computes), in this schema.
-const queueLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint # 524288)"
+// steerLock is the advisory lock key that steering takes for one shard of a sharded limit (base:
+// the hash of the limit's name and key the package computes), in this schema; queueLock is the one
+// on which the decision queues lone calls on the pool for a row.
+const (
+	steerLock = "($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20) # $2::bigint)"
+	queueLock = "(" + steerLock + " # 524288)"
+)
 
 // QueueWaiters returns how many backends are waiting for the queue lock of one state row.
 func QueueWaiters(tb testing.TB, db Querier, base int64, shard int) int {
+	tb.Helper()
+	return advisoryWaiters(tb, db, queueLock, base, shard)
+}
+
+// SteerWaiters returns how many backends are waiting for the steering lock of one shard.
+func SteerWaiters(tb testing.TB, db Querier, base int64, shard int) int {
+	tb.Helper()
+	return advisoryWaiters(tb, db, steerLock, base, shard)
+}
+
+// HoldSteerLock takes the steering lock of one shard in tx, as a transaction deciding on that
+// shard holds it, without locking its row.
+func HoldSteerLock(tb testing.TB, tx pgx.Tx, base int64, shard int) {
+	tb.Helper()
+	if _, err := tx.Exec(context.Background(), "SELECT pg_advisory_xact_lock("+steerLock+")", base, shard); err != nil {
+		tb.Fatalf("testdb: take a steering lock: %v", err)
+	}
+}
+
+// advisoryWaiters returns how many backends are waiting for the advisory lock whose key the SQL
+// expression lock computes from base and shard.
+func advisoryWaiters(tb testing.TB, db Querier, lock string, base int64, shard int) int {
 	tb.Helper()
 	var n int
 	err := db.QueryRow(context.Background(),
 		`SELECT count(*) FROM pg_locks
 		 WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
-		   AND ((classid::bigint << 32) | objid::bigint) = `+queueLock,
+		   AND ((classid::bigint << 32) | objid::bigint) = `+lock,
 		base, shard).Scan(&n)
 	if err != nil {
-		tb.Fatalf("testdb: queue waiters: %v", err)
+		tb.Fatalf("testdb: advisory lock waiters: %v", err)
 	}
 	return n
 }
