@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -145,7 +144,7 @@ func TestMetricsBusy(t *testing.T) {
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
-	holdShards(t, pool, limiter, "s", "k", 2)
+	holdShards(t, b, "s", "k", 2)
 	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
@@ -176,7 +175,7 @@ func TestMetricsBusyRerunIsARetry(t *testing.T) {
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
-	holders := holdShards(t, pool, limiter, "s", "k", 2)
+	holders := holdShards(t, b, "s", "k", 2)
 	released := make(chan struct{})
 	go func() {
 		time.Sleep(200 * time.Millisecond)
@@ -222,18 +221,18 @@ func TestMetricsClosedBatcher(t *testing.T) {
 	require.NotContains(t, logs.String(), "decision failed")
 }
 
-// holdShards opens n transactions that each decide once on (name, key) and stay open, so that
-// each holds one shard (steering sends each to a free one); they are rolled back when the test
-// ends.
-func holdShards(t *testing.T, pool *pgxpool.Pool, limiter *ratelimit.Limiter, name, key string, n int) []pgx.Tx {
+// holdShards opens n transactions on b's pool that each decide once with b's limiter on (name, key)
+// and stay open, so that each holds one shard (steering sends each to a free one); they are rolled
+// back when the test ends.
+func holdShards(t *testing.T, b *testBundle, name, key string, n int) []pgx.Tx {
 	t.Helper()
-	ctx := context.Background()
+	ctx := b.ctx
 	txs := make([]pgx.Tx, n)
 	for i := range txs {
-		tx, err := pool.Begin(ctx)
+		tx, err := b.pool.Begin(ctx)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		r, err := limiter.Limit(ctx, tx, name, key, nil)
+		r, err := b.lim.Limit(ctx, tx, name, key, nil)
 		require.NoError(t, err)
 		require.True(t, r.OK)
 		txs[i] = tx
