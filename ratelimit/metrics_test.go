@@ -21,14 +21,12 @@ import (
 
 func TestMetrics(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
-	b := newBundle(t, nil, &ratelimit.LimiterConfig{
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{
 			"a": {Rate: 2, Period: time.Minute},
 			"b": {Rate: 1, Period: time.Minute, MaxReserved: 5},
 		},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Now:           func() time.Time { return t0 },
+		Now: func() time.Time { return t0 },
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 
@@ -104,11 +102,9 @@ func TestManyResultTimeAndRetryAfter(t *testing.T) {
 
 func TestMetricsTxRetries(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	b := newBundle(t, nil, &ratelimit.LimiterConfig{
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	conflict := &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
@@ -137,10 +133,8 @@ func TestMetricsTxRetries(t *testing.T) {
 // busy and as an error of type "busy".
 func TestMetricsBusy(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
-	b := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
-		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	b, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
@@ -166,12 +160,10 @@ func TestMetricsBusy(t *testing.T) {
 // failure: txlimit.tx.retries counts it and the Logger gets its debug line.
 func TestMetricsBusyRerunIsARetry(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	b := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
-		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	b, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
@@ -201,12 +193,10 @@ func TestMetricsBusyRerunIsARetry(t *testing.T) {
 // typed "closed", not "database", and it logs no failed decision.
 func TestMetricsClosedBatcher(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	b := newBundle(t, nil, &ratelimit.LimiterConfig{
-		Limits:        map[string]ratelimit.Config{"a": {Rate: 2, Period: time.Minute}},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 2, Period: time.Minute}},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	bt, err := ratelimit.NewBatcher(b.pool, b.lim, nil)
 	require.NoError(t, err)
@@ -219,6 +209,15 @@ func TestMetricsClosedBatcher(t *testing.T) {
 	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.decisions", append(attrs, attribute.String("error.type", "closed"))...))
 	require.Zero(t, metrictest.Sum(t, rm, "txlimit.decisions", append(attrs, attribute.String("error.type", "database"))...))
 	require.NotContains(t, logs.String(), "decision failed")
+}
+
+// meteredBundle is newBundle with cfg.MeterProvider set to a provider of its own, whose
+// measurements reader collects.
+func meteredBundle(t *testing.T, opts *testdb.Options, cfg *ratelimit.LimiterConfig) (*testBundle, *sdkmetric.ManualReader) {
+	t.Helper()
+	reader := sdkmetric.NewManualReader()
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	return newBundle(t, opts, cfg), reader
 }
 
 // holdShards opens n transactions on b's pool that each decide once with b's limiter on (name, key)
