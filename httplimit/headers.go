@@ -95,6 +95,23 @@ func (m *Middleware) WriteHeaders(w http.ResponseWriter, results ...ratelimit.Re
 	}
 }
 
+// writable reports whether name can be written in the header fields: as a Structured Field String
+// (RFC 9651), which is printable ASCII (0x20 to 0x7E).
+func writable(name string) bool {
+	_, err := httpsfv.Marshal(httpsfv.NewItem(name))
+	return err == nil
+}
+
+// initHeaders makes what WriteHeaders takes from pools: the HMACs of the partition keys, keyed with
+// m.secret, and each policy's items.
+func (m *Middleware) initHeaders() {
+	m.macs.New = func() any { return hmac.New(sha256.New, m.secret) }
+	m.items = make(map[string]*sync.Pool, len(m.policies))
+	for i := range m.policies {
+		m.items[m.policies[i].Name] = newItemPool(&m.policies[i])
+	}
+}
+
 // sfItems are the items of one result in the two fields, kept in a pool per policy so that their
 // parameters are set, not built, for each response: a policy's q and w (and txlimit-burst) never
 // change, and the RateLimit item's parameters keep their order (r, t, pk) when overwritten.

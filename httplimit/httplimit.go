@@ -2,9 +2,7 @@ package httplimit
 
 import (
 	"context"
-	"crypto/hmac"
 	"crypto/rand"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,7 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/dunglas/httpsfv"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 
@@ -188,7 +185,7 @@ func New(cfg *Config) (*Middleware, error) {
 		if _, dup := m.byName[p.Name]; dup {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q appears twice", i, p.Name)
 		}
-		if _, err := httpsfv.Marshal(httpsfv.NewItem(p.Name)); err != nil {
+		if !writable(p.Name) {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q cannot be written in the RateLimit header fields: "+
 				"a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.Name)
 		}
@@ -224,11 +221,7 @@ func New(cfg *Config) (*Middleware, error) {
 		m.secret = make([]byte, 32)
 		_, _ = rand.Read(m.secret)
 	}
-	m.macs.New = func() any { return hmac.New(sha256.New, m.secret) }
-	m.items = make(map[string]*sync.Pool, len(m.policies))
-	for i := range m.policies {
-		m.items[m.policies[i].Name] = newItemPool(&m.policies[i])
-	}
+	m.initHeaders()
 	m.obs = newObserver(cfg.MeterProvider, cfg.Logger)
 	return m, nil
 }

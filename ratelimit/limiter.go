@@ -14,7 +14,7 @@ import (
 
 // Executor is the database handle a call runs on: a pgx.Tx, *pgxpool.Pool or *pgx.Conn (or any
 // other value with their Exec, Query and QueryRow), or a database/sql handle wrapped by package
-// github.com/txlimit/txlimit/ratelimit/sqldb (sqldb.Wrap(tx) of a *sql.Tx, *sql.DB or *sql.Conn).
+// github.com/txlimit/txlimit/sqldb (sqldb.Wrap(tx) of a *sql.Tx, *sql.DB or *sql.Conn).
 // Inside a transaction a limit's writes commit or roll back with the caller's own; on a pool or a
 // connection each call is a transaction of its own. The type admits any value so that the handles
 // of both database packages fit; a value of another type (a bare *sql.Tx among them) or nil is
@@ -380,7 +380,7 @@ func (l *Limiter) resolve(op, name, key string, inline *Config) (spec, error) {
 // checkExecutor rejects a nil Executor, including a typed nil pointer in the interface, and a
 // value that no driver runs on.
 func checkExecutor(op string, db Executor) error {
-	const fix = "pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn, or wrap a database/sql handle with sqldb.Wrap (package github.com/txlimit/txlimit/ratelimit/sqldb)"
+	const fix = "pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn, or wrap a database/sql handle with sqldb.Wrap (package github.com/txlimit/txlimit/sqldb)"
 	if db == nil {
 		return &ArgumentError{Op: op, Arg: "db", Reason: "is nil: " + fix}
 	}

@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -22,14 +21,12 @@ import (
 
 func TestMetrics(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
-	b := newBundle(t, nil, &ratelimit.LimiterConfig{
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{
 			"a": {Rate: 2, Period: time.Minute},
 			"b": {Rate: 1, Period: time.Minute, MaxReserved: 5},
 		},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Now:           func() time.Time { return t0 },
+		Now: func() time.Time { return t0 },
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 
@@ -105,11 +102,9 @@ func TestManyResultTimeAndRetryAfter(t *testing.T) {
 
 func TestMetricsTxRetries(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	b := newBundle(t, nil, &ratelimit.LimiterConfig{
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	conflict := &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
@@ -138,14 +133,12 @@ func TestMetricsTxRetries(t *testing.T) {
 // busy and as an error of type "busy".
 func TestMetricsBusy(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
-	b := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
-		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	b, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
-	holdShards(t, pool, limiter, "s", "k", 2)
+	holdShards(t, b, "s", "k", 2)
 	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
@@ -167,16 +160,14 @@ func TestMetricsBusy(t *testing.T) {
 // failure: txlimit.tx.retries counts it and the Logger gets its debug line.
 func TestMetricsBusyRerunIsARetry(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	b := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
-		Limits:        map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	b, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"s": {Rate: 4, Period: time.Minute, Shards: 2}},
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	ctx, pool, limiter := b.ctx, b.pool, b.lim
 	ratelimit.SetShardPicker(limiter, func(int) (int, int) { return 0, 1 })
-	holders := holdShards(t, pool, limiter, "s", "k", 2)
+	holders := holdShards(t, b, "s", "k", 2)
 	released := make(chan struct{})
 	go func() {
 		time.Sleep(200 * time.Millisecond)
@@ -202,12 +193,10 @@ func TestMetricsBusyRerunIsARetry(t *testing.T) {
 // typed "closed", not "database", and it logs no failed decision.
 func TestMetricsClosedBatcher(t *testing.T) {
 	t.Parallel()
-	reader := sdkmetric.NewManualReader()
 	var logs strings.Builder
-	b := newBundle(t, nil, &ratelimit.LimiterConfig{
-		Limits:        map[string]ratelimit.Config{"a": {Rate: 2, Period: time.Minute}},
-		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
-		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 2, Period: time.Minute}},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	bt, err := ratelimit.NewBatcher(b.pool, b.lim, nil)
 	require.NoError(t, err)
@@ -222,18 +211,27 @@ func TestMetricsClosedBatcher(t *testing.T) {
 	require.NotContains(t, logs.String(), "decision failed")
 }
 
-// holdShards opens n transactions that each decide once on (name, key) and stay open, so that
-// each holds one shard (steering sends each to a free one); they are rolled back when the test
-// ends.
-func holdShards(t *testing.T, pool *pgxpool.Pool, limiter *ratelimit.Limiter, name, key string, n int) []pgx.Tx {
+// meteredBundle is newBundle with cfg.MeterProvider set to a provider of its own, whose
+// measurements reader collects.
+func meteredBundle(t *testing.T, opts *testdb.Options, cfg *ratelimit.LimiterConfig) (*testBundle, *sdkmetric.ManualReader) {
 	t.Helper()
-	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	return newBundle(t, opts, cfg), reader
+}
+
+// holdShards opens n transactions on b's pool that each decide once with b's limiter on (name, key)
+// and stay open, so that each holds one shard (steering sends each to a free one); they are rolled
+// back when the test ends.
+func holdShards(t *testing.T, b *testBundle, name, key string, n int) []pgx.Tx {
+	t.Helper()
+	ctx := b.ctx
 	txs := make([]pgx.Tx, n)
 	for i := range txs {
-		tx, err := pool.Begin(ctx)
+		tx, err := b.pool.Begin(ctx)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		r, err := limiter.Limit(ctx, tx, name, key, nil)
+		r, err := b.lim.Limit(ctx, tx, name, key, nil)
 		require.NoError(t, err)
 		require.True(t, r.OK)
 		txs[i] = tx

@@ -2,7 +2,7 @@
 // the handful of statements the library sends, implemented once per database package on the code
 // sqlc generates from internal/dbsqlc/queries: for pgx/v5, sqlc's pgx output itself (package
 // dbsqlc, whose methods package ratelimit calls with the handle, with nothing in between); for
-// database/sql, package ratelimit/sqldb on sqlc's database/sql output (internal/dbsqlcstd).
+// database/sql, package sqldb on sqlc's database/sql output (internal/dbsqlcstd).
 // Package drivertest holds the contract suite every driver passes.
 //
 // The parameters and rows are those sqlc generates for pgx (package dbsqlc), which the engine

@@ -10,7 +10,7 @@ import (
 	"github.com/txlimit/txlimit/internal/driver/drivertest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
-	"github.com/txlimit/txlimit/ratelimit/sqldb"
+	"github.com/txlimit/txlimit/sqldb"
 )
 
 // sqlHandle opens the contract's handle on database/sql with driver ("pgx": pgx's stdlib,

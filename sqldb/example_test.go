@@ -11,7 +11,7 @@ import (
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
-	"github.com/txlimit/txlimit/ratelimit/sqldb"
+	"github.com/txlimit/txlimit/sqldb"
 )
 
 // An application on database/sql (sqlx, GORM, ent, bun...) passes its *sql.Tx through Wrap: the
