@@ -57,7 +57,7 @@
 // Pass a pgx.Tx to make a limit part of your transaction: its consumption commits or rolls back
 // with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own. On
 // database/sql, pass your *sql.Tx (or *sql.DB, *sql.Conn) through package
-// github.com/txlimit/txlimit/ratelimit/sqldb: sqldb.Wrap(tx).
+// github.com/txlimit/txlimit/sqldb: sqldb.Wrap(tx).
 // InSerializableTx runs a function in a SERIALIZABLE transaction with bounded, jittered retries.
 //
 // # Shards
