@@ -36,7 +36,7 @@ $$;
 
 -- txlimit_pack_v1: the answer to one request as 48 bytes, each number in network byte order: flags
 -- (int4: 1 ok, granted now; 2 reserved, granted below zero; 4 busy, a lone sharded request under a
--- snapshot isolation level whose candidate shards were all taken: nothing read or written),
+-- snapshot isolation level whose candidate shards were all taken: nothing written),
 -- level_sum (float8: the tokens of the rows looked at, after the charge when granted, before it
 -- when not), shard_a, shard_b (-1 when unsharded), charged (1: a, 2: b, 3: both) (int4 each),
 -- retry_at_us (0 when granted now; for a reservation when its debt is paid, for a refusal when the
@@ -75,13 +75,14 @@ $$;
 -- advisory lock (p_lock_key XOR the table's OID shifted left 20 bits XOR the shard: tried, waited
 -- for only as below, held until the transaction ends) this transaction gets and, under REPEATABLE READ or
 -- SERIALIZABLE (p_snapshot), whose row is not stale (locking it from this snapshot could only
--- fail). When every candidate is taken, READ COMMITTED goes on with the first: a transaction that
--- has no transaction ID yet (it holds no row lock: a call on the pool, say) first waits for that
--- candidate's advisory lock, so that it sleeps until the shard's holder commits and then reads the
--- shard as that left it, instead of waiting for the row, finding it changed and deciding again
--- (docs/design-history.md, 2026-11-27, measured it); one that holds rows may wait for the row itself,
--- as any SQL does, and never for an advisory lock, where it could close a deadlock with what it
--- holds. Under a snapshot the answer is 0: busy, having read and written nothing.
+-- fail). When every candidate is taken, under READ COMMITTED the answer is -1: go on with the
+-- first; there a call whose plan grants and whose transaction has no transaction ID yet (it holds
+-- no row lock: a call on the pool, say) first waits, a bounded time, for that candidate's advisory
+-- lock (txlimit_await_shard) and plans again, so that it reads the shard as its holder left it
+-- instead of waiting for the row, finding it changed and deciding again (docs/design-history.md,
+-- 2026-11-27, measured it); a refusal waits for nothing, and a transaction that holds rows may wait
+-- for the row itself, as any SQL does, never for an advisory lock, where it could close a deadlock
+-- with what it holds. Under a snapshot the answer is 0: busy, having written nothing.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_steer(p_name text, p_key text, p_shards integer[], p_lock_key bigint, p_snapshot boolean)
 RETURNS integer
@@ -104,12 +105,36 @@ BEGIN
         END IF;
         RETURN j;
     END LOOP;
-    IF p_snapshot THEN
-        RETURN 0;
-    ELSIF pg_current_xact_id_if_assigned() IS NULL THEN
-        PERFORM pg_advisory_xact_lock(lock_key # p_shards[1]::bigint);
+    RETURN CASE WHEN p_snapshot THEN 0 ELSE -1 END;
+END
+$$;
+-- +goose StatementEnd
+
+-- txlimit_await_shard: waits for the steering lock of shard p_shard (p_lock_key as in
+-- txlimit_steer, which says when), for at most 100 ms, or for the transaction's own lock_timeout
+-- when that is set; a wait that times out goes on without the lock (it is a hint, not a guard).
+-- The bound keeps a wait for a holder that does not hold the shard's row (one whose call was
+-- refused, or charged its other pick) from lasting its whole transaction, and keeps such waits
+-- from closing a deadlock that only Postgres's detector could break.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_await_shard(p_lock_key bigint, p_shard integer)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    own text := current_setting('lock_timeout');
+BEGIN
+    IF own = '0' THEN
+        PERFORM set_config('lock_timeout', '100ms', true);
     END IF;
-    RETURN 1;
+    BEGIN
+        PERFORM pg_advisory_xact_lock(p_lock_key # ('txlimit_state'::regclass::oid::bigint << 20) # p_shard::bigint);
+    EXCEPTION WHEN lock_not_available THEN
+        NULL; -- waited long enough: the shard's row decides from here
+    END;
+    IF own = '0' THEN
+        PERFORM set_config('lock_timeout', own, true);
+    END IF;
 END
 $$;
 -- +goose StatementEnd
@@ -501,28 +526,30 @@ BEGIN
         IF pos = 0 THEN
             RETURN txlimit_pack_v1(false, false, true, 0, p_shards[1], p_shards[2], 0, 0, t, 0);
         END IF;
-        a := p_shards[pos]; b := p_shards[pos % cardinality(p_shards) + 1];
-        -- The plan: a read, and b too unless, under a snapshot, a alone holds count (a row read but
-        -- not charged makes this transaction a reader of whoever charges it).
-        SELECT s.value, s.ts INTO va, ta FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = a;
-        fa := FOUND;
-        va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us);
-        lv_a := txlimit_level(va, ta, t, p_rate, p_period_us, p_step_us, p_cap);
-        two := two OR lv_a < p_count;
-        IF two THEN
-            SELECT s.value, s.ts INTO vb, tb FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = b;
-            fb := FOUND;
-            vb := coalesce(vb, p_cap); tb := coalesce(tb, p_anchor_us);
-            lv_b := txlimit_level(vb, tb, t, p_rate, p_period_us, p_step_us, p_cap);
-        ELSE
+        a := p_shards[abs(pos)]; b := p_shards[abs(pos) % cardinality(p_shards) + 1];
+        LOOP -- The plan: a read, and b too unless, under a snapshot, a alone holds count (a row
+             -- read but not charged makes this transaction a reader of whoever charges it).
+            SELECT s.value, s.ts INTO va, ta FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = a;
+            fa := FOUND; va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us);
+            lv_a := txlimit_level(va, ta, t, p_rate, p_period_us, p_step_us, p_cap);
+            two := two OR lv_a < p_count;
             lv_b := 0;
-        END IF;
-        ch := txlimit_charge(lv_a, lv_b, two, p_count, 0);
-        IF NOT txlimit_granted(ch, txlimit_left(0, ch, lv_a, lv_b, p_count), txlimit_left(1, ch, lv_a, lv_b, p_count),
-                               p_allow) THEN
-            RETURN txlimit_pack_v1(false, false, false, lv_a + lv_b, a, b, ch, txlimit_retry_at(p_rate, p_period_us,
-                                   p_step_us, p_cap, p_count, p_allow, two, va, ta, vb, tb, t), t, 0);
-        END IF;
+            IF two THEN
+                SELECT s.value, s.ts INTO vb, tb FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = b;
+                fb := FOUND; vb := coalesce(vb, p_cap); tb := coalesce(tb, p_anchor_us);
+                lv_b := txlimit_level(vb, tb, t, p_rate, p_period_us, p_step_us, p_cap);
+            END IF;
+            ch := txlimit_charge(lv_a, lv_b, two, p_count, 0);
+            IF NOT txlimit_granted(ch, txlimit_left(0, ch, lv_a, lv_b, p_count), txlimit_left(1, ch, lv_a, lv_b, p_count),
+                                   p_allow) THEN
+                RETURN txlimit_pack_v1(false, false, false, lv_a + lv_b, a, b, ch, txlimit_retry_at(p_rate, p_period_us,
+                                       p_step_us, p_cap, p_count, p_allow, two, va, ta, vb, tb, t), t, 0);
+            END IF;
+            -- Every candidate taken (txlimit_steer): granted, so wait for a's holder and plan again.
+            EXIT WHEN pos > 0 OR pg_current_xact_id_if_assigned() IS NOT NULL;
+            pos := 1;
+            PERFORM txlimit_await_shard(p_lock_key, a);
+        END LOOP;
         -- A charge of one existing shard: locked without waiting, and when another transaction
         -- holds it, the other pick instead if that alone holds count; only when both are held,
         -- waited for as an UPDATE does. A row locked but not written (the rule refuses its latest
@@ -633,6 +660,7 @@ DROP TYPE txlimit_answer_v1;
 DROP FUNCTION txlimit_alone(bigint, boolean[], integer[], double precision[], double precision[], bigint[],
                             double precision[], bigint[], double precision[], text[], text[], integer[]);
 DROP FUNCTION txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
+DROP FUNCTION txlimit_await_shard(bigint, integer);
 DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
 DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, bigint);
 DROP FUNCTION txlimit_pack_v1(boolean, boolean, boolean, double precision, integer, integer, integer, bigint, bigint,

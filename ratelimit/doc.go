@@ -83,15 +83,18 @@
 // row locks alone. Under REPEATABLE READ and
 // SERIALIZABLE a candidate is also passed over when it is stale: when a transaction that the
 // caller's snapshot cannot see has changed or locked its row, since locking it from that snapshot
-// could only fail. When every candidate is taken (or stale), under READ COMMITTED the call goes on
-// with its first candidate: a call whose transaction holds no row lock yet (a call on the pool, or
-// the first decision of a transaction that has written nothing) first waits for that candidate's
-// advisory lock, so that it sleeps until the shard's holder commits and then reads the shard as
-// that left it; one whose transaction holds rows may wait for the row itself, as any SQL does,
-// never for an advisory lock, where it could close a deadlock with what it holds. Under
-// REPEATABLE READ or SERIALIZABLE
-// it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE 40001) to retry
-// like any other. Check and CheckN take no advisory lock; LimitMany and a Batcher's longer batches
+// could only fail; the candidate stays taken by the caller's transaction until it ends (an
+// advisory lock taken in a transaction cannot be let go before). When every candidate is taken
+// (or stale), under READ COMMITTED the call goes on with its first candidate: when its plan grants
+// and its transaction holds no row lock (it has written and locked nothing: a call on the pool,
+// say), it first waits for that candidate's advisory lock, so that it sleeps until the shard's
+// holder commits and then plans again on the shard as that left it; it waits at most 100 ms, or
+// the transaction's lock_timeout when that is set, since the holder need not hold the shard's row
+// (its call may have been refused, or charged its other pick). A refusal waits for no advisory
+// lock, and a transaction that holds rows may wait for the row itself, as any SQL does, never for
+// an advisory lock, where it could close a deadlock with what it holds. Under REPEATABLE READ or
+// SERIALIZABLE it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE
+// 40001) to retry like any other. Check and CheckN take no advisory lock; LimitMany and a Batcher's longer batches
 // do not use them either. A transaction holds one or more such locks per sharded key it decided
 // on, so one that decides on thousands of different sharded keys needs room in Postgres's lock
 // table (max_locks_per_transaction).

@@ -136,8 +136,9 @@ func (e *RetriesExhaustedError) Error() string {
 func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
 
 // BusyError is returned by Limit and LimitN on a sharded limit inside a REPEATABLE READ or
-// SERIALIZABLE transaction when every candidate shard was being decided on by another transaction
-// at that moment. The call read and wrote nothing. It is a serialization failure: there the call
+// SERIALIZABLE transaction when every candidate shard was taken by another transaction at that
+// moment (deciding on it, or having passed over it as stale: see the package doc, "Shards"). The
+// call wrote nothing. It is a serialization failure: there the call
 // could only have waited for a shard that another transaction is about to commit, and then failed
 // with SQLSTATE 40001 anyway, so it fails at once instead. Roll the transaction back and run it
 // again after a backoff; InSerializableTx does. It unwraps to a *pgconn.PgError with Code "40001",

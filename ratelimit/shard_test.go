@@ -918,9 +918,9 @@ func TestShardWaitedPickIsHeldInOrder(t *testing.T) {
 
 // Concurrent callers of one key are steered to different shards: a shard that another open
 // transaction is deciding on (its advisory lock is held) is passed over before any row is read.
-// When every candidate is taken, a call under READ COMMITTED goes on and waits for its first pick;
-// under SERIALIZABLE it fails at once with a *BusyError, a serialization failure (40001), having
-// read and written nothing.
+// When every candidate is taken, a call under READ COMMITTED goes on and waits for its first pick
+// (its steering lock, a bounded time, then its row); under SERIALIZABLE it fails at once with a
+// *BusyError, a serialization failure (40001), having written nothing.
 func TestShardSteersClearOfBusyShards(t *testing.T) {
 	t.Parallel()
 	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
@@ -998,15 +998,16 @@ func TestShardSteersClearOfBusyShards(t *testing.T) {
 	require.Equal(t, 4-3.0, v.Value, "three tokens of four were taken")
 }
 
-// Under READ COMMITTED, a call that finds every candidate shard taken and holds no row lock yet (a
-// call on the pool) waits for its first candidate's steering lock, then reads and charges that
+// Under READ COMMITTED, a call that finds every candidate shard taken, whose plan grants and whose
+// transaction holds no row lock yet (a call on the pool) waits for its first candidate's steering
+// lock (here for as long as the session's lock_timeout, a minute), then reads and charges that
 // shard as its holder left it: it neither waits for a row it would find changed nor is refused to
 // retry at once. A transaction that holds a row does not wait for a steering lock (where it could
 // close a deadlock with what it holds): it goes on to its first pick's row.
 func TestShardWaitsForATakenShardsSteeringLock(t *testing.T) {
 	t.Parallel()
 	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
-	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4, RuntimeParams: map[string]string{"lock_timeout": "1min"}})
 	e.set(shardT0, [2]int{1, 0})
 	base := ratelimit.ShardLockBase("s", "k")
 	type answer struct {
@@ -1055,6 +1056,225 @@ func TestShardWaitsForATakenShardsSteeringLock(t *testing.T) {
 	require.Equal(t, []int{0}, r.Shards, "shard 0 now holds more")
 	require.NoError(t, tx.Commit(e.ctx))
 	require.NoError(t, holder.Rollback(e.ctx))
+}
+
+// The wait for a taken shard's steering lock is bounded (100 ms when the transaction sets no
+// lock_timeout): its holder may hold no row at all (its call was refused, or charged its other
+// pick) and stay open, and a call that waited for its whole transaction could even be waiting for
+// a transaction of its own caller. After the bound the call goes on to its first pick's row.
+func TestShardSteeringWaitIsBounded(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	e.set(shardT0, [2]int{1, 0})
+	base := ratelimit.ShardLockBase("s", "k")
+	holder, err := e.pool.Begin(e.ctx) // takes both steering locks and stays open
+	require.NoError(t, err)
+	defer holder.Rollback(e.ctx)
+	testdb.HoldSteerLock(t, holder, base, 0)
+	testdb.HoldSteerLock(t, holder, base, 1)
+
+	ctx, cancel := context.WithTimeout(e.ctx, 20*time.Second)
+	defer cancel()
+	r, err := e.lim.Limit(ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err, "the call waited for the steering lock's holder to end")
+	require.True(t, r.OK)
+	require.Equal(t, []int{1}, r.Shards, "both full: the first candidate")
+}
+
+// slowShards is a sharded limit that refills so slowly (1 token per hour per shard) that a shard at 0
+// refuses a Limit for the whole of a test: every call on it below is a plan denial, which per
+// docs/spec.md §7 ("Denials are cheap") takes no lock and writes nothing.
+var slowShards = ratelimit.Config{Rate: 2, Period: time.Hour, Capacity: 4, Shards: 2}
+
+// emptyShards creates the rows of both shards of (name, key) empty at shardT0.
+func emptyShards(t *testing.T, e *shardEnv, name, key string) {
+	t.Helper()
+	_, err := e.pool.Exec(e.ctx, `INSERT INTO txlimit_state (name, key, shard, value, ts) VALUES ($1, $2, 0, 0, $3), ($1, $2, 1, 0, $3)`,
+		name, key, shardT0.UnixMicro())
+	require.NoError(t, err)
+}
+
+// beginRC begins a READ COMMITTED transaction, rolled back when the test ends.
+func beginRC(t *testing.T, e *shardEnv) pgx.Tx {
+	t.Helper()
+	tx, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return tx
+}
+
+// refusedIn makes a Limit on (name, key) in tx with picks pick, which the empty shards refuse, and
+// checks that tx still has no transaction ID (it wrote and locked no row).
+func refusedIn(t *testing.T, e *shardEnv, tx pgx.Tx, name, key string, pick [2]int) {
+	t.Helper()
+	e.set(shardT0, pick)
+	r, err := e.lim.Limit(e.ctx, tx, name, key, nil)
+	require.NoError(t, err)
+	require.False(t, r.OK, "the empty shards refuse")
+	var xid *int64
+	require.NoError(t, tx.QueryRow(e.ctx, "SELECT pg_current_xact_id_if_assigned()::text::bigint").Scan(&xid))
+	require.Nil(t, xid, "a refused call wrote or locked nothing")
+}
+
+type shardAnswer struct {
+	r   ratelimit.Result
+	err error
+}
+
+// limitIn runs Limit(name, key) in tx on a goroutine; when it fails, tx is rolled back there (so
+// that what it held is let go, as a caller handling the error would).
+func limitIn(e *shardEnv, tx pgx.Tx, name, key string) <-chan shardAnswer {
+	ch := make(chan shardAnswer, 1)
+	go func() {
+		r, err := e.lim.Limit(e.ctx, tx, name, key, nil)
+		if err != nil {
+			_ = tx.Rollback(context.Background())
+		}
+		ch <- shardAnswer{r, err}
+	}()
+	return ch
+}
+
+// waitAnswer returns the answer on ch, failing the test if none comes within a minute (a safety net
+// only: every wait below is either answered at once or broken by Postgres's deadlock detector).
+func waitAnswer(t *testing.T, ch <-chan shardAnswer) shardAnswer {
+	t.Helper()
+	select {
+	case a := <-ch:
+		return a
+	case <-time.After(time.Minute):
+		t.Fatal("no answer within a minute")
+		return shardAnswer{}
+	}
+}
+
+// Two READ COMMITTED transactions whose first calls were refused hold no row and no transaction ID,
+// but they do hold the steering locks of the shards those calls steered to. Each then makes a
+// Limit on the key the other one occupies: each finds every candidate taken, and its plan refuses,
+// so it waits for no steering lock and both are answered at once (docs/spec.md §7: a denial
+// "takes no lock"; "no deadlock between calls"). When waiting, they could each wait for the other.
+func TestShardRefusedTransactionsDoNotDeadlock(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": slowShards})
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+	emptyShards(t, e, "s", "a")
+	emptyShards(t, e, "s", "b")
+
+	// t1 is refused twice on key a (steered to shard 0, then to shard 1), t2 twice on key b.
+	t1, t2 := beginRC(t, e), beginRC(t, e)
+	refusedIn(t, e, t1, "s", "a", [2]int{0, 1})
+	refusedIn(t, e, t1, "s", "a", [2]int{1, 0})
+	refusedIn(t, e, t2, "s", "b", [2]int{0, 1})
+	refusedIn(t, e, t2, "s", "b", [2]int{1, 0})
+
+	// Each now asks for the other's key; both rows of both keys are free (and empty).
+	e.set(shardT0, [2]int{0, 1})
+	c1 := limitIn(e, t1, "s", "b")
+	// Not needed for the deadlock, only to make its order certain: t1 waits for t2 first.
+	eventually(t, "t1's call waits for shard 0 of key b, or is answered",
+		func() bool {
+			return len(c1) > 0 || testdb.SteerWaiters(t, e.pool, ratelimit.ShardLockBase("s", "b"), 0) == 1
+		})
+	c2 := limitIn(e, t2, "s", "a")
+
+	a1, a2 := waitAnswer(t, c1), waitAnswer(t, c2)
+	require.NoError(t, a1.err, "t1's Limit on key b (refused calls must not deadlock)")
+	require.NoError(t, a2.err, "t2's Limit on key a (refused calls must not deadlock)")
+	require.False(t, a1.r.OK)
+	require.False(t, a2.r.OK)
+}
+
+// A call on the pool that the shards refuse is answered at once, even when every candidate's
+// steering lock is held (here by two open transactions whose own calls were refused and which hold
+// no row): docs/spec.md §7, "Denials are cheap. A group whose plan is a denial takes no lock". So
+// is a Batcher's batch of one, which would otherwise hold up its lane.
+func TestShardRefusalWaitsForNoSteeringLock(t *testing.T) {
+	t.Parallel()
+	for _, via := range []string{"pool", "batcher"} {
+		t.Run(via, func(t *testing.T) {
+			t.Parallel()
+			e := newShardEnv(t, map[string]ratelimit.Config{"s": slowShards})
+			e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+			emptyShards(t, e, "s", "k")
+			base := ratelimit.ShardLockBase("s", "k")
+			limit := func() (ratelimit.Result, error) { return e.lim.Limit(e.ctx, e.pool, "s", "k", nil) }
+			if via == "batcher" {
+				b, err := ratelimit.NewBatcher(e.pool, e.lim, nil)
+				require.NoError(t, err)
+				t.Cleanup(b.Close)
+				limit = func() (ratelimit.Result, error) { return b.Limit(e.ctx, "s", "k", nil) }
+			}
+
+			t1, t2 := beginRC(t, e), beginRC(t, e)
+			refusedIn(t, e, t1, "s", "k", [2]int{0, 1}) // steered to shard 0
+			refusedIn(t, e, t2, "s", "k", [2]int{0, 1}) // shard 0 taken: steered to shard 1
+
+			e.set(shardT0, [2]int{0, 1})
+			done := make(chan shardAnswer, 1)
+			go func() {
+				r, err := limit()
+				done <- shardAnswer{r, err}
+			}()
+			var a shardAnswer
+			answered := false
+			eventually(t, "the call is answered or waits for a steering lock", func() bool {
+				select {
+				case a = <-done:
+					answered = true
+					return true
+				default:
+					return testdb.SteerWaiters(t, e.pool, base, 0) > 0
+				}
+			})
+			if !answered { // let it go, so that the goroutine ends
+				require.NoError(t, t1.Rollback(e.ctx))
+				require.NoError(t, t2.Rollback(e.ctx))
+				a = waitAnswer(t, done)
+			}
+			require.True(t, answered, "a call refused on free rows waited for the steering lock of a transaction that holds neither row (answer after it ended: ok %v, err %v)", a.r.OK, a.err)
+			require.NoError(t, a.err)
+			require.False(t, a.r.OK)
+		})
+	}
+}
+
+// Under SERIALIZABLE, steering passes over a stale shard but keeps the steering lock it took on it
+// (a transaction-scoped advisory lock cannot be let go before the transaction ends; reading every
+// candidate before trying its lock would make a caller a reader of shards others are writing), so
+// the shard stays taken until that transaction ends, as the package doc ("Shards") and BusyError
+// say. Another SERIALIZABLE call whose snapshot sees the shard fine then finds it taken.
+func TestShardPassedOverAsStaleStaysTaken(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+	e.set(shardT0, [2]int{0, 1})
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // creates both rows: [0.5 0.5]
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardAt(2), [2]int{0, 1}) // both full again
+
+	// t1's snapshot is taken before shard 0 is charged on the pool: shard 0 is stale for t1, which
+	// is steered to shard 1.
+	t1, err := e.pool.BeginTx(e.ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	require.NoError(t, err)
+	defer t1.Rollback(e.ctx)
+	var one int
+	require.NoError(t, t1.QueryRow(e.ctx, "SELECT 1").Scan(&one))
+	r, err = e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Shards)
+	r, err = e.lim.Limit(e.ctx, t1, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, []int{1}, r.Shards, "shard 0 is stale for t1")
+
+	// t2 sees shard 0 as committed (1 token), and nobody holds its row: it should be granted there.
+	t2, err := e.pool.BeginTx(e.ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	require.NoError(t, err)
+	defer t2.Rollback(e.ctx)
+	_, err = e.lim.Limit(e.ctx, t2, "s", "k", nil)
+	var busy *ratelimit.BusyError
+	require.ErrorAs(t, err, &busy, "shard 0 stays taken by t1, which passed over it")
 }
 
 // A decision that planned, on its lock-free read, to combine two shards re-decides on their latest
