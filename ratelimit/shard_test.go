@@ -1117,35 +1117,15 @@ func refusedIn(t *testing.T, e *shardEnv, tx pgx.Tx, name, key string, pick [2]i
 	require.Nil(t, xid, "a refused call wrote or locked nothing")
 }
 
-type shardAnswer struct {
-	r   ratelimit.Result
-	err error
-}
-
-// limitIn runs Limit(name, key) in tx on a goroutine; when it fails, tx is rolled back there (so
-// that what it held is let go, as a caller handling the error would).
-func limitIn(e *shardEnv, tx pgx.Tx, name, key string) <-chan shardAnswer {
-	ch := make(chan shardAnswer, 1)
-	go func() {
+// rolledBackOnError runs Limit(name, key) in tx; when it fails, it rolls tx back (so that what
+// tx held is let go, as a caller handling the error would). For bAsync.
+func rolledBackOnError(e *shardEnv, tx pgx.Tx, name, key string) func() (ratelimit.Result, error) {
+	return func() (ratelimit.Result, error) {
 		r, err := e.lim.Limit(e.ctx, tx, name, key, nil)
 		if err != nil {
 			_ = tx.Rollback(context.Background())
 		}
-		ch <- shardAnswer{r, err}
-	}()
-	return ch
-}
-
-// waitAnswer returns the answer on ch, failing the test if none comes within a minute (a safety net
-// only: every wait below is either answered at once or broken by Postgres's deadlock detector).
-func waitAnswer(t *testing.T, ch <-chan shardAnswer) shardAnswer {
-	t.Helper()
-	select {
-	case a := <-ch:
-		return a
-	case <-time.After(time.Minute):
-		t.Fatal("no answer within a minute")
-		return shardAnswer{}
+		return r, err
 	}
 }
 
@@ -1170,19 +1150,19 @@ func TestShardRefusedTransactionsDoNotDeadlock(t *testing.T) {
 
 	// Each now asks for the other's key; both rows of both keys are free (and empty).
 	e.set(shardT0, [2]int{0, 1})
-	c1 := limitIn(e, t1, "s", "b")
+	c1 := bAsync(rolledBackOnError(e, t1, "s", "b"))
 	// Not needed for the deadlock, only to make its order certain: t1 waits for t2 first.
 	eventually(t, "t1's call waits for shard 0 of key b, or is answered",
 		func() bool {
 			return len(c1) > 0 || testdb.SteerWaiters(t, e.pool, ratelimit.ShardLockBase("s", "b"), 0) == 1
 		})
-	c2 := limitIn(e, t2, "s", "a")
+	c2 := bAsync(rolledBackOnError(e, t2, "s", "a"))
 
-	a1, a2 := waitAnswer(t, c1), waitAnswer(t, c2)
+	a1, a2 := bWait(t, c1), bWait(t, c2)
 	require.NoError(t, a1.err, "t1's Limit on key b (refused calls must not deadlock)")
 	require.NoError(t, a2.err, "t2's Limit on key a (refused calls must not deadlock)")
-	require.False(t, a1.r.OK)
-	require.False(t, a2.r.OK)
+	require.False(t, a1.res.OK)
+	require.False(t, a2.res.OK)
 }
 
 // A call on the pool that the shards refuse is answered at once, even when every candidate's
@@ -1211,12 +1191,8 @@ func TestShardRefusalWaitsForNoSteeringLock(t *testing.T) {
 			refusedIn(t, e, t2, "s", "k", [2]int{0, 1}) // shard 0 taken: steered to shard 1
 
 			e.set(shardT0, [2]int{0, 1})
-			done := make(chan shardAnswer, 1)
-			go func() {
-				r, err := limit()
-				done <- shardAnswer{r, err}
-			}()
-			var a shardAnswer
+			done := bAsync(limit)
+			var a bOutcome
 			answered := false
 			eventually(t, "the call is answered or waits for a steering lock", func() bool {
 				select {
@@ -1230,11 +1206,11 @@ func TestShardRefusalWaitsForNoSteeringLock(t *testing.T) {
 			if !answered { // let it go, so that the goroutine ends
 				require.NoError(t, t1.Rollback(e.ctx))
 				require.NoError(t, t2.Rollback(e.ctx))
-				a = waitAnswer(t, done)
+				a = bWait(t, done)
 			}
-			require.True(t, answered, "a call refused on free rows waited for the steering lock of a transaction that holds neither row (answer after it ended: ok %v, err %v)", a.r.OK, a.err)
+			require.True(t, answered, "a call refused on free rows waited for the steering lock of a transaction that holds neither row (answer after it ended: ok %v, err %v)", a.res.OK, a.err)
 			require.NoError(t, a.err)
-			require.False(t, a.r.OK)
+			require.False(t, a.res.OK)
 		})
 	}
 }
