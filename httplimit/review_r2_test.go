@@ -1,0 +1,213 @@
+package httplimit_test
+
+// Review r2: each test here fails on the code as reviewed and passes once its finding is fixed.
+
+import (
+	"context"
+	"log/slog"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dunglas/httpsfv"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/txlimit/txlimit/httplimit"
+	"github.com/txlimit/txlimit/internal/metrictest"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// cancelledRun sends one GET /items, whose context the client has already cancelled (it closed
+// the connection, or reset the HTTP/2 stream), through a middleware deciding with a real
+// ratelimit.Batcher on the test database, with cfg's other options.
+func cancelledRun(t *testing.T, cfg httplimit.Config) (handlerRan bool, logs []string, count func(policy, outcome string) int64) {
+	t.Helper()
+	b := setup(t, fixed)
+	batcher, err := ratelimit.NewBatcher(b.pool, b.limiter, nil)
+	require.NoError(t, err)
+	t.Cleanup(batcher.Close)
+	rec := &records{}
+	reader := sdkmetric.NewManualReader()
+	cfg.Decider = batcher
+	cfg.Secret = secret
+	cfg.Logger = slog.New(rec)
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	m, err := httplimit.New(&cfg)
+	require.NoError(t, err)
+	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		handlerRan = true
+		_, _ = w.Write([]byte("ok"))
+	}))
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // the client has gone
+	h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/items", nil).WithContext(ctx))
+	return handlerRan, rec.all(), func(policy, outcome string) int64 {
+		return metrictest.Counter(t, reader, "txlimit.http.requests", attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+	}
+}
+
+// Config.FailOpen lets a request through "when the Decider fails (database down, timeout)". A
+// request whose own context was cancelled by the client is not a database failure: the Batcher
+// never charged it (a call cancelled while queued is never charged), yet FailOpen runs the handler
+// for it, uncharged. A client can thus get the handler run without paying the limit by cancelling
+// its requests (an HTTP/2 RST_STREAM costs nothing), exactly when the queue is long.
+func TestReviewR2CancelledRequestIsNotLetThroughByFailOpen(t *testing.T) {
+	t.Parallel()
+	ran, logs, count := cancelledRun(t, httplimit.Config{FailOpen: true,
+		Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+	require.False(t, ran, "the handler ran, uncharged, for a request the client had cancelled; logs: %q", logs)
+	require.Equal(t, int64(0), count("perIP", "fail_open"), "a client's cancellation counted as a failed decision let through")
+}
+
+// Fail closed, a client's cancellation is counted as outcome "error" and logged at error level as
+// "rate limit decision failed": what the docs reserve for a database error (docs/spec.md §11, "A
+// database error fails closed ... counted (outcome error) and logged at error level"). Any client
+// can then raise the error count and fill the error log (and page whoever alerts on them) by
+// closing its connections, though the database is fine.
+func TestReviewR2CancelledRequestIsNotADatabaseError(t *testing.T) {
+	t.Parallel()
+	_, logs, count := cancelledRun(t, httplimit.Config{
+		Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+	require.Equal(t, int64(0), count("perIP", "error"), "a client's cancellation counted as a failed decision; logs: %q", logs)
+	for _, l := range logs {
+		require.NotContains(t, l, "ERROR", "a client's cancellation logged as a database failure")
+	}
+}
+
+// A fixed window grants at most Capacity tokens per window (docs/spec.md §4: v = min(value +
+// Rate·n, cap) − count; "a fixed window grants at most cap tokens within one window"). With
+// Capacity below Rate, RateLimit-Policy still advertises q = Rate per window: 10 requests per 60 s,
+// of which only 5 are ever granted. The draft's q is "the quota allocated ... for a given quota
+// partition" over w, and quota() promises "never more quota ... than the limit grants".
+func TestReviewR2FixedWindowQuotaIsWhatAWindowGrants(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 10, Period: time.Minute, Capacity: 5}
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "fw", Config: cfg, Key: httplimit.ClientIP(nil)}}})
+	granted := int64(0)
+	var q int64
+	for i := range 7 { // all at t0: one window
+		res := get(t, url)
+		if res.status == http.StatusOK {
+			granted++
+		}
+		pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+		require.NoError(t, err, "step %d", i)
+		v, _ := pol[0].(httpsfv.Item).Params.Get("q")
+		q = v.(int64)
+	}
+	require.Equal(t, int64(5), granted, "the window grants Capacity requests")
+	require.LessOrEqual(t, q, granted, "RateLimit-Policy advertises q=%d per window; the window granted %d", q, granted)
+}
+
+// The package doc describes policies with Rate below 1 ("A Rate below 1 is given as q=1 over
+// w = Period/Rate seconds"), but such a Config with the default Capacity (= Rate) can never grant
+// the default cost of 1 (docs/spec.md §5: a count above cap is an argument error): New accepts
+// it, and then every request is answered 400 Bad Request ("the request's rate limit input is
+// invalid"), blaming each client for the server's configuration. New refuses names the fields
+// cannot carry for the same reason (design-history: "every response then lost its RateLimit
+// fields silently"); here every request is refused.
+func TestReviewR2PolicyThatCanNeverGrantOneRequest(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	// One request every two hours, as the package doc's q=1;w=7200 reading suggests.
+	cfg := httplimit.Config{Decider: httplimit.OnPool(b.limiter, b.pool), Secret: secret,
+		Policies: []httplimit.Policy{{Name: "slow", Config: ratelimit.Config{Rate: 0.5, Period: time.Hour}, Key: httplimit.ClientIP(nil)}}}
+	m, err := httplimit.New(&cfg)
+	if err != nil {
+		return // refused at start-up, naming the field: fixed
+	}
+	w := httptest.NewRecorder()
+	m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})).ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/", nil))
+	require.NotEqual(t, http.StatusBadRequest, w.Code, "New accepted the policy, and the first request of a fresh client is a 400: %s", w.Body)
+}
+
+// For a granted token bucket the package doc defines t as the seconds "until r grows by one", and
+// r as ratelimit.Result.Value, which for a sharded limit covers only the one or two shards the
+// call looked at (docs/spec.md §8), each refilling at Rate/Shards. reset() computes t with the
+// whole Rate, so on a policy with Shards: 4 it tells clients to come back at least twice too soon
+// (N/k times: 4× when one shard was looked at).
+func TestReviewR2ShardedResetUsesTheShardsRate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Rate: 8, Period: time.Minute, Capacity: 8, Shards: 4} // each shard: 2 per minute
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "sharded", Config: cfg}}})
+	require.NoError(t, err)
+	res, err := b.limiter.LimitN(context.Background(), b.pool, "sharded", "k", 1, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	w := httptest.NewRecorder()
+	m.WriteHeaders(w, res)
+	lim, err := httpsfv.UnmarshalList(w.Header().Values("RateLimit"))
+	require.NoError(t, err)
+	r, _ := lim[0].(httpsfv.Item).Params.Get("r")
+	tt, _ := lim[0].(httpsfv.Item).Params.Get("t")
+	// r grows by one when the shards looked at (at most two) have gained next − Value tokens, at
+	// 2·Rate/Shards per Period at the fastest.
+	need := float64(r.(int64)+1) - res.Value
+	fastest := 2 * cfg.Rate / float64(cfg.Shards) / cfg.Period.Seconds() // tokens per second
+	minT := int64(math.Ceil(need / fastest))
+	require.GreaterOrEqual(t, tt.(int64), minT, "Value %v over the shards looked at (charged %v): r=%d, t=%d, but r cannot grow by one before %d s",
+		res.Value, res.Shards, r, tt, minT)
+}
+
+// Config.Cost makes a request take several tokens, "e.g. from its size". The draft's q and r are
+// in quota units, and without a "qu" parameter the unit is "requests" (draft -10 §3.1: "The
+// default quota unit is "requests""; §3.1.2 defines "content-bytes" for sizes). The middleware
+// never writes qu, so with a Cost the fields misstate the quota: here a client told q=1000
+// requests and, after one request, r=900 requests left, gets its 429 on the eleventh.
+func TestReviewR2CostInTokensIsNotAdvertisedAsRequests(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{
+		Cost:     func(r *http.Request) (float64, error) { return 100, nil }, // e.g. the bytes it uploads
+		Policies: []httplimit.Policy{{Name: "bytes", Config: ratelimit.Config{Rate: 1000, Period: time.Minute}, Key: httplimit.ClientIP(nil)}},
+	})
+	res := get(t, url)
+	require.Equal(t, http.StatusOK, res.status)
+	pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+	require.NoError(t, err)
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	if qu, ok := pol[0].(httpsfv.Item).Params.Get("qu"); ok {
+		require.NotEqual(t, "requests", qu, "a quota of tokens advertised as requests")
+		return // the unit is said: fixed
+	}
+	q, _ := pol[0].(httpsfv.Item).Params.Get("q")
+	r, _ := lim[0].(httpsfv.Item).Params.Get("r")
+	require.Equal(t, q.(int64)-1, r.(int64), "no qu: q=%d and r=%d are in requests, yet one request took %d of them (%s / %s)",
+		q, r, q.(int64)-r.(int64), res.header.Get("RateLimit-Policy"), res.header.Get("RateLimit"))
+}
+
+// ClientIP needs one entry of the forwarding header (the TrustedProxyCount-th from the right, or
+// the right-most untrusted one), but parses every entry of every line first (realclientip's
+// getIPAddrList), at an allocation or more each. The header is the client's to fill: behind
+// TrustedProxyCount alone any peer's header is read, and a proxy passes on what the client sent
+// before its own entry. One request with a 1 MB X-Forwarded-For (Go's default MaxHeaderBytes)
+// costs about a million allocations and some 0.3 s of CPU (measured here: 338 ms) to find an
+// address at its right end. Counted in allocations, which do not depend on the machine's speed.
+// Not parallel: testing.AllocsPerRun refuses to run in a parallel test.
+func TestReviewR2ClientIPWorkIsBoundedByWhatItReads(t *testing.T) {
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "10.0.0.1:1234"
+	r.Header.Set("X-Forwarded-For", strings.Repeat(",", 1<<19)+"198.51.100.7") // 512 KiB of empty entries, then the client
+	for _, c := range []struct {
+		name string
+		opts *httplimit.IPOpts
+	}{
+		{"TrustedProxyCount", &httplimit.IPOpts{TrustedProxyCount: 1}},
+		{"TrustedProxies", &httplimit.IPOpts{TrustedProxies: prefixes("10.0.0.0/8")}},
+	} {
+		key := httplimit.ClientIP(c.opts)
+		k, err := key(r)
+		require.NoError(t, err, c.name)
+		require.Equal(t, "198.51.100.7", k, c.name)
+		allocs := testing.AllocsPerRun(1, func() { _, _ = key(r) })
+		require.Less(t, allocs, 1000.0, "%s: %.0f allocations to read the right-most entry of one header", c.name, allocs)
+	}
+}
