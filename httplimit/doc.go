@@ -53,6 +53,12 @@
 // through instead, counted (outcome "fail_open") and logged at warn level. Neither is silent by
 // default: with Config.Logger nil the record goes to slog.Default(), with Config.MeterProvider
 // nil the count to the global provider.
+// A request whose own context ends before its decision (the client went away, or the request's
+// deadline passed, and the Decider returns context.Canceled or context.DeadlineExceeded) is no
+// failed decision: it is not let through, not even with Config.FailOpen (nothing was charged for
+// it), nor logged; it is answered without a body, 499 (nginx's "client closed request", which
+// no client reads) or, when its deadline passed, 503, and counted (outcome "canceled"). Under
+// Config.Shadow it goes on to the next handler, as every request does.
 // Invalid input, such as a key longer than ratelimit.MaxKeyLen taken from a header or a negative
 // cost, is 400 Bad Request (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets
 // the policy's MissingKey outcome: 400 by default, or the policy is skipped, or shared by every

@@ -107,7 +107,8 @@ type Config struct {
 	// FailOpen lets a request through when the Decider fails (database down, timeout), counting
 	// it (outcome "fail_open") and logging it at warn level. Defaults to false: fail closed, a 503
 	// with Retry-After (FailClosedRetryAfter), counted (outcome "error") and logged at error
-	// level.
+	// level. A request whose own context ended before its decision (the client went away) is no
+	// failure: it is never let through, nor logged (see the package doc, "Errors").
 	FailOpen bool
 
 	// Logger receives fail-open and fail-closed errors (warn and error) and shadow denials
@@ -120,8 +121,10 @@ type Config struct {
 	// "denied" for each violated policy of a denied request (the other policies of it consumed nothing
 	// and are not counted), "shadow_denied" likewise under Config.Shadow (the request went on),
 	// "fail_open" and "error" for each policy of a request whose decision failed (let through, or
-	// refused with 503), "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and
-	// "skipped" for a policy left out by MissingKeySkip. Defaults to nil: the global provider
+	// refused with 503), "canceled" for each policy of a request whose own context ended before its
+	// decision (the client went away, or the request's deadline passed), "invalid" for a 400 on bad
+	// input, "no_key" for a 400 on a missing key, and "skipped" for a policy left out by
+	// MissingKeySkip. Defaults to nil: the global provider
 	// (otel.GetMeterProvider()), which records nothing until the application sets one with
 	// otel.SetMeterProvider.
 	MeterProvider metric.MeterProvider
@@ -294,6 +297,17 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.obs.count(ctx, used, outcomeInvalid)
 		refuse(http.StatusBadRequest, "the request's rate limit input is invalid")
 		return
+	case err != nil && ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
+		// The request's own context ended before the decision (the client went away, or the
+		// request's deadline passed): not a failed decision, and nothing was charged, so nothing
+		// is let through (Shadow aside, which refuses nothing) and nothing is logged.
+		m.obs.count(ctx, used, outcomeCanceled)
+		if m.cfg.Shadow {
+			next.ServeHTTP(w, r)
+			return
+		}
+		w.WriteHeader(canceledStatus(ctx))
+		return
 	case err != nil && (m.cfg.FailOpen || m.cfg.Shadow):
 		m.obs.count(ctx, used, outcomeFailOpen)
 		msg := "httplimit: rate limit decision failed; request let through (FailOpen)"
@@ -326,6 +340,20 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.WriteHeaders(w, res.Results...)
 	}
 	next.ServeHTTP(w, r)
+}
+
+// statusClientClosedRequest is nginx's status for a request whose client went away before the
+// answer: no client reads it, but access logs and HTTP metrics do, and it is no server error.
+const statusClientClosedRequest = 499
+
+// canceledStatus is the status of a request whose context ended before its decision: 499 when
+// it was cancelled (the client went away), 503 Service Unavailable when its deadline passed (the
+// client may still be waiting for an answer).
+func canceledStatus(ctx context.Context) int {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return http.StatusServiceUnavailable
+	}
+	return statusClientClosedRequest
 }
 
 // names returns the names of policies.
