@@ -24,9 +24,10 @@
 //	RateLimit: "perIP";r=2;t=6;pk=:...:, "perUser";r=97;t=36;pk=:...:
 //
 // The parameters:
-//   - q, the quota: Rate rounded down, and w, the window: Period in seconds rounded up. A Rate
-//     below 1 is given as q=1 over w = Period/Rate seconds, rounded up. When Capacity (the burst)
-//     differs from Rate it is given as txlimit-burst, rounded down.
+//   - q, the quota: Rate rounded down, and w, the window: Period in seconds rounded up. For a
+//     fixed window the quota is the lesser of Rate and Capacity, since a window grants at most
+//     Capacity. A quota below 1 is given as q=1 over w = Period/quota seconds, rounded up. When
+//     Capacity (the burst) differs from Rate it is given as txlimit-burst, rounded down.
 //   - r, the remaining quota units: the tokens left after the request (ratelimit.Result.Value),
 //     rounded down, and 0 when negative (reservations). In a denied request, a policy that alone
 //     would have been granted shows what it would have left: nothing was consumed, so the true

@@ -207,10 +207,14 @@ func (m *Middleware) partitionKey(name, key string) []byte {
 // quota returns the advertised q and w of cfg (see the package doc): never more quota, never a
 // shorter window, than the limit grants.
 func quota(cfg ratelimit.Config) (q, w int64) {
-	if cfg.Rate < 1 {
-		return 1, max(1, sfInt(math.Ceil(cfg.Period.Seconds()/cfg.Rate)))
+	rate := cfg.Rate
+	if cfg.Kind == ratelimit.FixedWindow {
+		rate = min(rate, capacity(cfg)) // a window grants at most Capacity (docs/spec.md §4)
 	}
-	return sfInt(math.Floor(cfg.Rate)), max(1, ceilSeconds(cfg.Period))
+	if rate < 1 {
+		return 1, max(1, sfInt(math.Ceil(cfg.Period.Seconds()/rate)))
+	}
+	return sfInt(math.Floor(rate)), max(1, ceilSeconds(cfg.Period))
 }
 
 // maxSFInt is the largest Integer of RFC 9651 (15 digits).

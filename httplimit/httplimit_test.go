@@ -173,6 +173,32 @@ func TestHeadersAndDenial(t *testing.T) {
 	require.Equal(t, int64(2), lim("denied"))
 }
 
+// A fixed window grants at most Capacity tokens per window (docs/spec.md §4: v = min(value +
+// Rate·n, cap) − count; "a fixed window grants at most cap tokens within one window"). With
+// Capacity below Rate, RateLimit-Policy must not advertise q = Rate per window (10 requests per
+// 60 s, of which only 5 are ever granted): the draft's q is "the quota allocated ... for a given
+// quota partition" over w, and quota() promises "never more quota ... than the limit grants".
+func TestFixedWindowQuotaIsWhatAWindowGrants(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 10, Period: time.Minute, Capacity: 5}
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "fw", Config: cfg, Key: httplimit.ClientIP(nil)}}})
+	granted := int64(0)
+	var q int64
+	for i := range 7 { // all at t0: one window
+		res := get(t, url)
+		if res.status == http.StatusOK {
+			granted++
+		}
+		pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+		require.NoError(t, err, "step %d", i)
+		v, _ := pol[0].(httpsfv.Item).Params.Get("q")
+		q = v.(int64)
+	}
+	require.Equal(t, int64(5), granted, "the window grants Capacity requests")
+	require.LessOrEqual(t, q, granted, "RateLimit-Policy advertises q=%d per window; the window granted %d", q, granted)
+}
+
 func b64(b []byte) string {
 	s, err := httpsfv.Marshal(httpsfv.NewItem(b))
 	if err != nil {

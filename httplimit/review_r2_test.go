@@ -18,32 +18,6 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// A fixed window grants at most Capacity tokens per window (docs/spec.md §4: v = min(value +
-// Rate·n, cap) − count; "a fixed window grants at most cap tokens within one window"). With
-// Capacity below Rate, RateLimit-Policy still advertises q = Rate per window: 10 requests per 60 s,
-// of which only 5 are ever granted. The draft's q is "the quota allocated ... for a given quota
-// partition" over w, and quota() promises "never more quota ... than the limit grants".
-func TestReviewR2FixedWindowQuotaIsWhatAWindowGrants(t *testing.T) {
-	t.Parallel()
-	b := setup(t, fixed)
-	cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 10, Period: time.Minute, Capacity: 5}
-	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "fw", Config: cfg, Key: httplimit.ClientIP(nil)}}})
-	granted := int64(0)
-	var q int64
-	for i := range 7 { // all at t0: one window
-		res := get(t, url)
-		if res.status == http.StatusOK {
-			granted++
-		}
-		pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
-		require.NoError(t, err, "step %d", i)
-		v, _ := pol[0].(httpsfv.Item).Params.Get("q")
-		q = v.(int64)
-	}
-	require.Equal(t, int64(5), granted, "the window grants Capacity requests")
-	require.LessOrEqual(t, q, granted, "RateLimit-Policy advertises q=%d per window; the window granted %d", q, granted)
-}
-
 // The package doc describes policies with Rate below 1 ("A Rate below 1 is given as q=1 over
 // w = Period/Rate seconds"), but such a Config with the default Capacity (= Rate) can never grant
 // the default cost of 1 (docs/spec.md §5: a count above cap is an argument error): New accepts
