@@ -26,8 +26,10 @@
 // The parameters:
 //   - q, the quota: Rate rounded down, and w, the window: Period in seconds rounded up. For a
 //     fixed window the quota is the lesser of Rate and Capacity, since a window grants at most
-//     Capacity. A quota below 1 is given as q=1 over w = Period/quota seconds, rounded up. When
-//     Capacity (the burst) differs from Rate it is given as txlimit-burst, rounded down.
+//     Capacity. A quota below 1 is given as q=1 over w = Period/quota seconds, rounded up (a
+//     policy that the middleware decides at a cost of 1 needs a Capacity of at least 1: see
+//     New). When Capacity (the burst) differs from Rate it is given as txlimit-burst, rounded
+//     down.
 //   - r, the remaining quota units: the tokens left after the request (ratelimit.Result.Value),
 //     rounded down, and 0 when negative (reservations). In a denied request, a policy that alone
 //     would have been granted shows what it would have left: nothing was consumed, so the true

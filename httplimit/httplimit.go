@@ -172,7 +172,11 @@ type Middleware struct {
 }
 
 // New validates cfg and returns a Middleware. It returns an error naming the first invalid field;
-// an invalid Policy.Config is a *ratelimit.ConfigError.
+// an invalid Policy.Config is a *ratelimit.ConfigError, and so is, when Config.Cost is nil, the
+// Config of a decided policy (one with a Key) that can never grant a request its cost of 1 token:
+// a Capacity below 1, or, with Shards N >= 2, below N/2 (a call draws on at most two shards, each
+// holding Capacity/N; docs/spec.md §5 and §8). Capacity defaults to Rate, so a Rate below 1
+// needs a Capacity of its own.
 func New(cfg *Config) (*Middleware, error) {
 	if cfg == nil || len(cfg.Policies) == 0 {
 		return nil, errors.New("httplimit: Config.Policies is empty: give at least one Policy")
@@ -204,6 +208,13 @@ func New(cfg *Config) (*Middleware, error) {
 	// Validates every name and config as the Limiter will.
 	if _, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits}); err != nil {
 		return nil, err
+	}
+	if cfg.Cost == nil {
+		for _, p := range m.decided {
+			if err := grantsOne(p.Name, p.Config); err != nil {
+				return nil, err
+			}
+		}
 	}
 	if len(m.decided) > 0 && cfg.Decider == nil {
 		return nil, errors.New("httplimit: Config.Decider is nil: pass a *ratelimit.Batcher (ratelimit.NewBatcher(pool, limiter, nil))")
@@ -340,6 +351,25 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.WriteHeaders(w, res.Results...)
 	}
 	next.ServeHTTP(w, r)
+}
+
+// grantsOne returns a *ratelimit.ConfigError when a request for 1 token, the cost without
+// Config.Cost, exceeds what the limit cfg named name could ever grant: the bound ratelimit checks a
+// count against (without Reserve), what one shard holds, or two together when sharded.
+func grantsOne(name string, cfg ratelimit.Config) error {
+	n := max(cfg.Shards, 1)
+	per := capacity(cfg) / float64(n) // what one shard holds
+	fits := per-1 >= 0
+	reason := "must be at least 1, the cost of a request when Config.Cost is nil (Capacity defaults to Rate)"
+	if n >= 2 {
+		fits = fits || (per+per-1)/2 >= 0 // two shards charged together, left equal
+		reason = fmt.Sprintf("must be at least Shards/2 (%g), since a request costs 1 when Config.Cost is nil and "+
+			"a call draws on at most two shards, each holding Capacity/Shards (Capacity defaults to Rate)", float64(n)/2)
+	}
+	if fits {
+		return nil
+	}
+	return &ratelimit.ConfigError{Limit: name, Field: "Capacity", Value: capacity(cfg), Reason: reason}
 }
 
 // statusClientClosedRequest is nginx's status for a request whose client went away before the

