@@ -29,7 +29,8 @@ var _ Decider = (*ratelimit.Batcher)(nil)
 
 // OnPool returns a Decider that decides with limiter on pool, one statement per request (a
 // *ratelimit.Batcher is faster under load and needs no adapter): LimitN
-// for a single policy (the leaner statement), LimitMany for several.
+// for a single policy (the leaner statement), LimitMany for several. Neither may be nil: New
+// refuses such a Decider.
 func OnPool(limiter *ratelimit.Limiter, pool *pgxpool.Pool) Decider {
 	return poolDecider{limiter: limiter, pool: pool}
 }
@@ -218,6 +219,18 @@ func New(cfg *Config) (*Middleware, error) {
 	}
 	if len(m.decided) > 0 && cfg.Decider == nil {
 		return nil, errors.New("httplimit: Config.Decider is nil: pass a *ratelimit.Batcher (ratelimit.NewBatcher(pool, limiter, nil))")
+	}
+	if len(m.decided) > 0 {
+		switch d := cfg.Decider.(type) {
+		case *ratelimit.Batcher:
+			if d == nil {
+				return nil, errors.New("httplimit: Config.Decider is a nil *ratelimit.Batcher: pass the one ratelimit.NewBatcher(pool, limiter, nil) returns")
+			}
+		case poolDecider:
+			if d.limiter == nil || d.pool == nil {
+				return nil, errors.New("httplimit: Config.Decider is OnPool(limiter, pool) with a nil limiter or pool: pass the *ratelimit.Limiter and the *pgxpool.Pool to decide on")
+			}
+		}
 	}
 	if cfg.RetryJitter < 0 {
 		return nil, fmt.Errorf("httplimit: Config.RetryJitter must be >= 0 (got %s)", cfg.RetryJitter)

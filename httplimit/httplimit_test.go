@@ -593,6 +593,24 @@ func TestNewValidates(t *testing.T) {
 	}
 	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "per ip ~!", Config: perIP}}})
 	require.NoError(t, err, "printable ASCII, spaces included, is a String")
+
+	// A Decider that could decide nothing is refused here, not found out by every request (a nil
+	// pool is invalid input to the Limiter: each request a 400).
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{})
+	require.NoError(t, err)
+	pool := &pgxpool.Pool{} // never used: not connected
+	var nilBatcher *ratelimit.Batcher
+	for _, c := range []struct {
+		decider httplimit.Decider
+		err     string
+	}{
+		{httplimit.OnPool(limiter, nil), "httplimit: Config.Decider is OnPool(limiter, pool) with a nil limiter or pool: pass the *ratelimit.Limiter and the *pgxpool.Pool to decide on"},
+		{httplimit.OnPool(nil, pool), "httplimit: Config.Decider is OnPool(limiter, pool) with a nil limiter or pool: pass the *ratelimit.Limiter and the *pgxpool.Pool to decide on"},
+		{nilBatcher, "httplimit: Config.Decider is a nil *ratelimit.Batcher: pass the one ratelimit.NewBatcher(pool, limiter, nil) returns"},
+	} {
+		_, err = httplimit.New(&httplimit.Config{Decider: c.decider, Policies: []httplimit.Policy{{Name: "a", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+		require.EqualError(t, err, c.err)
+	}
 }
 
 // A policy with Rate below 1 and the default Capacity (= Rate) can never grant the default cost of
