@@ -30,6 +30,9 @@
 //     policy that the middleware decides at a cost of 1 needs a Capacity of at least 1: see
 //     New). When Capacity (the burst) differs from Rate it is given as txlimit-burst, rounded
 //     down.
+//   - qu, the quota unit: Policy.QuotaUnit, left out when empty (the draft then reads q and r
+//     as requests). With Config.Cost, q and r count tokens: set it to say what a token is
+//     ("content-bytes" for a cost from the request's size).
 //   - r, the remaining quota units: the tokens left after the request (ratelimit.Result.Value),
 //     rounded down, and 0 when negative (reservations). In a denied request, a policy that alone
 //     would have been granted shows what it would have left: nothing was consumed, so the true

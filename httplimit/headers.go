@@ -117,7 +117,7 @@ func (m *Middleware) initHeaders() {
 // change, and the RateLimit item's parameters keep their order (r, t, pk) when overwritten.
 type sfItems struct {
 	pool      *sync.Pool
-	pol       httpsfv.Item // RateLimit-Policy: q, w, [txlimit-burst,] pk
+	pol       httpsfv.Item // RateLimit-Policy: q, [qu,] w, [txlimit-burst,] pk
 	lim, limT httpsfv.Item // RateLimit: r, pk; and r, t, pk
 }
 
@@ -128,6 +128,9 @@ func newItemPool(p *Policy) *sync.Pool {
 		it := &sfItems{pool: pool, pol: httpsfv.NewItem(p.Name), lim: httpsfv.NewItem(p.Name), limT: httpsfv.NewItem(p.Name)}
 		q, win := quota(p.Config)
 		it.pol.Params.Add("q", q)
+		if p.QuotaUnit != "" {
+			it.pol.Params.Add("qu", p.QuotaUnit)
+		}
 		it.pol.Params.Add("w", win)
 		if c := capacity(p.Config); c != p.Config.Rate {
 			it.pol.Params.Add("txlimit-burst", sfInt(math.Floor(c)))

@@ -88,13 +88,21 @@ type Policy struct {
 	// Structured Field String (RFC 9651), so it must be printable ASCII (0x20 to 0x7E); New refuses
 	// any other.
 	Name string
+
+	// QuotaUnit is the unit of the policy's quota and of what remains of it, written as the qu
+	// parameter of RateLimit-Policy: "content-bytes" when Config.Cost charges a request's size, say
+	// (the draft registers "requests", "content-bytes" and "concurrent-requests"). It is written as
+	// a Structured Field String, so it must be printable ASCII (0x20 to 0x7E); New refuses any
+	// other. Defaults to "": no qu parameter, which the draft reads as "requests".
+	QuotaUnit string
 }
 
 // Config configures a Middleware. Fields are alphabetical.
 type Config struct {
 	// Cost returns the tokens a request takes of every policy, e.g. from its size. 0 lets the
 	// request through without a decision; an error or an invalid cost (negative, NaN) is a 400.
-	// Defaults to nil: 1 per request.
+	// The header fields count tokens, which clients read as requests unless Policy.QuotaUnit says
+	// otherwise. Defaults to nil: 1 per request.
 	Cost func(r *http.Request) (float64, error)
 
 	// Decider decides the policies. Required when a Policy has a Key. Defaults to nil.
@@ -196,6 +204,10 @@ func New(cfg *Config) (*Middleware, error) {
 		if !writable(p.Name) {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q cannot be written in the RateLimit header fields: "+
 				"a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.Name)
+		}
+		if !writable(p.QuotaUnit) {
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].QuotaUnit %q cannot be written in the RateLimit-Policy header "+
+				"field: a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.QuotaUnit)
 		}
 		if p.MissingKey < MissingKeyReject || p.MissingKey > MissingKeyShared {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].MissingKey %d is unknown", i, p.MissingKey)

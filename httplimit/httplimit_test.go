@@ -199,6 +199,30 @@ func TestFixedWindowQuotaIsWhatAWindowGrants(t *testing.T) {
 	require.LessOrEqual(t, q, granted, "RateLimit-Policy advertises q=%d per window; the window granted %d", q, granted)
 }
 
+// Config.Cost makes a request take several tokens, "e.g. from its size". The draft's q and r are
+// in quota units, and without a "qu" parameter the unit is "requests" (draft -10 §3.1: "The
+// default quota unit is "requests""; §3.1.2 defines "content-bytes" for sizes). Without it, a
+// client told q=1000 requests and, after one request, r=900 requests left, would get its 429 on
+// the eleventh: Policy.QuotaUnit says what the tokens are, as qu.
+func TestCostInTokensIsNotAdvertisedAsRequests(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{
+		Cost: func(r *http.Request) (float64, error) { return 100, nil }, // e.g. the bytes it uploads
+		Policies: []httplimit.Policy{{Name: "bytes", Config: ratelimit.Config{Rate: 1000, Period: time.Minute}, Key: httplimit.ClientIP(nil),
+			QuotaUnit: "content-bytes"}},
+	})
+	res := get(t, url)
+	require.Equal(t, http.StatusOK, res.status)
+	pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+	require.NoError(t, err)
+	item(t, 0, pol[0], "bytes", "q", int64(1000), "qu", "content-bytes", "w", int64(60), "pk", pk("bytes", "127.0.0.1"))
+	require.Equal(t, `"bytes";q=1000;qu="content-bytes";w=60;pk=:`+b64(pk("bytes", "127.0.0.1"))+`:`, res.header.Get("RateLimit-Policy"))
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	item(t, 0, lim[0], "bytes", "r", int64(900), "t", int64(1), "pk", pk("bytes", "127.0.0.1")) // a token every 60 ms
+}
+
 func b64(b []byte) string {
 	s, err := httpsfv.Marshal(httpsfv.NewItem(b))
 	if err != nil {
@@ -593,6 +617,9 @@ func TestNewValidates(t *testing.T) {
 	}
 	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "per ip ~!", Config: perIP}}})
 	require.NoError(t, err, "printable ASCII, spaces included, is a String")
+	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "a", Config: perIP, QuotaUnit: "octets\n"}}})
+	require.EqualError(t, err, `httplimit: Config.Policies[0].QuotaUnit "octets\n" cannot be written in the RateLimit-Policy header `+
+		"field: a Structured Field String is printable ASCII (0x20 to 0x7E)")
 
 	// A Decider that could decide nothing is refused here, not found out by every request (a nil
 	// pool is invalid input to the Limiter: each request a 400).
