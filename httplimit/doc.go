@@ -40,6 +40,10 @@
 //   - t, the seconds until more quota is available, rounded up: for a denied policy, until the
 //     request would be granted (ratelimit.Result.RetryAfter); for a granted token bucket, until
 //     r grows by one; left out when the limit is full and, for a granted fixed window, always.
+//     With Shards N >= 2, r covers only the shards the call looked at: two, which refill at
+//     2·Rate/N and are full at 2·Capacity/N, and t is computed from those. (Under REPEATABLE READ
+//     or SERIALIZABLE a lone call, such as one LimitN, looks at one shard only when that one
+//     holds the count; t is then up to half the wait.)
 //   - pk, the partition key: the first 12 bytes of HMAC-SHA256(Secret, name + 0x00 + key), so
 //     clients can tell partitions apart but never learn the key (an IP address or user id), and
 //     keys cannot be guessed from it without Config.Secret.

@@ -236,11 +236,17 @@ func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
 	if !r.OK {
 		return ceilSeconds(r.RetryAfter()), true
 	}
-	if cfg.Kind != ratelimit.TokenBucket || r.Value >= capacity(cfg) {
+	// r.Value covers the shards the call looked at: of a sharded limit, two of its N shards, which
+	// together refill at 2·Rate/N and hold at most 2·Capacity/N (docs/spec.md §8).
+	rate, full := cfg.Rate, capacity(cfg)
+	if n := float64(cfg.Shards); n >= 2 {
+		rate, full = 2*rate/n, 2*full/n
+	}
+	if cfg.Kind != ratelimit.TokenBucket || r.Value >= full {
 		return 0, false
 	}
 	next := math.Max(math.Floor(r.Value)+1, 1) // when r, the remaining whole units, grows by one
-	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / cfg.Rate)
+	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / rate)
 	return sfInt(math.Ceil(us / 1e6)), true
 }
 

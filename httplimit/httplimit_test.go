@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -221,6 +222,44 @@ func TestCostInTokensIsNotAdvertisedAsRequests(t *testing.T) {
 	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
 	require.NoError(t, err)
 	item(t, 0, lim[0], "bytes", "r", int64(900), "t", int64(1), "pk", pk("bytes", "127.0.0.1")) // a token every 60 ms
+}
+
+// For a granted token bucket the package doc defines t as the seconds "until r grows by one", and
+// r as ratelimit.Result.Value, which for a sharded limit covers only the one or two shards the
+// call looked at (docs/spec.md §8), each refilling at Rate/Shards. Computed with the whole Rate,
+// t would tell clients on a policy with Shards: 4 to come back at least twice too soon (N/k
+// times: 4× when one shard was looked at); it is computed at the rate of two shards.
+func TestShardedResetUsesTheShardsRate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Rate: 8, Period: time.Minute, Capacity: 8, Shards: 4} // each shard: 2 per minute
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "sharded", Config: cfg}}})
+	require.NoError(t, err)
+	res, err := b.limiter.LimitN(context.Background(), b.pool, "sharded", "k", 1, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	w := httptest.NewRecorder()
+	m.WriteHeaders(w, res)
+	lim, err := httpsfv.UnmarshalList(w.Header().Values("RateLimit"))
+	require.NoError(t, err)
+	r, _ := lim[0].(httpsfv.Item).Params.Get("r")
+	tt, _ := lim[0].(httpsfv.Item).Params.Get("t")
+	// r grows by one when the shards looked at (at most two) have gained next − Value tokens, at
+	// 2·Rate/Shards per Period at the fastest.
+	need := float64(r.(int64)+1) - res.Value
+	fastest := 2 * cfg.Rate / float64(cfg.Shards) / cfg.Period.Seconds() // tokens per second
+	minT := int64(math.Ceil(need / fastest))
+	require.GreaterOrEqual(t, tt.(int64), minT, "Value %v over the shards looked at (charged %v): r=%d, t=%d, but r cannot grow by one before %d s",
+		res.Value, res.Shards, r, tt, minT)
+	// On the pool (READ COMMITTED) the call looked at two fresh shards and charged one: 1 + 2 left,
+	// and one more token at 4 per minute takes 15 s.
+	require.Equal(t, 3.0, res.Value)
+	require.Equal(t, int64(15), tt)
+
+	// Two shards hold at most 2·Capacity/Shards: at that, r cannot grow, and there is no t.
+	w = httptest.NewRecorder()
+	m.WriteHeaders(w, ratelimit.Result{Name: "sharded", Key: "k", OK: true, Value: 4})
+	require.Equal(t, `"sharded";r=4;pk=:`+b64(pk("sharded", "k"))+`:`, w.Header().Get("RateLimit"))
 }
 
 func b64(b []byte) string {
