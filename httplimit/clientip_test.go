@@ -1,11 +1,14 @@
 package httplimit_test
 
 import (
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"strings"
 	"testing"
 
+	"github.com/realclientip/realclientip-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/httplimit"
@@ -205,5 +208,92 @@ func TestClientIPMappedTrustedProxies(t *testing.T) {
 		k, err := key(r)
 		require.NoError(t, err, c.remote)
 		require.Equal(t, c.want, k, "peer %s, X-Forwarded-For %q", c.remote, c.xff)
+	}
+}
+
+// ClientIP needs one entry of the forwarding header (the TrustedProxyCount-th from the right, or
+// the right-most untrusted one), and must not parse every entry of every line to find it
+// (realclientip's strategies do, at an allocation or more each). The header is the client's to
+// fill: behind TrustedProxyCount alone any peer's header is read, and a proxy passes on what the
+// client sent before its own entry. Parsed whole, one request with a 1 MB X-Forwarded-For (Go's
+// default MaxHeaderBytes) costs about a million allocations and some 0.3 s of CPU to find an
+// address at its right end. Counted in allocations, which do not depend on the machine's speed.
+// Not parallel: testing.AllocsPerRun refuses to run in a parallel test.
+func TestClientIPWorkIsBoundedByWhatItReads(t *testing.T) {
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "10.0.0.1:1234"
+	r.Header.Set("X-Forwarded-For", strings.Repeat(",", 1<<19)+"198.51.100.7") // 512 KiB of empty entries, then the client
+	for _, c := range []struct {
+		name string
+		opts *httplimit.IPOpts
+	}{
+		{"TrustedProxyCount", &httplimit.IPOpts{TrustedProxyCount: 1}},
+		{"TrustedProxies", &httplimit.IPOpts{TrustedProxies: prefixes("10.0.0.0/8")}},
+	} {
+		key := httplimit.ClientIP(c.opts)
+		k, err := key(r)
+		require.NoError(t, err, c.name)
+		require.Equal(t, "198.51.100.7", k, c.name)
+		allocs := testing.AllocsPerRun(1, func() { _, _ = key(r) })
+		require.Less(t, allocs, 1000.0, "%s: %.0f allocations to read the right-most entry of one header", c.name, allocs)
+	}
+}
+
+// ClientIP reads the header from the right, one entry at a time; its answer is the one
+// realclientip's strategies give on the whole header, for any mix of entries and lines.
+func TestClientIPAgreesWithWholeHeaderStrategies(t *testing.T) {
+	t.Parallel()
+	trusted := []string{"10.0.0.0/8", "fd00::/8"}
+	nets, err := realclientip.AddressesAndRangesToIPNets(trusted...)
+	require.NoError(t, err)
+	entries := map[string][]string{
+		"X-Forwarded-For": {"198.51.100.7", " 203.0.113.9 ", "10.0.0.2", "10.1.2.3:80", "[2001:db8::1]:443", "2001:db8::2",
+			"fd00::1", "::ffff:10.0.0.9", "::ffff:198.51.100.8", "unknown", "", " ", "0.0.0.0", "::", "fe80::1%eth0",
+			"10.0.0.3%eth0", "198.51.100.9%eth0", "[10.0.0.4]", "[fd00::5]:80"},
+		"Forwarded": {"for=198.51.100.7", `For="[2001:db8::1]:4711";proto=https`, "for=10.0.0.2;by=10.0.0.1", "for=unknown",
+			"proto=http", "for=10.0.0.2=x", `for="10.0.0.5"`, "by=192.0.2.1; for=198.51.100.3", "", "for=_hidden",
+			`for="[fd00::7]"`, "for=203.0.113.4:80"},
+	}
+	rnd := rand.New(rand.NewPCG(1, 2))
+	for header, pool := range entries {
+		for _, count := range []int{0, 1, 2, 3} {
+			opts := &httplimit.IPOpts{Header: header, TrustedProxies: prefixes(trusted...), TrustedProxyCount: count}
+			key := httplimit.ClientIP(opts)
+			var whole realclientip.Strategy
+			if count > 0 {
+				whole, err = realclientip.NewRightmostTrustedCountStrategy(header, count)
+			} else {
+				whole, err = realclientip.NewRightmostTrustedRangeStrategy(header, nets)
+			}
+			require.NoError(t, err)
+			for i := range 2000 {
+				r := httptest.NewRequest(http.MethodGet, "/", nil)
+				r.RemoteAddr = "10.0.0.1:1234"
+				for range 1 + rnd.IntN(3) {
+					line := make([]string, rnd.IntN(5))
+					for j := range line {
+						line[j] = pool[rnd.IntN(len(pool))]
+					}
+					r.Header.Add(header, strings.Join(line, []string{",", ", "}[rnd.IntN(2)]))
+				}
+				got, err := key(r)
+				want, ok := netip.Addr{}, false
+				if s := whole.ClientIP(r.Header, r.RemoteAddr); s != "" {
+					if a, perr := netip.ParseAddr(s); perr == nil {
+						want, ok = a.Unmap().WithZone(""), true
+					}
+				}
+				if !ok {
+					require.ErrorIs(t, err, httplimit.ErrNoKey, "%s count %d step %d: %q gave %q", header, count, i, r.Header[header], got)
+					continue
+				}
+				require.NoError(t, err, "%s count %d step %d: %q", header, count, i, r.Header[header])
+				wantKey := want.String()
+				if want.Is6() {
+					wantKey = netip.PrefixFrom(want, 64).Masked().String()
+				}
+				require.Equal(t, wantKey, got, "%s count %d step %d: %q", header, count, i, r.Header[header])
+			}
+		}
 	}
 }

@@ -24,9 +24,15 @@
 //	RateLimit: "perIP";r=2;t=6;pk=:...:, "perUser";r=97;t=36;pk=:...:
 //
 // The parameters:
-//   - q, the quota: Rate rounded down, and w, the window: Period in seconds rounded up. A Rate
-//     below 1 is given as q=1 over w = Period/Rate seconds, rounded up. When Capacity (the burst)
-//     differs from Rate it is given as txlimit-burst, rounded down.
+//   - q, the quota: Rate rounded down, and w, the window: Period in seconds rounded up. For a
+//     fixed window the quota is the lesser of Rate and Capacity, since a window grants at most
+//     Capacity. A quota below 1 is given as q=1 over w = Period/quota seconds, rounded up (a
+//     policy that the middleware decides at a cost of 1 needs a Capacity of at least 1: see
+//     New). When Capacity (the burst) differs from Rate it is given as txlimit-burst, rounded
+//     down.
+//   - qu, the quota unit: Policy.QuotaUnit, left out when empty (the draft then reads q and r
+//     as requests). With Config.Cost, q and r count tokens: set it to say what a token is
+//     ("content-bytes" for a cost from the request's size).
 //   - r, the remaining quota units: the tokens left after the request (ratelimit.Result.Value),
 //     rounded down, and 0 when negative (reservations). In a denied request, a policy that alone
 //     would have been granted shows what it would have left: nothing was consumed, so the true
@@ -34,6 +40,10 @@
 //   - t, the seconds until more quota is available, rounded up: for a denied policy, until the
 //     request would be granted (ratelimit.Result.RetryAfter); for a granted token bucket, until
 //     r grows by one; left out when the limit is full and, for a granted fixed window, always.
+//     With Shards N >= 2, r covers only the shards the call looked at: two, which refill at
+//     2·Rate/N and are full at 2·Capacity/N, and t is computed from those. (Under REPEATABLE READ
+//     or SERIALIZABLE a lone call, such as one LimitN, looks at one shard only when that one
+//     holds the count; t is then up to half the wait.)
 //   - pk, the partition key: the first 12 bytes of HMAC-SHA256(Secret, name + 0x00 + key), so
 //     clients can tell partitions apart but never learn the key (an IP address or user id), and
 //     keys cannot be guessed from it without Config.Secret.
@@ -53,6 +63,12 @@
 // through instead, counted (outcome "fail_open") and logged at warn level. Neither is silent by
 // default: with Config.Logger nil the record goes to slog.Default(), with Config.MeterProvider
 // nil the count to the global provider.
+// A request whose own context ends before its decision (the client went away, or the request's
+// deadline passed, and the Decider returns context.Canceled or context.DeadlineExceeded) is no
+// failed decision: it is not let through, not even with Config.FailOpen (nothing was charged for
+// it), nor logged; it is answered without a body, 499 (nginx's "client closed request", which
+// no client reads) or, when its deadline passed, 503, and counted (outcome "canceled"). Under
+// Config.Shadow it goes on to the next handler, as every request does.
 // Invalid input, such as a key longer than ratelimit.MaxKeyLen taken from a header or a negative
 // cost, is 400 Bad Request (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets
 // the policy's MissingKey outcome: 400 by default, or the policy is skipped, or shared by every

@@ -201,3 +201,106 @@ func TestDecisionFailureDefaults(t *testing.T) {
 			attribute.String("txlimit.policy", "defaults"), attribute.String("txlimit.outcome", outcome)), outcome)
 	}
 }
+
+// endedRun is what one request whose context had already ended produced.
+type endedRun struct {
+	handlerRan bool
+	status     int
+	logs       []string
+	// requests reads txlimit.http.requests for policy and outcome.
+	requests func(policy, outcome string) int64
+}
+
+// serveEnded sends one GET /items whose context ctx has already ended (the client closed the
+// connection, or reset the HTTP/2 stream; or the request's deadline passed) through a middleware
+// deciding with a real ratelimit.Batcher on the test database, with cfg's other options.
+func serveEnded(t *testing.T, ctx context.Context, cfg httplimit.Config) endedRun {
+	t.Helper()
+	b := setup(t, fixed)
+	batcher, err := ratelimit.NewBatcher(b.pool, b.limiter, nil)
+	require.NoError(t, err)
+	t.Cleanup(batcher.Close)
+	rec := &records{}
+	reader := sdkmetric.NewManualReader()
+	cfg.Decider = batcher
+	cfg.Secret = secret
+	cfg.Logger = slog.New(rec)
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	m, err := httplimit.New(&cfg)
+	require.NoError(t, err)
+	var run endedRun
+	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		run.handlerRan = true
+		_, _ = w.Write([]byte("ok"))
+	}))
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/items", nil).WithContext(ctx))
+	run.status, run.logs = w.Code, rec.all()
+	run.requests = func(policy, outcome string) int64 {
+		return metrictest.Counter(t, reader, "txlimit.http.requests", attribute.String("txlimit.policy", policy), attribute.String("txlimit.outcome", outcome))
+	}
+	return run
+}
+
+// cancelled returns a context the client has already cancelled: it has gone.
+func cancelled() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}
+
+// Config.FailOpen lets a request through "when the Decider fails (database down, timeout)". A
+// request whose own context was cancelled by the client is not a database failure: the Batcher
+// never charged it (a call cancelled while queued is never charged). Were FailOpen to run the
+// handler for it, uncharged, a client could get the handler run without paying the limit by
+// cancelling its requests (an HTTP/2 RST_STREAM costs nothing), exactly when the queue is long.
+func TestCancelledRequestIsNotLetThroughByFailOpen(t *testing.T) {
+	t.Parallel()
+	run := serveEnded(t, cancelled(), httplimit.Config{FailOpen: true,
+		Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+	require.False(t, run.handlerRan, "the handler ran, uncharged, for a request the client had cancelled; logs: %q", run.logs)
+	require.Equal(t, int64(0), run.requests("perIP", "fail_open"), "a client's cancellation counted as a failed decision let through")
+	require.Equal(t, int64(1), run.requests("perIP", "canceled"))
+	require.Equal(t, 499, run.status)
+	require.Empty(t, run.logs)
+}
+
+// Fail closed, a client's cancellation is not counted as outcome "error" nor logged at error level
+// as "rate limit decision failed": what the docs reserve for a database error (docs/spec.md §11).
+// Otherwise any client could raise the error count and fill the error log (and page whoever
+// alerts on them) by closing its connections, though the database is fine.
+func TestCancelledRequestIsNotADatabaseError(t *testing.T) {
+	t.Parallel()
+	run := serveEnded(t, cancelled(), httplimit.Config{
+		Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+	require.Equal(t, int64(0), run.requests("perIP", "error"), "a client's cancellation counted as a failed decision; logs: %q", run.logs)
+	for _, l := range run.logs {
+		require.NotContains(t, l, "ERROR", "a client's cancellation logged as a database failure")
+	}
+	require.Equal(t, int64(1), run.requests("perIP", "canceled"))
+	require.Equal(t, 499, run.status, "no 5xx for a client that went away")
+	require.False(t, run.handlerRan)
+}
+
+// A request whose deadline passed before its decision is answered 503 (its client may still be
+// waiting), counted as "canceled"; under Shadow, which refuses nothing, it goes on.
+func TestEndedRequestDeadlineAndShadow(t *testing.T) {
+	t.Parallel()
+	policies := []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}
+	past := func() context.Context {
+		ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+		t.Cleanup(cancel)
+		return ctx
+	}
+	run := serveEnded(t, past(), httplimit.Config{FailOpen: true, Policies: policies})
+	require.False(t, run.handlerRan)
+	require.Equal(t, http.StatusServiceUnavailable, run.status)
+	require.Equal(t, int64(1), run.requests("perIP", "canceled"))
+	require.Empty(t, run.logs)
+
+	run = serveEnded(t, cancelled(), httplimit.Config{Shadow: true, Policies: policies})
+	require.True(t, run.handlerRan, "Shadow refuses nothing")
+	require.Equal(t, int64(1), run.requests("perIP", "canceled"))
+	require.Equal(t, int64(0), run.requests("perIP", "fail_open"))
+	require.Empty(t, run.logs)
+}

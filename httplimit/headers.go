@@ -117,7 +117,7 @@ func (m *Middleware) initHeaders() {
 // change, and the RateLimit item's parameters keep their order (r, t, pk) when overwritten.
 type sfItems struct {
 	pool      *sync.Pool
-	pol       httpsfv.Item // RateLimit-Policy: q, w, [txlimit-burst,] pk
+	pol       httpsfv.Item // RateLimit-Policy: q, [qu,] w, [txlimit-burst,] pk
 	lim, limT httpsfv.Item // RateLimit: r, pk; and r, t, pk
 }
 
@@ -128,6 +128,9 @@ func newItemPool(p *Policy) *sync.Pool {
 		it := &sfItems{pool: pool, pol: httpsfv.NewItem(p.Name), lim: httpsfv.NewItem(p.Name), limT: httpsfv.NewItem(p.Name)}
 		q, win := quota(p.Config)
 		it.pol.Params.Add("q", q)
+		if p.QuotaUnit != "" {
+			it.pol.Params.Add("qu", p.QuotaUnit)
+		}
 		it.pol.Params.Add("w", win)
 		if c := capacity(p.Config); c != p.Config.Rate {
 			it.pol.Params.Add("txlimit-burst", sfInt(math.Floor(c)))
@@ -207,10 +210,14 @@ func (m *Middleware) partitionKey(name, key string) []byte {
 // quota returns the advertised q and w of cfg (see the package doc): never more quota, never a
 // shorter window, than the limit grants.
 func quota(cfg ratelimit.Config) (q, w int64) {
-	if cfg.Rate < 1 {
-		return 1, max(1, sfInt(math.Ceil(cfg.Period.Seconds()/cfg.Rate)))
+	rate := cfg.Rate
+	if cfg.Kind == ratelimit.FixedWindow {
+		rate = min(rate, capacity(cfg)) // a window grants at most Capacity (docs/spec.md §4)
 	}
-	return sfInt(math.Floor(cfg.Rate)), max(1, ceilSeconds(cfg.Period))
+	if rate < 1 {
+		return 1, max(1, sfInt(math.Ceil(cfg.Period.Seconds()/rate)))
+	}
+	return sfInt(math.Floor(rate)), max(1, ceilSeconds(cfg.Period))
 }
 
 // maxSFInt is the largest Integer of RFC 9651 (15 digits).
@@ -229,11 +236,17 @@ func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
 	if !r.OK {
 		return ceilSeconds(r.RetryAfter()), true
 	}
-	if cfg.Kind != ratelimit.TokenBucket || r.Value >= capacity(cfg) {
+	// r.Value covers the shards the call looked at: of a sharded limit, two of its N shards, which
+	// together refill at 2·Rate/N and hold at most 2·Capacity/N (docs/spec.md §8).
+	rate, full := cfg.Rate, capacity(cfg)
+	if n := float64(cfg.Shards); n >= 2 {
+		rate, full = 2*rate/n, 2*full/n
+	}
+	if cfg.Kind != ratelimit.TokenBucket || r.Value >= full {
 		return 0, false
 	}
 	next := math.Max(math.Floor(r.Value)+1, 1) // when r, the remaining whole units, grows by one
-	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / cfg.Rate)
+	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / rate)
 	return sfInt(math.Ceil(us / 1e6)), true
 }
 

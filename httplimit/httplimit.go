@@ -29,7 +29,8 @@ var _ Decider = (*ratelimit.Batcher)(nil)
 
 // OnPool returns a Decider that decides with limiter on pool, one statement per request (a
 // *ratelimit.Batcher is faster under load and needs no adapter): LimitN
-// for a single policy (the leaner statement), LimitMany for several.
+// for a single policy (the leaner statement), LimitMany for several. Neither may be nil: New
+// refuses such a Decider.
 func OnPool(limiter *ratelimit.Limiter, pool *pgxpool.Pool) Decider {
 	return poolDecider{limiter: limiter, pool: pool}
 }
@@ -87,13 +88,21 @@ type Policy struct {
 	// Structured Field String (RFC 9651), so it must be printable ASCII (0x20 to 0x7E); New refuses
 	// any other.
 	Name string
+
+	// QuotaUnit is the unit of the policy's quota and of what remains of it, written as the qu
+	// parameter of RateLimit-Policy: "content-bytes" when Config.Cost charges a request's size, say
+	// (the draft registers "requests", "content-bytes" and "concurrent-requests"). It is written as
+	// a Structured Field String, so it must be printable ASCII (0x20 to 0x7E); New refuses any
+	// other. Defaults to "": no qu parameter, which the draft reads as "requests".
+	QuotaUnit string
 }
 
 // Config configures a Middleware. Fields are alphabetical.
 type Config struct {
 	// Cost returns the tokens a request takes of every policy, e.g. from its size. 0 lets the
 	// request through without a decision; an error or an invalid cost (negative, NaN) is a 400.
-	// Defaults to nil: 1 per request.
+	// The header fields count tokens, which clients read as requests unless Policy.QuotaUnit says
+	// otherwise. Defaults to nil: 1 per request.
 	Cost func(r *http.Request) (float64, error)
 
 	// Decider decides the policies. Required when a Policy has a Key. Defaults to nil.
@@ -107,7 +116,8 @@ type Config struct {
 	// FailOpen lets a request through when the Decider fails (database down, timeout), counting
 	// it (outcome "fail_open") and logging it at warn level. Defaults to false: fail closed, a 503
 	// with Retry-After (FailClosedRetryAfter), counted (outcome "error") and logged at error
-	// level.
+	// level. A request whose own context ended before its decision (the client went away) is no
+	// failure: it is never let through, nor logged (see the package doc, "Errors").
 	FailOpen bool
 
 	// Logger receives fail-open and fail-closed errors (warn and error) and shadow denials
@@ -120,8 +130,10 @@ type Config struct {
 	// "denied" for each violated policy of a denied request (the other policies of it consumed nothing
 	// and are not counted), "shadow_denied" likewise under Config.Shadow (the request went on),
 	// "fail_open" and "error" for each policy of a request whose decision failed (let through, or
-	// refused with 503), "invalid" for a 400 on bad input, "no_key" for a 400 on a missing key, and
-	// "skipped" for a policy left out by MissingKeySkip. Defaults to nil: the global provider
+	// refused with 503), "canceled" for each policy of a request whose own context ended before its
+	// decision (the client went away, or the request's deadline passed), "invalid" for a 400 on bad
+	// input, "no_key" for a 400 on a missing key, and "skipped" for a policy left out by
+	// MissingKeySkip. Defaults to nil: the global provider
 	// (otel.GetMeterProvider()), which records nothing until the application sets one with
 	// otel.SetMeterProvider.
 	MeterProvider metric.MeterProvider
@@ -169,7 +181,11 @@ type Middleware struct {
 }
 
 // New validates cfg and returns a Middleware. It returns an error naming the first invalid field;
-// an invalid Policy.Config is a *ratelimit.ConfigError.
+// an invalid Policy.Config is a *ratelimit.ConfigError, and so is, when Config.Cost is nil, the
+// Config of a decided policy (one with a Key) that can never grant a request its cost of 1 token:
+// a Capacity below 1, or, with Shards N >= 2, below N/2 (a call draws on at most two shards, each
+// holding Capacity/N; docs/spec.md §5 and §8). Capacity defaults to Rate, so a Rate below 1
+// needs a Capacity of its own.
 func New(cfg *Config) (*Middleware, error) {
 	if cfg == nil || len(cfg.Policies) == 0 {
 		return nil, errors.New("httplimit: Config.Policies is empty: give at least one Policy")
@@ -189,6 +205,10 @@ func New(cfg *Config) (*Middleware, error) {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q cannot be written in the RateLimit header fields: "+
 				"a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.Name)
 		}
+		if !writable(p.QuotaUnit) {
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].QuotaUnit %q cannot be written in the RateLimit-Policy header "+
+				"field: a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.QuotaUnit)
+		}
 		if p.MissingKey < MissingKeyReject || p.MissingKey > MissingKeyShared {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].MissingKey %d is unknown", i, p.MissingKey)
 		}
@@ -202,8 +222,27 @@ func New(cfg *Config) (*Middleware, error) {
 	if _, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits}); err != nil {
 		return nil, err
 	}
+	if cfg.Cost == nil {
+		for _, p := range m.decided {
+			if err := grantsOne(p.Name, p.Config); err != nil {
+				return nil, err
+			}
+		}
+	}
 	if len(m.decided) > 0 && cfg.Decider == nil {
 		return nil, errors.New("httplimit: Config.Decider is nil: pass a *ratelimit.Batcher (ratelimit.NewBatcher(pool, limiter, nil))")
+	}
+	if len(m.decided) > 0 {
+		switch d := cfg.Decider.(type) {
+		case *ratelimit.Batcher:
+			if d == nil {
+				return nil, errors.New("httplimit: Config.Decider is a nil *ratelimit.Batcher: pass the one ratelimit.NewBatcher(pool, limiter, nil) returns")
+			}
+		case poolDecider:
+			if d.limiter == nil || d.pool == nil {
+				return nil, errors.New("httplimit: Config.Decider is OnPool(limiter, pool) with a nil limiter or pool: pass the *ratelimit.Limiter and the *pgxpool.Pool to decide on")
+			}
+		}
 	}
 	if cfg.RetryJitter < 0 {
 		return nil, fmt.Errorf("httplimit: Config.RetryJitter must be >= 0 (got %s)", cfg.RetryJitter)
@@ -294,6 +333,17 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.obs.count(ctx, used, outcomeInvalid)
 		refuse(http.StatusBadRequest, "the request's rate limit input is invalid")
 		return
+	case err != nil && ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
+		// The request's own context ended before the decision (the client went away, or the
+		// request's deadline passed): not a failed decision, and nothing was charged, so nothing
+		// is let through (Shadow aside, which refuses nothing) and nothing is logged.
+		m.obs.count(ctx, used, outcomeCanceled)
+		if m.cfg.Shadow {
+			next.ServeHTTP(w, r)
+			return
+		}
+		w.WriteHeader(canceledStatus(ctx))
+		return
 	case err != nil && (m.cfg.FailOpen || m.cfg.Shadow):
 		m.obs.count(ctx, used, outcomeFailOpen)
 		msg := "httplimit: rate limit decision failed; request let through (FailOpen)"
@@ -326,6 +376,39 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.WriteHeaders(w, res.Results...)
 	}
 	next.ServeHTTP(w, r)
+}
+
+// grantsOne returns a *ratelimit.ConfigError when a request for 1 token, the cost without
+// Config.Cost, exceeds what the limit cfg named name could ever grant: the bound ratelimit checks a
+// count against (without Reserve), what one shard holds, or two together when sharded.
+func grantsOne(name string, cfg ratelimit.Config) error {
+	n := max(cfg.Shards, 1)
+	per := capacity(cfg) / float64(n) // what one shard holds
+	fits := per-1 >= 0
+	reason := "must be at least 1, the cost of a request when Config.Cost is nil (Capacity defaults to Rate)"
+	if n >= 2 {
+		fits = fits || (per+per-1)/2 >= 0 // two shards charged together, left equal
+		reason = fmt.Sprintf("must be at least Shards/2 (%g), since a request costs 1 when Config.Cost is nil and "+
+			"a call draws on at most two shards, each holding Capacity/Shards (Capacity defaults to Rate)", float64(n)/2)
+	}
+	if fits {
+		return nil
+	}
+	return &ratelimit.ConfigError{Limit: name, Field: "Capacity", Value: capacity(cfg), Reason: reason}
+}
+
+// statusClientClosedRequest is nginx's status for a request whose client went away before the
+// answer: no client reads it, but access logs and HTTP metrics do, and it is no server error.
+const statusClientClosedRequest = 499
+
+// canceledStatus is the status of a request whose context ended before its decision: 499 when
+// it was cancelled (the client went away), 503 Service Unavailable when its deadline passed (the
+// client may still be waiting for an answer).
+func canceledStatus(ctx context.Context) int {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return http.StatusServiceUnavailable
+	}
+	return statusClientClosedRequest
 }
 
 // names returns the names of policies.

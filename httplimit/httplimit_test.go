@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -171,6 +172,94 @@ func TestHeadersAndDenial(t *testing.T) {
 	}
 	require.Equal(t, int64(3), lim("granted"))
 	require.Equal(t, int64(2), lim("denied"))
+}
+
+// A fixed window grants at most Capacity tokens per window (docs/spec.md §4: v = min(value +
+// Rate·n, cap) − count; "a fixed window grants at most cap tokens within one window"). With
+// Capacity below Rate, RateLimit-Policy must not advertise q = Rate per window (10 requests per
+// 60 s, of which only 5 are ever granted): the draft's q is "the quota allocated ... for a given
+// quota partition" over w, and quota() promises "never more quota ... than the limit grants".
+func TestFixedWindowQuotaIsWhatAWindowGrants(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 10, Period: time.Minute, Capacity: 5}
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "fw", Config: cfg, Key: httplimit.ClientIP(nil)}}})
+	granted := int64(0)
+	var q int64
+	for i := range 7 { // all at t0: one window
+		res := get(t, url)
+		if res.status == http.StatusOK {
+			granted++
+		}
+		pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+		require.NoError(t, err, "step %d", i)
+		v, _ := pol[0].(httpsfv.Item).Params.Get("q")
+		q = v.(int64)
+	}
+	require.Equal(t, int64(5), granted, "the window grants Capacity requests")
+	require.LessOrEqual(t, q, granted, "RateLimit-Policy advertises q=%d per window; the window granted %d", q, granted)
+}
+
+// Config.Cost makes a request take several tokens, "e.g. from its size". The draft's q and r are
+// in quota units, and without a "qu" parameter the unit is "requests" (draft -10 §3.1: "The
+// default quota unit is "requests""; §3.1.2 defines "content-bytes" for sizes). Without it, a
+// client told q=1000 requests and, after one request, r=900 requests left, would get its 429 on
+// the eleventh: Policy.QuotaUnit says what the tokens are, as qu.
+func TestCostInTokensIsNotAdvertisedAsRequests(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	url := b.serve(t, httplimit.Config{
+		Cost: func(r *http.Request) (float64, error) { return 100, nil }, // e.g. the bytes it uploads
+		Policies: []httplimit.Policy{{Name: "bytes", Config: ratelimit.Config{Rate: 1000, Period: time.Minute}, Key: httplimit.ClientIP(nil),
+			QuotaUnit: "content-bytes"}},
+	})
+	res := get(t, url)
+	require.Equal(t, http.StatusOK, res.status)
+	pol, err := httpsfv.UnmarshalList(res.header.Values("RateLimit-Policy"))
+	require.NoError(t, err)
+	item(t, 0, pol[0], "bytes", "q", int64(1000), "qu", "content-bytes", "w", int64(60), "pk", pk("bytes", "127.0.0.1"))
+	require.Equal(t, `"bytes";q=1000;qu="content-bytes";w=60;pk=:`+b64(pk("bytes", "127.0.0.1"))+`:`, res.header.Get("RateLimit-Policy"))
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	item(t, 0, lim[0], "bytes", "r", int64(900), "t", int64(1), "pk", pk("bytes", "127.0.0.1")) // a token every 60 ms
+}
+
+// For a granted token bucket the package doc defines t as the seconds "until r grows by one", and
+// r as ratelimit.Result.Value, which for a sharded limit covers only the one or two shards the
+// call looked at (docs/spec.md §8), each refilling at Rate/Shards. Computed with the whole Rate,
+// t would tell clients on a policy with Shards: 4 to come back at least twice too soon (N/k
+// times: 4× when one shard was looked at); it is computed at the rate of two shards.
+func TestShardedResetUsesTheShardsRate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Rate: 8, Period: time.Minute, Capacity: 8, Shards: 4} // each shard: 2 per minute
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "sharded", Config: cfg}}})
+	require.NoError(t, err)
+	res, err := b.limiter.LimitN(context.Background(), b.pool, "sharded", "k", 1, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	w := httptest.NewRecorder()
+	m.WriteHeaders(w, res)
+	lim, err := httpsfv.UnmarshalList(w.Header().Values("RateLimit"))
+	require.NoError(t, err)
+	r, _ := lim[0].(httpsfv.Item).Params.Get("r")
+	tt, _ := lim[0].(httpsfv.Item).Params.Get("t")
+	// r grows by one when the shards looked at (at most two) have gained next − Value tokens, at
+	// 2·Rate/Shards per Period at the fastest.
+	need := float64(r.(int64)+1) - res.Value
+	fastest := 2 * cfg.Rate / float64(cfg.Shards) / cfg.Period.Seconds() // tokens per second
+	minT := int64(math.Ceil(need / fastest))
+	require.GreaterOrEqual(t, tt.(int64), minT, "Value %v over the shards looked at (charged %v): r=%d, t=%d, but r cannot grow by one before %d s",
+		res.Value, res.Shards, r, tt, minT)
+	// On the pool (READ COMMITTED) the call looked at two fresh shards and charged one: 1 + 2 left,
+	// and one more token at 4 per minute takes 15 s.
+	require.Equal(t, 3.0, res.Value)
+	require.Equal(t, int64(15), tt)
+
+	// Two shards hold at most 2·Capacity/Shards: at that, r cannot grow, and there is no t.
+	w = httptest.NewRecorder()
+	m.WriteHeaders(w, ratelimit.Result{Name: "sharded", Key: "k", OK: true, Value: 4})
+	require.Equal(t, `"sharded";r=4;pk=:`+b64(pk("sharded", "k"))+`:`, w.Header().Get("RateLimit"))
 }
 
 func b64(b []byte) string {
@@ -567,4 +656,74 @@ func TestNewValidates(t *testing.T) {
 	}
 	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "per ip ~!", Config: perIP}}})
 	require.NoError(t, err, "printable ASCII, spaces included, is a String")
+	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "a", Config: perIP, QuotaUnit: "octets\n"}}})
+	require.EqualError(t, err, `httplimit: Config.Policies[0].QuotaUnit "octets\n" cannot be written in the RateLimit-Policy header `+
+		"field: a Structured Field String is printable ASCII (0x20 to 0x7E)")
+
+	// A Decider that could decide nothing is refused here, not found out by every request (a nil
+	// pool is invalid input to the Limiter: each request a 400).
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{})
+	require.NoError(t, err)
+	pool := &pgxpool.Pool{} // never used: not connected
+	var nilBatcher *ratelimit.Batcher
+	for _, c := range []struct {
+		decider httplimit.Decider
+		err     string
+	}{
+		{httplimit.OnPool(limiter, nil), "httplimit: Config.Decider is OnPool(limiter, pool) with a nil limiter or pool: pass the *ratelimit.Limiter and the *pgxpool.Pool to decide on"},
+		{httplimit.OnPool(nil, pool), "httplimit: Config.Decider is OnPool(limiter, pool) with a nil limiter or pool: pass the *ratelimit.Limiter and the *pgxpool.Pool to decide on"},
+		{nilBatcher, "httplimit: Config.Decider is a nil *ratelimit.Batcher: pass the one ratelimit.NewBatcher(pool, limiter, nil) returns"},
+	} {
+		_, err = httplimit.New(&httplimit.Config{Decider: c.decider, Policies: []httplimit.Policy{{Name: "a", Config: perIP, Key: httplimit.ClientIP(nil)}}})
+		require.EqualError(t, err, c.err)
+	}
+}
+
+// A policy with Rate below 1 and the default Capacity (= Rate) can never grant the default cost of
+// 1 (docs/spec.md §5: a count above cap is an argument error). Accepted, every request would be
+// answered 400 Bad Request ("the request's rate limit input is invalid"), blaming each client for
+// the server's configuration; New refuses it, naming the field, as it refuses names the fields
+// cannot carry. The bound is ratelimit's: with Shards N, two shards of Capacity/N together.
+func TestPolicyThatCanNeverGrantOneRequest(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	decided := func(c ratelimit.Config) *httplimit.Config {
+		return &httplimit.Config{Decider: httplimit.OnPool(b.limiter, b.pool), Secret: secret,
+			Policies: []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)},
+				{Name: "slow", Config: c, Key: httplimit.ClientIP(nil)}}}
+	}
+	// One request every two hours, as the package doc's q=1;w=7200 reading suggests.
+	_, err := httplimit.New(decided(ratelimit.Config{Rate: 0.5, Period: time.Hour}))
+	var cerr *ratelimit.ConfigError
+	require.ErrorAs(t, err, &cerr)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.Equal(t, "slow", cerr.Limit)
+	require.Equal(t, "Capacity", cerr.Field)
+	require.Equal(t, 0.5, cerr.Value)
+	require.EqualError(t, err, `ratelimit: limit "slow": Config.Capacity must be at least 1, the cost of a request when `+
+		`Config.Cost is nil (Capacity defaults to Rate) (got 0.5)`)
+	// With a Capacity of 1 it grants one request every two hours.
+	m, err := httplimit.New(decided(ratelimit.Config{Rate: 0.5, Period: time.Hour, Capacity: 1}))
+	require.NoError(t, err)
+	w := httptest.NewRecorder()
+	m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})).ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/", nil))
+	require.Equal(t, http.StatusOK, w.Code, "%s", w.Body)
+
+	// Sharded: two shards of Capacity/Shards must hold 1 together.
+	_, err = httplimit.New(decided(ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 1.5, Shards: 4}))
+	require.ErrorAs(t, err, &cerr)
+	require.Equal(t, "Capacity", cerr.Field)
+	require.Contains(t, err.Error(), "must be at least Shards/2 (2)")
+	_, err = httplimit.New(decided(ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 2, Shards: 4}))
+	require.NoError(t, err)
+
+	// With a Cost the cost is the request's, and a policy without a Key is decided by the handler,
+	// with counts of its own: both are left to the decision.
+	cfg := decided(ratelimit.Config{Rate: 0.5, Period: time.Hour})
+	cfg.Cost = func(*http.Request) (float64, error) { return 0.5, nil }
+	_, err = httplimit.New(cfg)
+	require.NoError(t, err)
+	_, err = httplimit.New(&httplimit.Config{Secret: secret,
+		Policies: []httplimit.Policy{{Name: "slow", Config: ratelimit.Config{Rate: 0.5, Period: time.Hour}}}})
+	require.NoError(t, err)
 }

@@ -3,6 +3,7 @@ package httplimit
 import (
 	"errors"
 	"fmt"
+	"iter"
 	"net"
 	"net/http"
 	"net/netip"
@@ -85,7 +86,8 @@ type IPOpts struct {
 // trusted peer without that header is the peer's own (a health check, say). One with the header
 // that names no client (every address in it trusted, fewer addresses than TrustedProxyCount, or
 // the client's entry not an IP address, such as Forwarded's for=unknown) has no key: ErrNoKey, and
-// the policy's MissingKey decides.
+// the policy's MissingKey decides. The header is read from the right one entry at a time, up to the
+// client's: the entries left of it, which the client may have filled at will, are not parsed.
 //
 // It panics on invalid options, as regexp.MustCompile does on a bad pattern: the message says
 // what to set.
@@ -149,7 +151,9 @@ func ClientIP(opts *IPOpts) KeyFunc {
 		strategy, err = realclientip.NewSingleIPHeaderStrategy(o.Header)
 		noClient = "is not an IP address"
 	case o.TrustedProxyCount > 0:
-		strategy, err = realclientip.NewRightmostTrustedCountStrategy(o.Header, o.TrustedProxyCount)
+		rm := rightmost{header: o.Header, count: o.TrustedProxyCount}
+		rm.entry, err = realclientip.NewRightmostTrustedCountStrategy(o.Header, 1)
+		strategy = rm
 		noClient = fmt.Sprintf("has fewer than IPOpts.TrustedProxyCount (%d) addresses, or the one at that place from the right is not an IP address", o.TrustedProxyCount)
 	case len(o.TrustedProxies) > 0:
 		noClient = "names no address outside IPOpts.TrustedProxies, or the right-most such entry is not an IP address"
@@ -158,7 +162,12 @@ func ClientIP(opts *IPOpts) KeyFunc {
 			p = p.Masked()
 			nets[i] = net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
 		}
-		strategy, err = realclientip.NewRightmostTrustedRangeStrategy(o.Header, nets)
+		rm := rightmost{header: o.Header}
+		rm.entry, err = realclientip.NewRightmostTrustedCountStrategy(o.Header, 1)
+		if err == nil {
+			rm.untrusted, err = realclientip.NewRightmostTrustedRangeStrategy(o.Header, nets)
+		}
+		strategy = rm
 	}
 	if err != nil { // the options were checked above
 		panic(fmt.Sprintf("httplimit: ClientIP: %v", err))
@@ -215,6 +224,66 @@ func ClientIP(opts *IPOpts) KeyFunc {
 			return "", fmt.Errorf("httplimit: ClientIP: %w", err)
 		}
 		return p.String(), nil
+	}
+}
+
+// rightmost is a realclientip.Strategy that reads an X-Forwarded-For or Forwarded header from the
+// right, one entry at a time, and stops at the client: realclientip's own strategies parse every
+// entry of the header first, and a client can send a megabyte of them. Each entry is parsed by
+// realclientip as a header of that entry alone (entries hold no comma), so the answer is the one
+// its RightmostTrustedCountStrategy (count) or RightmostTrustedRangeStrategy (untrusted) gives
+// on the whole header.
+type rightmost struct {
+	header string
+	// count is the place of the client from the right; 0: the right-most entry untrusted reads.
+	count int
+	// entry reads a header of one entry: its address, or "" when it is none.
+	entry realclientip.Strategy
+	// untrusted reads a header of one entry: its address when it is not in a trusted network,
+	// else "" (trusted, or not an address).
+	untrusted realclientip.Strategy
+}
+
+// ClientIP returns the client's address in headers, or "" when it names none.
+func (s rightmost) ClientIP(headers http.Header, _ string) string {
+	one := http.Header{s.header: {""}}
+	n := 0
+	for entry := range entriesFromRight(headers[s.header]) {
+		one[s.header][0] = entry
+		if n++; s.count > 0 {
+			if n == s.count {
+				return s.entry.ClientIP(one, "")
+			}
+			continue
+		}
+		if a := s.untrusted.ClientIP(one, ""); a != "" {
+			return a
+		}
+		if s.entry.ClientIP(one, "") == "" { // not an address; else a trusted one
+			return ""
+		}
+	}
+	return "" // fewer than count entries, or every one trusted
+}
+
+// entriesFromRight yields the entries of the lines of a list header as realclientip splits them
+// (each line at every comma, the lines in order), from the right-most on: finding one costs the
+// scan of the bytes right of it, not of the whole header.
+func entriesFromRight(lines []string) iter.Seq[string] {
+	return func(yield func(string) bool) {
+		for i := len(lines) - 1; i >= 0; i-- {
+			line := lines[i]
+			for {
+				j := strings.LastIndexByte(line, ',')
+				if !yield(line[j+1:]) {
+					return
+				}
+				if j < 0 {
+					break
+				}
+				line = line[:j]
+			}
+		}
 	}
 }
 

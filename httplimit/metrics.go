@@ -24,6 +24,7 @@ const (
 	outcomeShadowDenied = "shadow_denied"
 	outcomeFailOpen     = "fail_open"
 	outcomeError        = "error"
+	outcomeCanceled     = "canceled"
 	outcomeInvalid      = "invalid"
 	outcomeNoKey        = "no_key"
 	outcomeSkipped      = "skipped"
