@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/txlimit/txlimit/internal/countbound"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -379,20 +380,17 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 }
 
 // grantsOne returns a *ratelimit.ConfigError when a request for 1 token, the cost without
-// Config.Cost, exceeds what the limit cfg named name could ever grant: the bound ratelimit checks a
-// count against (without Reserve), what one shard holds, or two together when sharded.
+// Config.Cost, exceeds what the limit cfg named name could ever grant (without Reserve): what one
+// shard holds, or two together when sharded.
 func grantsOne(name string, cfg ratelimit.Config) error {
 	n := max(cfg.Shards, 1)
-	per := capacity(cfg) / float64(n) // what one shard holds
-	fits := per-1 >= 0
+	if _, ok := countbound.Check(capacity(cfg)/float64(n), 0, n >= 2, 1); ok {
+		return nil
+	}
 	reason := "must be at least 1, the cost of a request when Config.Cost is nil (Capacity defaults to Rate)"
 	if n >= 2 {
-		fits = fits || (per+per-1)/2 >= 0 // two shards charged together, left equal
 		reason = fmt.Sprintf("must be at least Shards/2 (%g), since a request costs 1 when Config.Cost is nil and "+
 			"a call draws on at most two shards, each holding Capacity/Shards (Capacity defaults to Rate)", float64(n)/2)
-	}
-	if fits {
-		return nil
 	}
 	return &ratelimit.ConfigError{Limit: name, Field: "Capacity", Value: capacity(cfg), Reason: reason}
 }

@@ -6,6 +6,8 @@ import (
 	"math"
 	"time"
 	"unicode/utf8"
+
+	"github.com/txlimit/txlimit/internal/countbound"
 )
 
 // Kind selects the algorithm of a limit.
@@ -297,20 +299,6 @@ func windowPhase(name, key string, start time.Time, periodUs int64) int64 {
 	return int64(h.Sum64() % uint64(periodUs))
 }
 
-// maxCount is the largest count a single call could ever be granted: what one shard holds (or two
-// together when sharded), plus what may be owed when reserving. With an unbounded reservation any
-// count can be granted, and maxCount returns +Inf.
-func (s spec) maxCount(reserve bool) float64 {
-	per := s.capacity
-	if reserve {
-		per += s.maxRes
-	}
-	if s.shards >= 2 {
-		return 2 * per
-	}
-	return per
-}
-
 // effective is the config in force for this spec: defaults applied.
 func (s spec) effective() Config { return s.cfg.effective() }
 
@@ -323,19 +311,11 @@ func (s spec) checkRequest(op string, count float64, reserve bool) error {
 		return &ArgumentError{Op: op, Arg: "Reserve", Reason: fmt.Sprintf(
 			"limit %q has MaxReserved 0, which allows no reservation: set MaxReserved (or Unbounded)", s.name)}
 	}
-	// The grant rule's own float operations on full rows (txlimit_left, txlimit_granted): a bound
-	// cap + MaxReserved rounded up in float64 would let through a count that no row could ever
-	// grant (0.1 + 0.2 of a capacity of 0.1 with MaxReserved 0.2).
-	allow, fits := 0.0, false
+	allow := 0.0
 	if reserve {
-		allow = s.maxRes
+		allow = s.maxRes // +Inf when unbounded: any count can be granted
 	}
-	if s.shards >= 2 && count > s.capacity {
-		fits = (s.capacity+s.capacity-count)/2 >= -allow // both shards charged, left equal
-	} else {
-		fits = s.capacity-count >= -allow
-	}
-	if m := s.maxCount(reserve); count > m || !fits {
+	if m, ok := countbound.Check(s.capacity, allow, s.shards >= 2, count); !ok {
 		what := "the capacity"
 		if s.shards >= 2 {
 			what = "what two shards hold together"
