@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -208,6 +209,72 @@ func TestOppositeOrderNoDeadlock(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Fatalf("opposite-order LimitMany failed: %v", err)
+	}
+}
+
+// docs/spec.md §7: "Rows are locked in the order (name, key, shard) ... so two calls never deadlock
+// on each other's rows." Reset locks a key's rows in shard order before it deletes them, whatever
+// order its plan visits them in (a sequential scan of a small, analyzed table visits them in
+// physical order). With shard 3 stored before shard 1, a Reset that took shard 3 first and waited
+// for shard 1 deadlocked with a call that holds shard 1 and waits for shard 3, as it may (shard 3
+// sorts after 1): a sharded LimitN that charges both shards, or a Credit (which locks shards in
+// ascending order). Whichever goes first, the other sees what it left: Reset deletes the rows
+// LimitN wrote (the limit is full: 40), or LimitN charges fresh rows (10 + 10 + 2.5 + 2.5 = 25).
+func TestResetLocksShardsInOrder(t *testing.T) {
+	t.Parallel()
+	for _, other := range []string{"LimitN", "Credit"} {
+		t.Run(other, func(t *testing.T) {
+			t.Parallel()
+			// 40/s over 4 shards: 10 per shard. The clock stays at t0.
+			b := setup(t, map[string]ratelimit.Config{"sh": {Rate: 40, Period: time.Second, Shards: 4}})
+			ctx := b.ctx
+			// Shard 3 is used first, then shard 1: their rows lie in that order in the heap.
+			for _, pick := range [][2]int{{3, 2}, {1, 0}} {
+				ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return pick[0], pick[1] })
+				r, err := b.lim.Limit(ctx, b.pool, "sh", "k", nil)
+				require.NoError(t, err)
+				require.Equal(t, []int{pick[0]}, r.Shards)
+			}
+			testdb.Analyze(t, b.pool)
+			ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 1, 3 })
+
+			// A writer holds shard 1, so that the call below takes it after Reset has started.
+			holder, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+			testdb.LockRow(t, holder, "sh", "k", 1)
+
+			callConn, resetConn := testdb.Conn(t, b.pool), testdb.Conn(t, b.pool)
+			called := make(chan error, 1)
+			go func() {
+				var err error
+				if other == "LimitN" {
+					// Shards 1 and 3 hold 9 each: 15 needs both, each left at (9 + 9 − 15)/2 = 1.5.
+					var r ratelimit.Result
+					r, err = b.lim.LimitN(ctx, callConn, "sh", "k", 15, nil)
+					if err == nil && !r.OK {
+						err = errors.New("LimitN(15) denied")
+					}
+				} else {
+					_, err = b.lim.Credit(ctx, callConn, "sh", "k", 1, nil)
+				}
+				called <- err
+			}()
+			eventually(t, other+" waits for shard 1", func() bool { return testdb.LockWait(t, b.pool, callConn.PgConn().PID()) != "" })
+			reset := make(chan error, 1)
+			go func() { reset <- b.lim.Reset(ctx, resetConn, "sh", "k") }()
+			eventually(t, "Reset waits", func() bool { return testdb.LockWait(t, b.pool, resetConn.PgConn().PID()) != "" })
+			require.NoError(t, holder.Rollback(ctx))
+
+			errCall, errReset := <-called, <-reset
+			require.NoError(t, errCall, "%s beside a Reset of the same key", other)
+			require.NoError(t, errReset, "Reset beside a %s of the same key", other)
+			if other == "LimitN" {
+				st, err := b.lim.State(ctx, b.pool, "sh", "k", nil)
+				require.NoError(t, err)
+				require.Contains(t, []float64{40, 25}, st.Value, "after LimitN(15) and Reset: shards %v", st.Shards)
+			}
+		})
 	}
 }
 

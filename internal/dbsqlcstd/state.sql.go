@@ -265,17 +265,23 @@ func (q *Queries) PruneCandidates(ctx context.Context, db DBTX, arg PruneCandida
 
 const pruneDelete = `-- name: PruneDelete :execrows
 DELETE FROM txlimit_state s
-USING unnest($1::text[]) WITH ORDINALITY AS d(key, i)
-WHERE s.name = $2::text AND s.key = d.key AND s.shard = ($3::integer[])[d.i]
-  AND txlimit_prunable(s.value, s.ts, $4::bigint, $5::double precision,
-                       $6::bigint, $7::bigint, $8::double precision,
-                       ($9::bigint[])[d.i])
+USING (SELECT l.key, l.shard
+       FROM txlimit_state l
+       JOIN unnest($1::text[]) WITH ORDINALITY AS d(key, i)
+         ON l.key = d.key AND l.shard = ($2::integer[])[d.i]
+       WHERE l.name = $3::text
+         AND txlimit_prunable(l.value, l.ts, $4::bigint, $5::double precision,
+                              $6::bigint, $7::bigint, $8::double precision,
+                              ($9::bigint[])[d.i])
+       ORDER BY l.key, l.shard
+       FOR UPDATE OF l) lk
+WHERE s.name = $3::text AND s.key = lk.key AND s.shard = lk.shard
 `
 
 type PruneDeleteParams struct {
 	Keys      []string
-	Name      string
 	ShardList []int32
+	Name      string
 	NowUs     int64
 	Rate      float64
 	PeriodUs  int64
@@ -286,13 +292,15 @@ type PruneDeleteParams struct {
 
 // PruneDelete deletes the listed rows (keys[i], shards[i], the key's window grid starting at
 // anchors[i]) of a limit that evaluate exactly as missing rows at the clock (txlimit_prunable).
-// Under concurrency DELETE re-checks the latest version of each row, so a row charged since it was
-// listed stays.
+// The subquery locks them first, in (key, shard) order (its LockRows sits above its sort), the
+// global order of docs/spec.md §7, whatever order the join finds them in. Under concurrency the lock
+// re-checks the latest version of each row, so a row charged since it was listed is locked but
+// not returned, and stays.
 func (q *Queries) PruneDelete(ctx context.Context, db DBTX, arg PruneDeleteParams) (int64, error) {
 	result, err := db.ExecContext(ctx, pruneDelete,
 		pq.Array(arg.Keys),
-		arg.Name,
 		pq.Array(arg.ShardList),
+		arg.Name,
 		arg.NowUs,
 		arg.Rate,
 		arg.PeriodUs,
@@ -307,7 +315,13 @@ func (q *Queries) PruneDelete(ctx context.Context, db DBTX, arg PruneDeleteParam
 }
 
 const reset = `-- name: Reset :execrows
-DELETE FROM txlimit_state WHERE name = $1::text AND key = $2::text
+DELETE FROM txlimit_state s
+USING (SELECT l.shard
+       FROM txlimit_state l
+       WHERE l.name = $1::text AND l.key = $2::text
+       ORDER BY l.shard
+       FOR UPDATE) lk
+WHERE s.name = $1::text AND s.key = $2::text AND s.shard = lk.shard
 `
 
 type ResetParams struct {
@@ -315,7 +329,11 @@ type ResetParams struct {
 	Key  string
 }
 
-// Reset deletes every shard row of (name, key): the limit is full again.
+// Reset deletes every shard row of (name, key): the limit is full again. The subquery locks the rows
+// first, in shard order (its LockRows sits above its sort), so that Reset takes them in the global
+// order (name, key, shard) as every other call does (docs/spec.md §7); the DELETE then removes the
+// rows it holds, each in its latest version (under READ COMMITTED the DELETE follows a row updated
+// meanwhile to that version, which the subquery locked).
 func (q *Queries) Reset(ctx context.Context, db DBTX, arg ResetParams) (int64, error) {
 	result, err := db.ExecContext(ctx, reset, arg.Name, arg.Key)
 	if err != nil {

@@ -63,8 +63,18 @@ LEFT JOIN txlimit_state s ON s.name = sqlc.arg('name')::text AND s.key = sqlc.ar
 ORDER BY s.shard;
 
 -- name: Reset :execrows
--- Reset deletes every shard row of (name, key): the limit is full again.
-DELETE FROM txlimit_state WHERE name = sqlc.arg('name')::text AND key = sqlc.arg('key')::text;
+-- Reset deletes every shard row of (name, key): the limit is full again. The subquery locks the rows
+-- first, in shard order (its LockRows sits above its sort), so that Reset takes them in the global
+-- order (name, key, shard) as every other call does (docs/spec.md §7); the DELETE then removes the
+-- rows it holds, each in its latest version (under READ COMMITTED the DELETE follows a row updated
+-- meanwhile to that version, which the subquery locked).
+DELETE FROM txlimit_state s
+USING (SELECT l.shard
+       FROM txlimit_state l
+       WHERE l.name = sqlc.arg('name')::text AND l.key = sqlc.arg('key')::text
+       ORDER BY l.shard
+       FOR UPDATE) lk
+WHERE s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = lk.shard;
 
 -- name: PruneCandidates :many
 -- PruneCandidates lists, in key order after (after_key, after_shard), up to batch rows of a limit's
@@ -86,11 +96,19 @@ LIMIT sqlc.arg('batch')::integer;
 -- name: PruneDelete :execrows
 -- PruneDelete deletes the listed rows (keys[i], shards[i], the key's window grid starting at
 -- anchors[i]) of a limit that evaluate exactly as missing rows at the clock (txlimit_prunable).
--- Under concurrency DELETE re-checks the latest version of each row, so a row charged since it was
--- listed stays.
+-- The subquery locks them first, in (key, shard) order (its LockRows sits above its sort), the
+-- global order of docs/spec.md §7, whatever order the join finds them in. Under concurrency the lock
+-- re-checks the latest version of each row, so a row charged since it was listed is locked but
+-- not returned, and stays.
 DELETE FROM txlimit_state s
-USING unnest(sqlc.arg('keys')::text[]) WITH ORDINALITY AS d(key, i)
-WHERE s.name = sqlc.arg('name')::text AND s.key = d.key AND s.shard = (sqlc.arg('shard_list')::integer[])[d.i]
-  AND txlimit_prunable(s.value, s.ts, sqlc.arg('now_us')::bigint, sqlc.arg('rate')::double precision,
-                       sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision,
-                       (sqlc.arg('anchors')::bigint[])[d.i]);
+USING (SELECT l.key, l.shard
+       FROM txlimit_state l
+       JOIN unnest(sqlc.arg('keys')::text[]) WITH ORDINALITY AS d(key, i)
+         ON l.key = d.key AND l.shard = (sqlc.arg('shard_list')::integer[])[d.i]
+       WHERE l.name = sqlc.arg('name')::text
+         AND txlimit_prunable(l.value, l.ts, sqlc.arg('now_us')::bigint, sqlc.arg('rate')::double precision,
+                              sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint, sqlc.arg('cap')::double precision,
+                              (sqlc.arg('anchors')::bigint[])[d.i])
+       ORDER BY l.key, l.shard
+       FOR UPDATE OF l) lk
+WHERE s.name = sqlc.arg('name')::text AND s.key = lk.key AND s.shard = lk.shard;
