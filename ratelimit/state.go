@@ -49,11 +49,11 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 	}
 	for _, row := range rows {
 		st.Time = usTime(row.NowUs)
-		if !row.Shard.Valid || int(row.Shard.Int32) >= s.shards {
+		if row.Shard < 0 || int(row.Shard) >= s.shards { // shard -1: the clock-only row of a limit without rows
 			continue
 		}
-		st.Shards[row.Shard.Int32] = row.Level
-		if ts := usTime(row.TsUs.Int64); ts.After(st.TS) {
+		st.Shards[row.Shard] = row.Level
+		if ts := usTime(row.TsUs); ts.After(st.TS) {
 			st.TS = ts
 		}
 	}
