@@ -35,10 +35,54 @@ END
 $$;
 -- +goose StatementEnd
 
+-- txlimit_hold_shards: holds, in shard order, every shard of (p_name, p_key) below p_shards (NULL:
+-- every shard) up to the key's highest row, so that Credit and Reset act on the key as it is at one
+-- instant, as they would in a serial order: an existing row by its row lock (FOR UPDATE, which
+-- waits for a transaction writing it), a missing one by the advisory lock that creates it
+-- (txlimit_lock_row's p_create_key, computed as txlimit_decide_v1 computes it: keep the two equal;
+-- a decision holds it from before it inserts the row until it ends, so taking it waits for a
+-- decision creating the row, and holding it keeps the row missing).
+-- Under READ COMMITTED each probe reads the latest committed rows, so that a row created by a
+-- decision this call waited for is seen and held, and the highest row is read again until none lies
+-- beyond those held. Returns how many shards are held, from 0: every row of the key below that is
+-- held (a missing one stays missing), and when last read the key had no row from there on (below
+-- p_shards); a row created there since was created after that instant. Runs within its callers'
+-- planner settings (primary-key probes only).
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_hold_shards(p_name text, p_key text, p_shards integer)
+RETURNS integer
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    bound integer := coalesce(p_shards, 2147483647);
+    held integer := 0;
+    top integer;
+BEGIN
+    LOOP
+        SELECT max(s.shard) INTO top FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard < bound;
+        IF top IS NULL OR top < held THEN
+            RETURN held;
+        END IF;
+        FOR sh IN held .. top LOOP
+            PERFORM FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = sh FOR UPDATE;
+            IF NOT FOUND THEN
+                PERFORM pg_advisory_xact_lock(hashtextextended(p_key, hashtext(p_name)) # sh
+                                              # ('txlimit_state'::regclass::oid::bigint << 20));
+                -- Created by a transaction that ended meanwhile: lock it.
+                PERFORM FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = sh FOR UPDATE;
+            END IF;
+        END LOOP;
+        held := top + 1;
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
+
 -- txlimit_credit_v1: Credit. It gives p_count tokens back to the shard rows 0 .. p_shards - 1 of
--- (p_name, p_key), never above p_cap (the per-shard capacity). The rows are locked in shard order
--- and the tokens go to the emptiest shards first: each shard takes what the shards before it could
--- not. A missing row is full and takes nothing, so a credit never creates a row. Returns every
+-- (p_name, p_key), never above p_cap (the per-shard capacity). The shards are held in shard order
+-- first (txlimit_hold_shards), so that the credit sees every shard as at one instant, and the
+-- tokens go to the emptiest shards first: each shard takes what the shards before it could not. A
+-- missing row is full and takes nothing, so a credit never creates a row. Returns every
 -- existing shard row with its level before and after, or a single row with shard -1 (carrying the
 -- clock, now_us) when there is none.
 -- +goose StatementBegin
@@ -51,12 +95,13 @@ AS $$
 #variable_conflict use_column
 DECLARE
     t bigint := txlimit_clock(p_now_us);
+    held integer := txlimit_hold_shards(p_name, p_key, p_shards);
 BEGIN
     RETURN QUERY
-    WITH lk AS MATERIALIZED (
+    WITH lk AS MATERIALIZED ( -- the rows held, in their latest version
         SELECT s.shard, s.value, s.ts
         FROM txlimit_state s
-        WHERE s.name = p_name AND s.key = p_key AND s.shard < p_shards
+        WHERE s.name = p_name AND s.key = p_key AND s.shard < held
         ORDER BY s.shard
         FOR UPDATE
     ),
@@ -84,10 +129,10 @@ $$;
 -- +goose StatementEnd
 
 -- txlimit_reset_v1: Reset. It deletes every shard row of (p_name, p_key), shards beyond any
--- config's count included, and returns how many. The rows are locked first, in shard order (lk),
--- so that Reset takes them in the global order (name, key, shard) as every other call does: the
--- DELETE removes only rows lk holds, each in its latest version (under READ COMMITTED it follows a
--- row updated meanwhile to the version lk locked).
+-- config's count included, and returns how many. The shards are held first, in shard order
+-- (txlimit_hold_shards: the global order (name, key, shard) of every call), and the DELETE removes
+-- the rows held, each in its latest version, among them any row created by a decision that Reset
+-- waited for.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_reset_v1(p_name text, p_key text)
 RETURNS bigint
@@ -95,14 +140,10 @@ LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off SET enable_bitmapscan = off
 AS $$
 DECLARE
+    held integer := txlimit_hold_shards(p_name, p_key, NULL);
     n bigint;
 BEGIN
-    WITH lk AS MATERIALIZED (
-        SELECT l.shard FROM txlimit_state l WHERE l.name = p_name AND l.key = p_key ORDER BY l.shard FOR UPDATE
-    )
-    DELETE FROM txlimit_state s
-    USING lk
-    WHERE s.name = p_name AND s.key = p_key AND s.shard = lk.shard;
+    DELETE FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard < held;
     GET DIAGNOSTICS n = ROW_COUNT;
     RETURN n;
 END
@@ -113,4 +154,5 @@ $$;
 DROP FUNCTION txlimit_reset_v1(text, text);
 DROP FUNCTION txlimit_credit_v1(bigint, text, text, integer, double precision, double precision, bigint, bigint,
                                 double precision);
+DROP FUNCTION txlimit_hold_shards(text, text, integer);
 DROP FUNCTION txlimit_levels_v1(bigint, text, text, double precision, bigint, bigint, double precision);

@@ -64,7 +64,9 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 }
 
 // Reset removes every shard row of (name, key), so the limit is full again. Resetting a limit that
-// has no rows is not an error; a name needs no config to be reset.
+// has no rows is not an error; a name needs no config to be reset. It holds the key's shards as
+// Credit does (in shard order, up to the highest that has a row), so that under READ COMMITTED a
+// Reset that waits for a decision also deletes the rows that decision created.
 func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) error {
 	const op = "Reset"
 	if err := checkExecutor(op, db); err != nil {
@@ -99,6 +101,14 @@ type CreditResult struct {
 // Credit gives count tokens back to (name, key), e.g. to settle a reservation with the actual
 // usage: the value becomes min(value + count, capacity), never above capacity. With shards, the
 // tokens go to the emptiest shards first. To charge more instead, call LimitN with Reserve.
+//
+// Credit first holds the key's shards in shard order (the order decisions lock rows in), up to the
+// highest that has a row: an existing row by its row lock, a missing one by the transaction-scoped
+// advisory lock that a decision creating that row holds, so that under READ COMMITTED it waits for
+// such a decision as for one writing a row and credits the shards as they are at one instant. Both
+// are held until the transaction ends (a decision that would create a held missing shard waits for
+// it); each missing shard held takes an entry of Postgres's lock table (max_locks_per_transaction),
+// so on a limit of many shards whose rows are few and far apart a Credit can take many.
 func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *LimitOpts) (CreditResult, error) {
 	const op = "Credit"
 	s, err := l.prepare(op, db, name, key, opts)
