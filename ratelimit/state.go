@@ -20,7 +20,9 @@ type State struct {
 	// float8: a charge that combines two shards splits its count in halves, so after many of them
 	// the sum can differ from the exact total by rounding (a few units in the last place).
 	Value float64
-	// TS is the latest stored timestamp of any shard row; zero when no row exists (a full limit).
+	// TS is the latest stored timestamp of the rows of shards 0 to Config.Shards-1; zero when none
+	// of them has a row (a full limit). Rows of shards ≥ Shards (left by an earlier, larger shard
+	// count) are ignored, as Value ignores them.
 	TS time.Time
 	// Shards has the tokens available now in each configured shard, indexed by shard.
 	Shards []float64
