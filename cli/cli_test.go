@@ -192,7 +192,9 @@ func TestCommandExitCodes(t *testing.T) {
 			`was migrated into (search_path "` + schema + `": ` + missing + `)` + "\n"
 	}
 	notMigrated := notMigratedBy(`relation "txlimit_state" does not exist, SQLSTATE 42P01`)
-	noClock := notMigratedBy(`function txlimit_clock does not exist, SQLSTATE 42883`) // what a decision reads first
+	noClock := notMigratedBy(`function txlimit_clock does not exist, SQLSTATE 42883`)      // what prune reads first
+	noLevels := notMigratedBy(`function txlimit_levels_v1 does not exist, SQLSTATE 42883`) // what inspect (State) calls
+	noReset := notMigratedBy(`function txlimit_reset_v1 does not exist, SQLSTATE 42883`)
 	cases := []struct {
 		name   string
 		dsn    string
@@ -228,15 +230,15 @@ func TestCommandExitCodes(t *testing.T) {
 		{"database down: migrate", down, []string{"migrate", "status"}, cli.ExitDatabase, "connect"},
 		{"database down: reset", down, []string{"reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, "connect"},
 		{"database down: names", down, []string{"names"}, cli.ExitDatabase, "connect"},
-		{"not migrated: inspect", dsn, []string{"--schema", schema, "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, noClock},
-		{"not migrated: reset", dsn, []string{"--schema", schema, "reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, notMigrated},
+		{"not migrated: inspect", dsn, []string{"--schema", schema, "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, noLevels},
+		{"not migrated: reset", dsn, []string{"--schema", schema, "reset", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, noReset},
 		{"not migrated: prune NAME", dsn, []string{"--schema", schema, "prune", "a", "--rate", "1", "--period", "1s"}, cli.ExitDatabase, noClock},
 		{"not migrated: prune", dsn, []string{"--schema", schema, "prune"}, cli.ExitDatabase, notMigrated},
 		{"not migrated: names", dsn, []string{"--schema", schema, "names"}, cli.ExitDatabase, notMigrated},
 		{"no schema: inspect", dsn, []string{"--schema", "txlimit_no_such_schema", "inspect", "a", "b", "--rate", "1", "--period", "1s"}, cli.ExitDatabase,
 			`txlimit: not migrated: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" (on the same database), ` +
 				`or pass --schema with the schema txlimit was migrated into (no schema of search_path "txlimit_no_such_schema" exists: ` +
-				`function txlimit_clock does not exist, SQLSTATE 42883)` + "\n"},
+				`function txlimit_levels_v1 does not exist, SQLSTATE 42883)` + "\n"},
 		{"no schema: migrate up", dsn, []string{"--schema", "txlimit_no_such_schema", "migrate", "up"}, cli.ExitDatabase,
 			`txlimit: run "txlimit migrate up --schema txlimit_no_such_schema --create-schema" to create the schema, ` +
 				`or pass --schema with an existing one (no schema of search_path "txlimit_no_such_schema" exists)` + "\n"},
@@ -416,8 +418,8 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 	require.NoError(t, err)
 	_, err = lim.Limit(ctx, pool, "century", "user-42", nil)
 	require.NoError(t, err)
-	// The last two migrations hold the functions; the first one the table.
-	for _, m := range []string{"00003_txlimit_decide.sql", "00002_txlimit_rules.sql"} {
+	// The last three migrations hold the functions; the first one the table.
+	for _, m := range []string{"00004_txlimit_operations.sql", "00003_txlimit_decide.sql", "00002_txlimit_rules.sql"} {
 		r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
 		require.Equal(t, cli.ExitOK, r.code, r.stderr)
 		require.Equal(t, "down  "+m+"\n", r.stdout)
@@ -441,7 +443,8 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 		{stdin: tty{strings.NewReader("yes\n")}, args: down, code: cli.ExitOK,
 			stdout: "down  00001_txlimit_table.sql\n", stderr: what + ".\nType yes to roll back: "},
 		{stdin: strings.NewReader(""), args: append(s, "migrate", "up"), code: cli.ExitOK,
-			stdout: "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n"},
+			stdout: "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\nup    00004_txlimit_operations.sql\n"},
+		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00004_txlimit_operations.sql\n"},
 		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00003_txlimit_decide.sql\n"},
 		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00002_txlimit_rules.sql\n"},
 		{stdin: strings.NewReader(""), args: append(s, "migrate", "down", "--yes"), code: cli.ExitOK, stdout: "down  00001_txlimit_table.sql\n"},
@@ -478,7 +481,7 @@ func TestCommandMigrateUpCreateSchema(t *testing.T) {
 		`or pass --schema with an existing one (no schema of search_path "`+schema+`" exists)`+"\n", r.stderr)
 	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.Equal(t, "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n", r.stdout)
+	require.Equal(t, "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\nup    00004_txlimit_operations.sql\n", r.stdout)
 	r = run(t, dsn, nil, "--schema", schema, "migrate", "up", "--create-schema")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "up to date\n", r.stdout)

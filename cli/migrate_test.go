@@ -47,7 +47,7 @@ func exec(t *testing.T, dsn, sql string) {
 }
 
 // allUp is migrate up's text output on a schema with nothing applied.
-const allUp = "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\n"
+const allUp = "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\nup    00004_txlimit_operations.sql\n"
 
 // TestCommandMigrateUpNamedSchema: migrate up reports the migrations it applied to the first
 // schema named in --schema, also when that schema is new and the search_path led to another,
@@ -100,7 +100,7 @@ func TestCommandMigrateStatusReadsOnly(t *testing.T) {
 	r := run(t, dsn, nil, "--schema", empty, "migrate", "status")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	pending := "pending" + strings.Repeat(" ", 24)
-	require.Equal(t, pending+"00001_txlimit_table.sql\n"+pending+"00002_txlimit_rules.sql\n"+pending+"00003_txlimit_decide.sql\n", r.stdout)
+	require.Equal(t, pending+"00001_txlimit_table.sql\n"+pending+"00002_txlimit_rules.sql\n"+pending+"00003_txlimit_decide.sql\n"+pending+"00004_txlimit_operations.sql\n", r.stdout)
 	r = run(t, dsn, nil, "--schema", empty, "migrate", "down", "--yes")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "nothing to roll back\n", r.stdout)

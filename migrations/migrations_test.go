@@ -67,6 +67,8 @@ func TestDownAndUpAgain(t *testing.T) {
 		// 00003: the decision
 		"function txlimit_stale", "function txlimit_pack_v1", "function txlimit_written_v1", "function txlimit_steer",
 		"function txlimit_lock_row", "function txlimit_answers", "function txlimit_alone", "function txlimit_decide_v1", "function txlimit_decide_one_v1",
+		// 00004: the operations
+		"function txlimit_levels_v1", "function txlimit_hold_shards", "function txlimit_credit_v1", "function txlimit_reset_v1",
 	} {
 		if !slices.Contains(full, want) {
 			t.Errorf("after Up: no %s in %v", want, full)

@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -209,6 +210,174 @@ func TestOppositeOrderNoDeadlock(t *testing.T) {
 	for err := range errs {
 		t.Fatalf("opposite-order LimitMany failed: %v", err)
 	}
+}
+
+// docs/spec.md §7: "Rows are locked in the order (name, key, shard) ... so two calls never deadlock
+// on each other's rows." Reset locks a key's rows in shard order before it deletes them, whatever
+// order its plan visits them in (a sequential scan of a small, analyzed table visits them in
+// physical order). With shard 3 stored before shard 1, a Reset that took shard 3 first and waited
+// for shard 1 deadlocked with a call that holds shard 1 and waits for shard 3, as it may (shard 3
+// sorts after 1): a sharded LimitN that charges both shards, or a Credit (which locks shards in
+// ascending order). Whichever goes first, the other sees what it left: Reset deletes the rows
+// LimitN wrote (the limit is full: 40), or LimitN charges fresh rows (10 + 10 + 2.5 + 2.5 = 25).
+func TestResetLocksShardsInOrder(t *testing.T) {
+	t.Parallel()
+	for _, other := range []string{"LimitN", "Credit"} {
+		t.Run(other, func(t *testing.T) {
+			t.Parallel()
+			// 40/s over 4 shards: 10 per shard. The clock stays at t0.
+			b := setup(t, map[string]ratelimit.Config{"sh": {Rate: 40, Period: time.Second, Shards: 4}})
+			ctx := b.ctx
+			// Shard 3 is used first, then shard 1: their rows lie in that order in the heap.
+			for _, pick := range [][2]int{{3, 2}, {1, 0}} {
+				ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return pick[0], pick[1] })
+				r, err := b.lim.Limit(ctx, b.pool, "sh", "k", nil)
+				require.NoError(t, err)
+				require.Equal(t, []int{pick[0]}, r.Shards)
+			}
+			testdb.Analyze(t, b.pool)
+			ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 1, 3 })
+
+			// A writer holds shard 1, so that the call below takes it after Reset has started.
+			holder, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+			testdb.LockRow(t, holder, "sh", "k", 1)
+
+			callConn, resetConn := testdb.Conn(t, b.pool), testdb.Conn(t, b.pool)
+			called := make(chan error, 1)
+			go func() {
+				var err error
+				if other == "LimitN" {
+					// Shards 1 and 3 hold 9 each: 15 needs both, each left at (9 + 9 − 15)/2 = 1.5.
+					var r ratelimit.Result
+					r, err = b.lim.LimitN(ctx, callConn, "sh", "k", 15, nil)
+					if err == nil && !r.OK {
+						err = errors.New("LimitN(15) denied")
+					}
+				} else {
+					_, err = b.lim.Credit(ctx, callConn, "sh", "k", 1, nil)
+				}
+				called <- err
+			}()
+			eventually(t, other+" waits for shard 1", func() bool { return testdb.LockWait(t, b.pool, callConn.PgConn().PID()) != "" })
+			reset := make(chan error, 1)
+			go func() { reset <- b.lim.Reset(ctx, resetConn, "sh", "k") }()
+			eventually(t, "Reset waits", func() bool { return testdb.LockWait(t, b.pool, resetConn.PgConn().PID()) != "" })
+			require.NoError(t, holder.Rollback(ctx))
+
+			errCall, errReset := <-called, <-reset
+			require.NoError(t, errCall, "%s beside a Reset of the same key", other)
+			require.NoError(t, errReset, "Reset beside a %s of the same key", other)
+			if other == "LimitN" {
+				st, err := b.lim.State(ctx, b.pool, "sh", "k", nil)
+				require.NoError(t, err)
+				require.Contains(t, []float64{40, 25}, st.Value, "after LimitN(15) and Reset: shards %v", st.Shards)
+			}
+		})
+	}
+}
+
+// docs/spec.md §6: "With shards the tokens go to the emptiest shards first", and CreditResult.Value
+// is "the number of tokens available after the credit, summed over every shard". Under READ
+// COMMITTED a Credit that waited for a shard row held by a decision re-read that row as the
+// decision left it, but a shard row the decision created was not in the Credit's snapshot and
+// counted as full: the Credit acted after the decision on one shard and before it on the other.
+// Credit now holds every shard in order, a missing one by the advisory lock its creator holds
+// (txlimit_hold_shards), so it waits for the decision and sees both rows. Here 10/s over 2 shards
+// (5 each, MaxReserved 5 each): shard 0 at 4, a transaction reserves 13 over shards 0 and 1
+// (missing: 5), leaving each at (4 + 5 − 13)/2 = −2, while a Credit of 4 waits. In either serial
+// order the answers agree with each other: Credit first gives 1 (shard 0 to 5, Value 10) and the
+// reservation then leaves both at −1.5 (the limit holds −3); Credit second gives 4 to the emptiest
+// (a tie: shard 0, to 2), Value 2 − 2 = 0, and the limit holds 0. The Credit reported Value 7 (2 + a
+// "full" 5) while the limit held 0.
+func TestCreditRacingADecisionReportsTheLimit(t *testing.T) {
+	t.Parallel()
+	// The shard with a row is shard 0 (the Credit waits for that row, the reviewer's case) or shard
+	// 1 (the Credit, holding shards in order, first meets shard 0, which the decision is creating,
+	// and waits for the advisory lock its creator holds). The answers are the same.
+	for _, c := range []struct {
+		name            string
+		existing, other int
+		advisory        bool
+	}{{"waits for the row", 0, 1, false}, {"waits for the creator", 1, 0, true}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, map[string]ratelimit.Config{"sh": {Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 10}})
+			ctx := b.ctx
+			ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return c.existing, c.other })
+			r, err := b.lim.Limit(ctx, b.pool, "sh", "k", nil) // the existing shard: 4; the other has no row
+			require.NoError(t, err)
+			require.Equal(t, []int{c.existing}, r.Shards)
+
+			tx, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+			r, err = b.lim.LimitN(ctx, tx, "sh", "k", 13, &ratelimit.LimitOpts{Reserve: true})
+			require.NoError(t, err)
+			require.True(t, r.Reserved)
+			require.Equal(t, []int{0, 1}, r.Shards)
+
+			conn := testdb.Conn(t, b.pool)
+			type credit struct {
+				res ratelimit.CreditResult
+				err error
+			}
+			done := make(chan credit, 1)
+			go func() {
+				c, err := b.lim.Credit(ctx, conn, "sh", "k", 4, nil)
+				done <- credit{c, err}
+			}()
+			var wait string
+			eventually(t, "Credit waits for shard 0", func() bool {
+				wait = testdb.LockWait(t, b.pool, conn.PgConn().PID())
+				return wait != ""
+			})
+			require.Equal(t, c.advisory, wait == "advisory", "Credit waits on a lock of kind %q", wait)
+			require.NoError(t, tx.Commit(ctx))
+			cr := <-done
+			require.NoError(t, cr.err)
+			st, err := b.lim.State(ctx, b.pool, "sh", "k", nil)
+			require.NoError(t, err)
+			type outcome struct{ Credited, Value, Holds float64 }
+			got := outcome{cr.res.Credited, cr.res.Value, st.Value}
+			require.Contains(t, []outcome{{1, 10, -3}, {4, 0, 0}}, got,
+				"Credit(4) racing the reservation: Credited, CreditResult.Value and the State after it (shards %v)", st.Shards)
+		})
+	}
+}
+
+// As TestCreditRacingADecisionReportsTheLimit, for Reset: a Reset that waited for shard 0 while a
+// decision charged it and created shard 1 deleted shard 0 as the decision left it but not shard 1,
+// which was not in its snapshot, so the limit was left holding the decision's charge on one shard
+// only (5 + −2 = 3): no serial order gives that. Reset holds every shard in order as Credit does,
+// so it waits for the decision and deletes both rows (the decision, then Reset: the limit is full).
+func TestResetRacingADecisionDeletesTheRowsItCreated(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"sh": {Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 10}})
+	ctx := b.ctx
+	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 0, 1 })
+	r, err := b.lim.Limit(ctx, b.pool, "sh", "k", nil) // shard 0: 4; shard 1 has no row
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Shards)
+
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	r, err = b.lim.LimitN(ctx, tx, "sh", "k", 13, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards) // shard 1 created by tx
+
+	conn := testdb.Conn(t, b.pool)
+	done := make(chan error, 1)
+	go func() { done <- b.lim.Reset(ctx, conn, "sh", "k") }()
+	eventually(t, "Reset waits for shard 0", func() bool { return testdb.LockWait(t, b.pool, conn.PgConn().PID()) != "" })
+	require.NoError(t, tx.Commit(ctx))
+	require.NoError(t, <-done)
+	st, err := b.lim.State(ctx, b.pool, "sh", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, 10.0, st.Value, "after the reservation and a Reset that waited for it: shards %v", st.Shards)
+	require.Zero(t, testdb.CountRows(t, b.pool))
 }
 
 // holdRow begins a transaction on b's pool that takes lock (testdb.LockRow or testdb.KeyShareRow)

@@ -37,8 +37,10 @@ type Row struct {
 //
 // from defaults, when zero, to the time a decision reads: LimiterConfig.Now when set, else the
 // database's clock. Bad input (a name, key or config a call would refuse, a Value that is not
-// finite, a zero TS, a from or TS more than 2^62 µs, about 146,000 years, from the Unix epoch) is
-// an error matching ErrInvalid, with no SQL run.
+// finite, a zero TS, a from or TS more than 2^62 µs, about 146,000 years, from the Unix epoch, or
+// a TS more than 2^62 µs from from) is an error matching ErrInvalid, with no SQL run. A zero from
+// is checked as the time LimiterConfig.Now returns; the database's clock, within 2^61 µs of the
+// epoch for any year before 73,000, needs no check.
 func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, rows []Row) ([]time.Time, error) {
 	const op = "OutOfDebtAt"
 	if err := checkExecutor(op, db); err != nil {
@@ -47,12 +49,18 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 	if len(rows) == 0 {
 		return nil, nil
 	}
-	p := dbsqlc.OutOfDebtAtParams{NowUs: l.clock()}
+	var p dbsqlc.OutOfDebtAtParams // NowUs NULL: the database's clock
 	if !from.IsZero() {
 		if !timeInRange(from) {
 			return nil, &ArgumentError{Op: op, Arg: "from", Reason: fmt.Sprintf("must lie within 2^62 µs (about 146,000 years) of the Unix epoch, got %s", from)}
 		}
 		p.NowUs = pgtype.Int8{Int64: from.UnixMicro(), Valid: true}
+	} else if l.now != nil {
+		now := l.now()
+		if !timeInRange(now) {
+			return nil, &ArgumentError{Op: op, Arg: "from", Reason: fmt.Sprintf("is zero, so it is LimiterConfig.Now, which returned %s: it must lie within 2^62 µs (about 146,000 years) of the Unix epoch", now)}
+		}
+		p.NowUs = pgtype.Int8{Int64: now.UnixMicro(), Valid: true}
 	}
 	for i, r := range rows {
 		s, err := l.resolve(op, r.Name, r.Key, r.Config)
@@ -66,6 +74,8 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].TS", i), Reason: "is zero: pass the row's ts (Result.TS)"}
 		case !timeInRange(r.TS):
 			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].TS", i), Reason: fmt.Sprintf("must lie within 2^62 µs (about 146,000 years) of the Unix epoch, got %s", r.TS)}
+		case p.NowUs.Valid && microsApart(r.TS.UnixMicro(), p.NowUs.Int64) > maxTimeMicros:
+			return nil, &ArgumentError{Op: op, Arg: fmt.Sprintf("rows[%d].TS", i), Reason: fmt.Sprintf("must lie within 2^62 µs (about 146,000 years) of from (%s), got %s", usTime(p.NowUs.Int64), r.TS)}
 		}
 		p.Rates = append(p.Rates, s.rate)
 		p.PeriodUs = append(p.PeriodUs, s.periodUs)
@@ -92,9 +102,20 @@ func (l *Limiter) OutOfDebtAt(ctx context.Context, db Executor, from time.Time, 
 }
 
 // maxTimeMicros bounds the times OutOfDebtAt accepts, in microseconds either side of the Unix
-// epoch: far enough for any row's ts, near enough that the search's arithmetic (a time plus up to
-// 2^61 µs, differences of two times) stays within a bigint.
+// epoch, and how far a row's ts may lie from from: far enough for any row's ts, near enough that
+// the search's arithmetic stays within a bigint. It computes from + 2^61 µs (its bound), steps of
+// up to 2^61 µs from an instant before that bound, ts − from, and t − ts for every instant t it
+// tests, from from to from + 2^61 µs; with from and ts within 2^62 µs of the epoch and of each
+// other, each is at most 2^63 − 1 in magnitude.
 const maxTimeMicros = 1 << 62
+
+// microsApart is |a − b|, which does not fit an int64 when a and b lie 2^63 µs or more apart.
+func microsApart(a, b int64) uint64 {
+	if a >= b {
+		return uint64(a) - uint64(b)
+	}
+	return uint64(b) - uint64(a)
+}
 
 // timeInRange reports whether t lies within maxTimeMicros of the Unix epoch (checked on the
 // time.Time: UnixMicro wraps beyond about 292,000 years).

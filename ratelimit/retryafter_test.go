@@ -120,3 +120,58 @@ func TestOutOfDebtAtBadInput(t *testing.T) {
 	require.Len(t, got, 1)
 	require.True(t, got[0].Equal(edge.Add(100*time.Millisecond)), "got %s", got[0])
 }
+
+// OutOfDebtAt's documentation: a TS more than 2^62 µs (about 146,000 years) from from is bad input,
+// an ErrInvalid error naming the row's TS, with no SQL run (the pool is closed), as docs/spec.md
+// §5 requires ("all time arithmetic is bounded for every input the validation accepts"). A from and
+// a TS each within 2^62 µs of the epoch but on opposite sides were accepted, and the SQL then
+// subtracted them (txlimit_level's now − ts) out of a bigint. 2^62 µs apart, either way, they are
+// answered exactly. A zero from is LimiterConfig.Now's time, checked the same way.
+func TestOutOfDebtAtFarApartTimes(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tok": {Rate: 10, Period: time.Second}})
+	closed, err := pgxpool.New(b.ctx, b.pool.Config().ConnString())
+	require.NoError(t, err)
+	closed.Close()
+	const edge = 1 << 62
+	refused := func(t *testing.T, lim *ratelimit.Limiter, from time.Time, ts int64, arg string) {
+		t.Helper()
+		_, err := lim.OutOfDebtAt(b.ctx, closed, from, []ratelimit.Row{{Name: "tok", Value: -1, TS: time.UnixMicro(ts)}})
+		var ae *ratelimit.ArgumentError
+		require.True(t, errors.As(err, &ae), "from %d µs, TS %d µs: got %v; want an *ArgumentError", from.UnixMicro(), ts, err)
+		require.Equal(t, arg, ae.Arg)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	}
+	for _, c := range [][2]int64{ // from, ts (µs)
+		{edge, -edge}, {-edge, edge}, // 2^63 apart: the reviewer's two
+		{edge, -1}, {-1, edge}, // 2^62 + 1 apart
+	} {
+		refused(t, b.lim, time.UnixMicro(c[0]), c[1], "rows[0].TS")
+	}
+	for _, c := range []struct{ from, ts, want int64 }{ // µs
+		// A row at −1 stamped 2^62 µs before from has refilled long before it: from itself.
+		{edge, 0, edge},
+		{0, -edge, 0},
+		// Stamped 2^62 µs after from, it refills from its ts on: beyond the bound from + 2^61 µs,
+		// which is the answer.
+		{-edge, 0, -edge + 1<<61},
+		{0, edge, 1 << 61},
+	} {
+		got, err := b.lim.OutOfDebtAt(b.ctx, b.pool, time.UnixMicro(c.from), []ratelimit.Row{{Name: "tok", Value: -1, TS: time.UnixMicro(c.ts)}})
+		require.NoError(t, err, "from %d µs, TS %d µs", c.from, c.ts)
+		require.Len(t, got, 1)
+		require.True(t, got[0].Equal(time.UnixMicro(c.want)), "from %d µs, TS %d µs: got %d µs, want %d µs", c.from, c.ts, got[0].UnixMicro(), c.want)
+	}
+	// A zero from is LimiterConfig.Now's time: a TS is checked against it, and so is the time.
+	for _, c := range []struct {
+		now, ts int64 // µs
+		arg     string
+	}{{edge, -1, "rows[0].TS"}, {edge + 1, 0, "from"}} {
+		lim, err := ratelimit.New(&ratelimit.LimiterConfig{
+			Limits: map[string]ratelimit.Config{"tok": {Rate: 10, Period: time.Second}},
+			Now:    func() time.Time { return time.UnixMicro(c.now) },
+		})
+		require.NoError(t, err)
+		refused(t, lim, time.Time{}, c.ts, c.arg)
+	}
+}

@@ -69,12 +69,15 @@ func TestSetupErrors(t *testing.T) {
 	}
 	const (
 		// A Limit on an unsharded limit is a statement on txlimit_state (the first migration); any
-		// other list of one calls txlimit_decide_one_v1 (the last migration).
+		// other list of one calls txlimit_decide_one_v1 (migration 00003).
 		decideRow = `relation "txlimit_state" does not exist`
 		decideOne = "function txlimit_decide_one_v1 does not exist"
 		decide    = "function txlimit_decide_v1 does not exist"
 		clock     = "function txlimit_clock does not exist"
-		state     = `relation "txlimit_state" does not exist`
+		// State, Credit and Reset each call a function of their own (migration 00004).
+		levels = "function txlimit_levels_v1 does not exist"
+		credit = "function txlimit_credit_v1 does not exist"
+		reset  = "function txlimit_reset_v1 does not exist"
 	)
 	calls := []struct {
 		op   string
@@ -89,9 +92,9 @@ func TestSetupErrors(t *testing.T) {
 			_, err := lim.LimitMany(ctx, db, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
 			return err
 		}, decide, "42883"},
-		{"Credit", func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }, clock, "42883"},
-		{"State", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }, clock, "42883"},
-		{"Reset", func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "a", "k") }, state, "42P01"},
+		{"Credit", func(db ratelimit.Executor) error { _, err := lim.Credit(ctx, db, "a", "k", 1, nil); return err }, credit, "42883"},
+		{"State", func(db ratelimit.Executor) error { _, err := lim.State(ctx, db, "a", "k", nil); return err }, levels, "42883"},
+		{"Reset", func(db ratelimit.Executor) error { return lim.Reset(ctx, db, "a", "k") }, reset, "42883"},
 		{"Prune", func(db ratelimit.Executor) error { _, err := lim.Prune(ctx, db, "a", nil); return err }, clock, "42883"},
 		{"CheckSchema", func(db ratelimit.Executor) error { return ratelimit.CheckSchema(ctx, db) }, `relation "txlimit_goose_version" does not exist`, "42P01"},
 	}
@@ -158,13 +161,13 @@ func TestSetupErrors(t *testing.T) {
 		if errors.As(err, &se); se.Version != v || se.Want != migrations.Latest() || v >= se.Want {
 			t.Errorf("CheckSchema: Version %d, Want %d; want %d, %d", se.Version, se.Want, v, migrations.Latest())
 		}
-		// The last migration's objects are gone: a sharded decision needs them.
+		// The last migration's objects are gone: Reset needs them.
 		var pgErr *pgconn.PgError
-		err = calls[1].call(pool)
+		err = lim.Reset(ctx, pool, "a", "k")
 		if !errors.As(err, &pgErr) {
-			t.Fatalf("sharded Limit on a schema behind: %v; want a Postgres error", err)
+			t.Fatalf("Reset on a schema behind: %v; want a Postgres error", err)
 		}
-		requireSetupError(t, "sharded Limit", err, "Limit", schema, "42883", missingIn("Limit", decideOne, "42883", schema))
+		requireSetupError(t, "Reset", err, "Reset", schema, "42883", missingIn("Reset", reset, "42883", schema))
 	})
 
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {

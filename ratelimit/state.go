@@ -20,7 +20,9 @@ type State struct {
 	// float8: a charge that combines two shards splits its count in halves, so after many of them
 	// the sum can differ from the exact total by rounding (a few units in the last place).
 	Value float64
-	// TS is the latest stored timestamp of any shard row; zero when no row exists (a full limit).
+	// TS is the latest stored timestamp of the rows of shards 0 to Config.Shards-1; zero when none
+	// of them has a row (a full limit). Rows of shards ≥ Shards (left by an earlier, larger shard
+	// count) are ignored, as Value ignores them.
 	TS time.Time
 	// Shards has the tokens available now in each configured shard, indexed by shard.
 	Shards []float64
@@ -49,11 +51,11 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 	}
 	for _, row := range rows {
 		st.Time = usTime(row.NowUs)
-		if !row.Shard.Valid || int(row.Shard.Int32) >= s.shards {
+		if row.Shard < 0 || int(row.Shard) >= s.shards { // shard -1: the clock-only row of a limit without rows
 			continue
 		}
-		st.Shards[row.Shard.Int32] = row.Level
-		if ts := usTime(row.TsUs.Int64); ts.After(st.TS) {
+		st.Shards[row.Shard] = row.Level
+		if ts := usTime(row.TsUs); ts.After(st.TS) {
 			st.TS = ts
 		}
 	}
@@ -64,7 +66,9 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 }
 
 // Reset removes every shard row of (name, key), so the limit is full again. Resetting a limit that
-// has no rows is not an error; a name needs no config to be reset.
+// has no rows is not an error; a name needs no config to be reset. It holds the key's shards as
+// Credit does (in shard order, up to the highest that has a row), so that under READ COMMITTED a
+// Reset that waits for a decision also deletes the rows that decision created.
 func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) error {
 	const op = "Reset"
 	if err := checkExecutor(op, db); err != nil {
@@ -99,6 +103,14 @@ type CreditResult struct {
 // Credit gives count tokens back to (name, key), e.g. to settle a reservation with the actual
 // usage: the value becomes min(value + count, capacity), never above capacity. With shards, the
 // tokens go to the emptiest shards first. To charge more instead, call LimitN with Reserve.
+//
+// Credit first holds the key's shards in shard order (the order decisions lock rows in), up to the
+// highest that has a row: an existing row by its row lock, a missing one by the transaction-scoped
+// advisory lock that a decision creating that row holds, so that under READ COMMITTED it waits for
+// such a decision as for one writing a row and credits the shards as they are at one instant. Both
+// are held until the transaction ends (a decision that would create a held missing shard waits for
+// it); each missing shard held takes an entry of Postgres's lock table (max_locks_per_transaction),
+// so on a limit of many shards whose rows are few and far apart a Credit can take many.
 func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *LimitOpts) (CreditResult, error) {
 	const op = "Credit"
 	s, err := l.prepare(op, db, name, key, opts)

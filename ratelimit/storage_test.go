@@ -92,7 +92,7 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 }
 
 // The smallest table there is: one row, analyzed, where a planner left to itself would scan. A
-// SERIALIZABLE decision still probes the primary key (every statement the decision runs, read
+// SERIALIZABLE decision (and State, Credit, Reset) still probes the primary key (every statement the decision runs, read
 // from auto_explain: a scan of the table may be planned only where it never runs) and holds no
 // relation-level predicate lock.
 func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
@@ -113,6 +113,10 @@ func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 			return err
 		},
 		func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
+		// The other operations on a row (functions with the same planner settings).
+		func(tx pgx.Tx) error { _, err := lim.State(ctx, tx, "one", "", nil); return err },
+		func(tx pgx.Tx) error { _, err := lim.Credit(ctx, tx, "one", "", 1, nil); return err },
+		func(tx pgx.Tx) error { return lim.Reset(ctx, tx, "one", "") },
 	} {
 		for range 8 { // past the first custom plans, onto the cached generic ones
 			tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
@@ -134,6 +138,57 @@ func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 				}
 			}
 			require.Positive(t, probes, "no primary-key probe among the plans:\n%s", strings.Join(got, "\n"))
+		}
+	}
+}
+
+// Under SERIALIZABLE, State, Credit and Reset reach rows by primary-key probes, as decisions do
+// (their functions run with sequential and bitmap scans off, docs/spec.md §7). As plain statements
+// they were planned as sequential scans on a small, analyzed table and took a relation-level
+// SIRead lock: two SERIALIZABLE transactions that each Credit (or Reset, or read the State of and
+// then Limit) a different key formed a read/write cycle and the second commit failed with 40001,
+// where two decisions on different keys both commit. The scheduler credits inside the caller's
+// transaction (Settlement, Cancel), so settling two unrelated jobs in SERIALIZABLE conflicted.
+func TestSerializableOpsOnDifferentKeysBothCommit(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{"one": {Rate: 100, Period: time.Second}})
+	ctx, lim := b.ctx, b.lim
+	ops := []struct {
+		name string
+		run  func(tx pgx.Tx, key string) error
+	}{
+		{"Limit", func(tx pgx.Tx, k string) error { _, err := lim.Limit(ctx, tx, "one", k, nil); return err }},
+		{"Credit", func(tx pgx.Tx, k string) error { _, err := lim.Credit(ctx, tx, "one", k, 1, nil); return err }},
+		{"Reset", func(tx pgx.Tx, k string) error { return lim.Reset(ctx, tx, "one", k) }},
+		{"State+Limit", func(tx pgx.Tx, k string) error {
+			if _, err := lim.State(ctx, tx, "one", k, nil); err != nil {
+				return err
+			}
+			_, err := lim.Limit(ctx, tx, "one", k, nil)
+			return err
+		}},
+	}
+	for _, op := range ops {
+		// Four keys at 50 of 100, analyzed: the planner sees a table of one page.
+		_, err := b.pool.Exec(ctx, "DELETE FROM txlimit_state")
+		require.NoError(t, err)
+		for _, k := range []string{"a", "b", "c", "d"} {
+			_, err := lim.LimitN(ctx, b.pool, "one", k, 50, nil)
+			require.NoError(t, err)
+		}
+		testdb.Analyze(t, b.pool)
+		connA, connB := testdb.Conn(t, b.pool), testdb.Conn(t, b.pool)
+		txA, err := connA.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		require.NoError(t, err)
+		txB, err := connB.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		require.NoError(t, err)
+		require.NoError(t, op.run(txA, "a"), op.name)
+		require.NoError(t, op.run(txB, "b"), op.name)
+		relA, relB := testdb.RelationPredicateLocks(t, txA), testdb.RelationPredicateLocks(t, txB)
+		errA, errB := txA.Commit(ctx), txB.Commit(ctx)
+		if errA != nil || errB != nil {
+			t.Errorf("%s on key a and on key b, each in a SERIALIZABLE transaction: commit a: %v; commit b: %v (relation-level predicate locks held: %d and %d)",
+				op.name, errA, errB, relA, relB)
 		}
 	}
 }

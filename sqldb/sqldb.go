@@ -107,12 +107,7 @@ func (e *executor) Levels(ctx context.Context, arg dbsqlc.LevelsParams) ([]dbsql
 		NowUs: nullInt8(arg.NowUs),
 	})
 	return convertRows(rows, err, func(r dbsqlcstd.LevelsRow) dbsqlc.LevelsRow {
-		return dbsqlc.LevelsRow{
-			Shard: pgtype.Int4{Int32: r.Shard.Int32, Valid: r.Shard.Valid},
-			Value: pgtype.Float8{Float64: r.Value.Float64, Valid: r.Value.Valid},
-			TsUs:  pgtype.Int8{Int64: r.TsUs.Int64, Valid: r.TsUs.Valid},
-			Level: r.Level, NowUs: r.NowUs,
-		}
+		return dbsqlc.LevelsRow{Shard: r.Shard, Value: r.Value, TsUs: r.TsUs, Level: r.Level, NowUs: r.NowUs}
 	})
 }
 
@@ -127,7 +122,7 @@ func (e *executor) Credit(ctx context.Context, arg dbsqlc.CreditParams) ([]dbsql
 		PeriodUs: arg.PeriodUs, StepUs: arg.StepUs, Cap: arg.Cap, Count: arg.Count,
 	})
 	return convertRows(rows, err, func(r dbsqlcstd.CreditRow) dbsqlc.CreditRow {
-		return dbsqlc.CreditRow{Shard: r.Shard, Before: r.Before, After: r.After, NowUs: r.NowUs, Updated: r.Updated}
+		return dbsqlc.CreditRow{Shard: r.Shard, Before: r.Before, After: r.After, NowUs: r.NowUs}
 	})
 }
 

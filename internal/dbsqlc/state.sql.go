@@ -12,46 +12,12 @@ import (
 )
 
 const credit = `-- name: Credit :many
-WITH clock AS MATERIALIZED (
-    SELECT txlimit_clock($1::bigint) AS now_us
-),
-lk AS MATERIALIZED (
-    SELECT s.shard, s.value, s.ts
-    FROM txlimit_state s
-    WHERE s.name = $2::text AND s.key = $3::text
-      AND s.shard < $4::integer
-    ORDER BY s.shard
-    FOR UPDATE
-),
-ev AS MATERIALIZED (
-    SELECT l.shard,
-           txlimit_level(l.value, l.ts, k.now_us, $5::double precision, $6::bigint,
-                         $7::bigint, $8::double precision) AS lv,
-           txlimit_next_ts(l.ts, k.now_us, $7::bigint) AS ts
-    FROM lk l CROSS JOIN clock k
-),
-give AS MATERIALIZED (
-    SELECT e.shard, e.lv, e.ts,
-           least(e.lv + greatest($9::double precision - coalesce(sum($8::double precision - e.lv)
-                     OVER (ORDER BY e.lv, e.shard ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0), 0),
-                 $8::double precision) AS after
-    FROM ev e
-),
-upd AS (
-    UPDATE txlimit_state s
-    SET value = g.after, ts = g.ts
-    FROM give g
-    WHERE s.name = $2::text AND s.key = $3::text AND s.shard = g.shard
-      AND g.after > g.lv
-    RETURNING s.shard
-)
-SELECT coalesce(g.shard, -1)::integer AS shard,
-       coalesce(g.lv, 0)::double precision AS before,
-       coalesce(g.after, 0)::double precision AS after,
-       k.now_us::bigint AS now_us,
-       (SELECT count(*) FROM upd)::bigint AS updated
-FROM clock k LEFT JOIN give g ON true
-ORDER BY g.shard
+SELECT c.shard::integer AS shard, c.before::double precision AS before, c.after::double precision AS after,
+       c.now_us::bigint AS now_us
+FROM txlimit_credit_v1($1::bigint, $2::text, $3::text,
+                       $4::integer, $5::double precision,
+                       $6::double precision, $7::bigint, $8::bigint,
+                       $9::double precision) c
 `
 
 type CreditParams struct {
@@ -59,37 +25,35 @@ type CreditParams struct {
 	Name     string
 	Key      string
 	Shards   int32
+	Count    float64
 	Rate     float64
 	PeriodUs int64
 	StepUs   int64
 	Cap      float64
-	Count    float64
 }
 
 type CreditRow struct {
-	Shard   int32
-	Before  float64
-	After   float64
-	NowUs   int64
-	Updated int64
+	Shard  int32
+	Before float64
+	After  float64
+	NowUs  int64
 }
 
-// Credit gives count tokens back to the shard rows 0..shards-1 of (name, key), never above cap (the
-// per-shard capacity). The rows are locked in shard order and the tokens go to the emptiest shards
-// first: each shard takes what the shards before it could not. Missing rows are full and take
-// nothing, so a credit never creates a row. Returns every existing shard row with its level before
-// and after, or a single row with shard -1 (carrying the clock) when there is none.
+// Credit gives count tokens back to the shard rows 0..shards-1 of (name, key), the emptiest first,
+// never above cap (the per-shard capacity): txlimit_credit_v1 (migrations/00004_txlimit_operations.sql)
+// does it and documents it. One row per existing shard row with its level before and after, or a
+// single row with shard -1 (carrying the clock) when there is none.
 func (q *Queries) Credit(ctx context.Context, db DBTX, arg CreditParams) ([]CreditRow, error) {
 	rows, err := db.Query(ctx, credit,
 		arg.NowUs,
 		arg.Name,
 		arg.Key,
 		arg.Shards,
+		arg.Count,
 		arg.Rate,
 		arg.PeriodUs,
 		arg.StepUs,
 		arg.Cap,
-		arg.Count,
 	)
 	if err != nil {
 		return nil, err
@@ -103,7 +67,6 @@ func (q *Queries) Credit(ctx context.Context, db DBTX, arg CreditParams) ([]Cred
 			&i.Before,
 			&i.After,
 			&i.NowUs,
-			&i.Updated,
 		); err != nil {
 			return nil, err
 		}
@@ -116,50 +79,43 @@ func (q *Queries) Credit(ctx context.Context, db DBTX, arg CreditParams) ([]Cred
 }
 
 const levels = `-- name: Levels :many
-WITH clock AS MATERIALIZED (
-    SELECT txlimit_clock($7::bigint) AS now_us
-)
-SELECT s.shard,
-       s.value,
-       s.ts AS ts_us,
-       coalesce(txlimit_level(s.value, s.ts, k.now_us, $1::double precision, $2::bigint,
-                              $3::bigint, $4::double precision), 0)::double precision AS level,
-       k.now_us::bigint AS now_us
-FROM clock k
-LEFT JOIN txlimit_state s ON s.name = $5::text AND s.key = $6::text
-ORDER BY s.shard
+SELECT l.shard::integer AS shard, l.value::double precision AS value, l.ts_us::bigint AS ts_us,
+       l.level::double precision AS level, l.now_us::bigint AS now_us
+FROM txlimit_levels_v1($1::bigint, $2::text, $3::text,
+                       $4::double precision, $5::bigint, $6::bigint,
+                       $7::double precision) l
 `
 
 type LevelsParams struct {
+	NowUs    pgtype.Int8
+	Name     string
+	Key      string
 	Rate     float64
 	PeriodUs int64
 	StepUs   int64
 	Cap      float64
-	Name     string
-	Key      string
-	NowUs    pgtype.Int8
 }
 
 type LevelsRow struct {
-	Shard pgtype.Int4
-	Value pgtype.Float8
-	TsUs  pgtype.Int8
+	Shard int32
+	Value float64
+	TsUs  int64
 	Level float64
 	NowUs int64
 }
 
-// Levels reads every shard row of (name, key) without locking and evaluates it at the clock: the
-// stored value and ts and the tokens it holds now. It always returns at least one row, carrying the
-// clock; a row with a NULL shard means there are no rows.
+// Levels reads every shard row of (name, key) without locking and evaluates it at the clock:
+// txlimit_levels_v1 (migrations/00004_txlimit_operations.sql), in shard order. It always returns
+// at least one row, carrying the clock; a row with shard -1 means there are no rows.
 func (q *Queries) Levels(ctx context.Context, db DBTX, arg LevelsParams) ([]LevelsRow, error) {
 	rows, err := db.Query(ctx, levels,
+		arg.NowUs,
+		arg.Name,
+		arg.Key,
 		arg.Rate,
 		arg.PeriodUs,
 		arg.StepUs,
 		arg.Cap,
-		arg.Name,
-		arg.Key,
-		arg.NowUs,
 	)
 	if err != nil {
 		return nil, err
@@ -255,17 +211,23 @@ func (q *Queries) PruneCandidates(ctx context.Context, db DBTX, arg PruneCandida
 
 const pruneDelete = `-- name: PruneDelete :execrows
 DELETE FROM txlimit_state s
-USING unnest($1::text[]) WITH ORDINALITY AS d(key, i)
-WHERE s.name = $2::text AND s.key = d.key AND s.shard = ($3::integer[])[d.i]
-  AND txlimit_prunable(s.value, s.ts, $4::bigint, $5::double precision,
-                       $6::bigint, $7::bigint, $8::double precision,
-                       ($9::bigint[])[d.i])
+USING (SELECT l.key, l.shard
+       FROM txlimit_state l
+       JOIN unnest($1::text[]) WITH ORDINALITY AS d(key, i)
+         ON l.key = d.key AND l.shard = ($2::integer[])[d.i]
+       WHERE l.name = $3::text
+         AND txlimit_prunable(l.value, l.ts, $4::bigint, $5::double precision,
+                              $6::bigint, $7::bigint, $8::double precision,
+                              ($9::bigint[])[d.i])
+       ORDER BY l.key, l.shard
+       FOR UPDATE OF l) lk
+WHERE s.name = $3::text AND s.key = lk.key AND s.shard = lk.shard
 `
 
 type PruneDeleteParams struct {
 	Keys      []string
-	Name      string
 	ShardList []int32
+	Name      string
 	NowUs     int64
 	Rate      float64
 	PeriodUs  int64
@@ -276,13 +238,15 @@ type PruneDeleteParams struct {
 
 // PruneDelete deletes the listed rows (keys[i], shards[i], the key's window grid starting at
 // anchors[i]) of a limit that evaluate exactly as missing rows at the clock (txlimit_prunable).
-// Under concurrency DELETE re-checks the latest version of each row, so a row charged since it was
-// listed stays.
+// The subquery locks them first, in (key, shard) order (its LockRows sits above its sort), the
+// global order of docs/spec.md §7, whatever order the join finds them in. Under concurrency the lock
+// re-checks the latest version of each row, so a row charged since it was listed is locked but
+// not returned, and stays.
 func (q *Queries) PruneDelete(ctx context.Context, db DBTX, arg PruneDeleteParams) (int64, error) {
 	result, err := db.Exec(ctx, pruneDelete,
 		arg.Keys,
-		arg.Name,
 		arg.ShardList,
+		arg.Name,
 		arg.NowUs,
 		arg.Rate,
 		arg.PeriodUs,
@@ -296,8 +260,8 @@ func (q *Queries) PruneDelete(ctx context.Context, db DBTX, arg PruneDeleteParam
 	return result.RowsAffected(), nil
 }
 
-const reset = `-- name: Reset :execrows
-DELETE FROM txlimit_state WHERE name = $1::text AND key = $2::text
+const reset = `-- name: Reset :one
+SELECT txlimit_reset_v1($1::text, $2::text)::bigint AS deleted
 `
 
 type ResetParams struct {
@@ -305,11 +269,11 @@ type ResetParams struct {
 	Key  string
 }
 
-// Reset deletes every shard row of (name, key): the limit is full again.
+// Reset deletes every shard row of (name, key), locked first in shard order, and returns how many:
+// txlimit_reset_v1 (migrations/00004_txlimit_operations.sql). The limit is full again.
 func (q *Queries) Reset(ctx context.Context, db DBTX, arg ResetParams) (int64, error) {
-	result, err := db.Exec(ctx, reset, arg.Name, arg.Key)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	row := db.QueryRow(ctx, reset, arg.Name, arg.Key)
+	var deleted int64
+	err := row.Scan(&deleted)
+	return deleted, err
 }
