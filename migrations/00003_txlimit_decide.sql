@@ -139,6 +139,19 @@ END
 $$;
 -- +goose StatementEnd
 
+-- txlimit_create_key: the transaction-scoped advisory lock that a transaction creating the row
+-- (name, key, shard) holds (txlimit_lock_row's p_create_key): a hash of the row and the table's
+-- OID, so that schemas do not share them. txlimit_hold_shards (00004) takes it to wait for a
+-- creator.
+-- +goose StatementBegin
+CREATE FUNCTION txlimit_create_key(p_name text, p_key text, p_shard integer)
+RETURNS bigint
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$
+    SELECT hashtextextended(p_key, hashtext(p_name)) # p_shard # ('txlimit_state'::regclass::oid::bigint << 20)
+$$;
+-- +goose StatementEnd
+
 -- txlimit_lock_row: step 2 for one row: lock it (FOR UPDATE, which re-reads its latest version),
 -- or, when it is missing, create it stamped as missing (full at its anchor: p_value, p_ts) and so
 -- hold it. With p_try, nothing is waited for (a row that sorts before one this call already holds,
@@ -459,8 +472,7 @@ BEGIN
             CONTINUE WHEN w_req[r] IS NULL;
             a := w_req[r];
             lk := txlimit_lock_row(p_row_name[r], p_row_key[r], p_row_shard[r], p_cap[a], p_anchor_us[a], r < held,
-                                   hashtextextended(p_row_key[r], hashtext(p_row_name[r])) # p_row_shard[r]
-                                   # ('txlimit_state'::regclass::oid::bigint << 20));
+                                   txlimit_create_key(p_row_name[r], p_row_key[r], p_row_shard[r]));
             l_held[r] := lk.got;
             changed := changed OR NOT lk.got OR lk.value IS DISTINCT FROM r_val[r] OR lk.ts IS DISTINCT FROM r_ts[r];
             IF lk.got THEN
@@ -660,6 +672,7 @@ DROP TYPE txlimit_answer_v1;
 DROP FUNCTION txlimit_alone(bigint, boolean[], integer[], double precision[], double precision[], bigint[],
                             double precision[], bigint[], double precision[], text[], text[], integer[]);
 DROP FUNCTION txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
+DROP FUNCTION txlimit_create_key(text, text, integer);
 DROP FUNCTION txlimit_await_shard(bigint, integer);
 DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
 DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, bigint);

@@ -39,9 +39,8 @@ $$;
 -- every shard) up to the key's highest row, so that Credit and Reset act on the key as it is at one
 -- instant, as they would in a serial order: an existing row by its row lock (FOR UPDATE, which
 -- waits for a transaction writing it), a missing one by the advisory lock that creates it
--- (txlimit_lock_row's p_create_key, computed as txlimit_decide_v1 computes it: keep the two equal;
--- a decision holds it from before it inserts the row until it ends, so taking it waits for a
--- decision creating the row, and holding it keeps the row missing).
+-- (txlimit_create_key; a decision holds it from before it inserts the row until it ends, so taking
+-- it waits for a decision creating the row, and holding it keeps the row missing).
 -- Under READ COMMITTED each probe reads the latest committed rows, so that a row created by a
 -- decision this call waited for is seen and held, and the highest row is read again until none lies
 -- beyond those held. Returns how many shards are held, from 0: every row of the key below that is
@@ -66,8 +65,7 @@ BEGIN
         FOR sh IN held .. top LOOP
             PERFORM FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = sh FOR UPDATE;
             IF NOT FOUND THEN
-                PERFORM pg_advisory_xact_lock(hashtextextended(p_key, hashtext(p_name)) # sh
-                                              # ('txlimit_state'::regclass::oid::bigint << 20));
+                PERFORM pg_advisory_xact_lock(txlimit_create_key(p_name, p_key, sh));
                 -- Created by a transaction that ended meanwhile: lock it.
                 PERFORM FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = sh FOR UPDATE;
             END IF;
