@@ -217,3 +217,43 @@ func valueIn(t *testing.T, b *testBundle, tx pgx.Tx) float64 {
 	require.NoError(t, err)
 	return st.Value
 }
+
+// TestReviewR4CopiedMetadataStrandsReservation: ReserveOpts.InsertOpts.Metadata "must be a JSON
+// object and gets "txlimit_paid" added", and ReserveTx overwrites "txlimit_reserved", but it keeps
+// the package's other keys as the caller gave them. Metadata copied from a job that was settled
+// (re-running a job with its own metadata, say) carries that job's "txlimit_settled": the new
+// job's reservation is then taken for settled. CancelTx refuses it ("was settled already"),
+// SettleTx fails on the other job's settlement, and the stranded check skips settled jobs: the
+// tokens it reserved can never be given back, and nothing reports them. Either ReserveTx refuses
+// such metadata (nothing reserved) or the new job's reservation can be cancelled with its refund.
+func TestReviewR4CopiedMetadataStrandsReservation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, tenPerSecond)
+	first := reserve(t, b, "calls", "u1", 3)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.SettleTx(ctx, tx, first.Job.ID, 3)
+		return err
+	}))
+	md := jobRow(t, b, first.Job.ID).Metadata // {"txlimit_paid", "txlimit_reserved", "txlimit_settled"}
+
+	var again *scheduler.Reservation
+	var reserveErr error
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		again, reserveErr = b.sched.ReserveTx(ctx, tx, "calls", "u1", 4, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Metadata: md}})
+		return nil
+	}))
+	if reserveErr != nil { // refused: it must be bad input, with nothing reserved
+		require.ErrorIs(t, reserveErr, ratelimit.ErrInvalid)
+		require.Equal(t, 7.0, value(t, b, "calls", "u1"), "nothing reserved")
+		return
+	}
+	require.Equal(t, 3.0, value(t, b, "calls", "u1"))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		out, err := b.sched.CancelTx(ctx, tx, again.Job.ID)
+		require.NoError(t, err, "the new job's 4 tokens cannot be refunded")
+		require.Equal(t, 4.0, out.Limits[0].Credited)
+		return nil
+	}))
+	require.Equal(t, 7.0, value(t, b, "calls", "u1"))
+}
