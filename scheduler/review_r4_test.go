@@ -257,3 +257,69 @@ func TestReviewR4CopiedMetadataStrandsReservation(t *testing.T) {
 	}))
 	require.Equal(t, 7.0, value(t, b, "calls", "u1"))
 }
+
+// TestReviewR4TwoGatesPayOnceEach: "a payment counts only for the limit it names, so a job behind
+// two Gates pays each" and "Jobs therefore start exactly at the limit's rate, each paying once"
+// (docs/scheduler.md). But a job has one "txlimit_paid": when the inner Gate (limit b) has to
+// reserve and snooze, its payment replaces the outer Gate's (limit a), so when the job comes back
+// the outer Gate finds no payment of a and charges a again. Here a and b are 1/minute: the job reserves a (due t0+1m), then b (due t0+2m), then, at t0+2m, takes a's token a
+// second time. It ran once; a paid twice. (b owes a token at t0, so that it is empty at t0+1m.)
+func TestReviewR4TwoGatesPayOnceEach(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var clock atomic.Int64
+	clock.Store(t0.UnixNano())
+	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	b := setup(t, &setupOpts{
+		limits: map[string]ratelimit.Config{
+			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
+			"b": {Rate: 1, Period: time.Minute, MaxReserved: 10},
+		},
+		now: now,
+	})
+	gate := func(name string) *scheduler.Gate {
+		g, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter,
+			Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+				return scheduler.GateRequest{Name: name}, job.Kind == callArgs{}.Kind()
+			}})
+		require.NoError(t, err)
+		scheduler.SetGateNow(g, now)
+		return g
+	}
+	var ran atomic.Int32
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	// At t0, a is empty and b owes a token: b is empty again at t0+1m.
+	for name, n := range map[string]float64{"a": 1, "b": 2} {
+		res, err := b.limiter.LimitN(ctx, b.pool, name, "", n, &ratelimit.LimitOpts{Reserve: true})
+		require.NoError(t, err)
+		require.True(t, res.OK)
+	}
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "reserved on a, due t0+1m")
+	clock.Store(t0.Add(time.Minute).UnixNano())
+	res, err = w.WorkJob(ctx, t, tx, res.Job)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "a paid; reserved on b, due t0+2m")
+	clock.Store(t0.Add(2 * time.Minute).UnixNano())
+	for i := 0; res.EventKind == river.EventKindJobSnoozed; i++ {
+		require.Less(t, i, 5, "the job never ran")
+		res, err = w.WorkJob(ctx, t, tx, res.Job)
+		require.NoError(t, err)
+	}
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	require.Equal(t, int32(1), ran.Load())
+	// Each limit refilled 2 tokens since t0 and paid 1 for the job: a has 1 left, b (which owed
+	// one at t0) 0.
+	st, err := b.limiter.State(ctx, tx, "b", "", nil)
+	require.NoError(t, err)
+	require.Equal(t, 0.0, st.Value, "b")
+	st, err = b.limiter.State(ctx, tx, "a", "", nil)
+	require.NoError(t, err)
+	require.Equal(t, 1.0, st.Value, "a paid %g tokens for one run of the job", 2-st.Value)
+}
