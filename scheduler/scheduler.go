@@ -291,7 +291,7 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 	if opts.InsertOpts != nil {
 		insertOpts = *opts.InsertOpts
 	}
-	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
+	md, err := withPaid(insertOpts.Metadata)
 	if err != nil {
 		return insertOpts, argError(op, "ReserveOpts.InsertOpts.Metadata", err.Error(), nil)
 	}
