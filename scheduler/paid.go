@@ -148,14 +148,20 @@ func (r *gateRun) store(ctx context.Context) error {
 	return river.MetadataSet(ctx, paidKey, v)
 }
 
-// withPaid returns metadata (a JSON object, or empty) with paidKey set to ReserveTx's payment of
-// attempt 1.
+// ownedKeys are the job metadata keys this package writes: the job's payment, reservation,
+// settlement and stranded mark.
+var ownedKeys = []string{paidKey, reservedKey, settledKey, strandedKey}
+
+// withPaid returns the metadata of a new reserved job: the caller's metadata (a JSON object, or
+// empty) without the package's own keys, which would be another job's bookkeeping (metadata
+// copied from a job that was settled makes a new reservation look settled: never refunded, never
+// reported stranded), and with paidKey set to ReserveTx's payment of attempt 1.
 func withPaid(metadata []byte) ([]byte, error) {
-	return withKey(metadata, paidKey, payments{Attempt: 1})
+	return withKey(metadata, paidKey, payments{Attempt: 1}, ownedKeys...)
 }
 
-// withKey returns metadata (a JSON object, or empty) with key set to v.
-func withKey(metadata []byte, key string, v any) ([]byte, error) {
+// withKey returns metadata (a JSON object, or empty) without the keys drop and with key set to v.
+func withKey(metadata []byte, key string, v any, drop ...string) ([]byte, error) {
 	m := map[string]json.RawMessage{} // raw values: the caller's numbers and nesting stay as they were
 	if len(metadata) > 0 {
 		if err := json.Unmarshal(metadata, &m); err != nil {
@@ -164,6 +170,9 @@ func withKey(metadata []byte, key string, v any) ([]byte, error) {
 		if m == nil { // "null"
 			m = map[string]json.RawMessage{}
 		}
+	}
+	for _, k := range drop {
+		delete(m, k)
 	}
 	b, err := json.Marshal(v)
 	if err != nil {

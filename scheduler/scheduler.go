@@ -83,8 +83,13 @@ type ReserveOpts struct {
 	Config *ratelimit.Config
 
 	// InsertOpts are the job's River insert options. Their ScheduledAt is honoured when it is later
-	// than the reservation's; Metadata, when set, must be a JSON object and gets "txlimit_paid" added.
-	// Defaults to nil: River's defaults and the args' own InsertOpts.
+	// than the reservation's. Metadata, when set, must be a JSON object; the job gets it with the
+	// package's own keys written anew: "txlimit_paid" and "txlimit_reserved" are set, and
+	// "txlimit_settled" and "txlimit_stranded" are dropped, so that metadata copied from another job
+	// (to run it again, say) does not carry over that job's payment, reservation, settlement or
+	// stranded mark, which would make the new reservation look settled and never refundable. The
+	// caller's other keys are kept as they are. Defaults to nil: River's defaults and the args' own
+	// InsertOpts.
 	InsertOpts *river.InsertOpts
 
 	// Jitter bounds a delay added to the RetryAt of a job that has to wait, so that jobs reserved

@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"math"
 	"math/rand/v2"
@@ -518,4 +519,43 @@ func TestReserveTxBeyondYear9999(t *testing.T) {
 	var jobs int
 	require.NoError(t, b.pool.QueryRow(ctx, "SELECT count(*) FROM river_job").Scan(&jobs))
 	require.Zero(t, jobs)
+}
+
+// TestReserveTxDropsCopiedBookkeeping: metadata copied from a job that was settled (to run it
+// again with its own metadata, say) carries that job's "txlimit_settled", "txlimit_paid" and
+// "txlimit_reserved". ReserveTx writes the package's keys anew and drops the others, so the new
+// job's reservation is its own: not taken for settled, cancellable with its refund. Before, the
+// copied settlement made CancelTx refuse it ("was settled already"), SettleTx fail on the other
+// job's settlement, and the stranded check skip it: its tokens could never be given back.
+func TestReserveTxDropsCopiedBookkeeping(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, tenPerSecond)
+	first := reserve(t, b, "calls", "u1", 3)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.SettleTx(ctx, tx, first.Job.ID, 3)
+		return err
+	}))
+	md := metadataMap(t, jobRow(t, b, first.Job.ID).Metadata) // {"txlimit_paid", "txlimit_reserved", "txlimit_settled"}
+	require.Contains(t, md, scheduler.SettledKey)
+	md[scheduler.StrandedKey] = map[string]any{"at": "2024-01-01T12:00:00Z"}
+	md["trace"] = "abc"
+	copied, err := json.Marshal(md)
+	require.NoError(t, err)
+
+	var again *scheduler.Reservation
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		again, err = b.sched.ReserveTx(ctx, tx, "calls", "u1", 4, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Metadata: copied}})
+		return err
+	}))
+	require.JSONEq(t, `{"trace":"abc","txlimit_paid":{"attempt":1},
+		"txlimit_reserved":{"limits":[{"name":"calls","key":"u1","count":4}]}}`, string(jobRow(t, b, again.Job.ID).Metadata))
+	require.Equal(t, 3.0, value(t, b, "calls", "u1"))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		out, err := b.sched.CancelTx(ctx, tx, again.Job.ID)
+		require.NoError(t, err, "the new job's 4 tokens cannot be refunded")
+		require.Equal(t, 4.0, out.Limits[0].Credited)
+		return nil
+	}))
+	require.Equal(t, 7.0, value(t, b, "calls", "u1"))
 }
