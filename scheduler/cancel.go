@@ -91,13 +91,14 @@ func (e *notReservedError) Is(target error) bool {
 // (completed, discarded, retryable, or snoozed after it started), was settled or was cancelled
 // already is left as it is, nothing is credited, and the error is a *NotCancellableError
 // (errors.Is(err, ErrNotCancellable)). A job that does not exist is an error matching
-// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The call works
+// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved; a nil tx (a
+// nil pointer such as a nil *pgxpool.Tx too) is an *ratelimit.ArgumentError. The call works
 // in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
 // The job's row stays locked until tx ends, so that no worker starts it meanwhile.
 func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobSettlement, error) {
 	const op = "CancelTx"
-	if tx == nil {
-		return nil, argError(op, "tx", "is nil: pass the pgx.Tx to cancel in", nil)
+	if err := nilArg(op, "tx", tx, "pass the pgx.Tx to cancel in"); err != nil {
+		return nil, err
 	}
 	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
 		job, err := schedsql.New().LockJob(ctx, sp, jobID)

@@ -100,11 +100,13 @@ var _ rivertype.WorkerMiddleware = (*Gate)(nil)
 
 // NewGate returns a Gate. It returns an error naming the first missing field of config.
 func NewGate(config *GateConfig) (*Gate, error) {
-	switch {
-	case config == nil:
+	if config == nil {
 		return nil, argError("NewGate", "config", "is nil: set DB, Limit and Limiter", nil)
-	case config.DB == nil:
-		return nil, argError("NewGate", "GateConfig.DB", "is nil: set it to the *pgxpool.Pool of the River client", nil)
+	}
+	if err := nilArg("NewGate", "GateConfig.DB", config.DB, "set it to the *pgxpool.Pool of the River client"); err != nil {
+		return nil, err
+	}
+	switch {
 	case config.Limit == nil:
 		return nil, argError("NewGate", "GateConfig.Limit", "is nil: set it to a func that maps a job to its limit", nil)
 	case config.Limiter == nil:

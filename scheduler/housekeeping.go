@@ -122,8 +122,9 @@ func Housekeeping(workers *river.Workers, limiter *ratelimit.Limiter, db ratelim
 		return nil, argError(op, "workers", "is nil: pass the *river.Workers of the client that works HousekeepingConfig.Queue", nil)
 	case limiter == nil:
 		return nil, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter whose limits to prune", nil)
-	case db == nil:
-		return nil, argError(op, "db", "is nil: pass the *pgxpool.Pool of the River client", nil)
+	}
+	if err := nilArg(op, "db", db, "pass the *pgxpool.Pool of the River client"); err != nil {
+		return nil, err
 	}
 	pgxDB, ok := db.(schedsql.DBTX) // River's tables are read through pgx
 	if !ok {

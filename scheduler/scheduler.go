@@ -140,7 +140,8 @@ type Reservation struct {
 // When the reservation would leave more than the limit's MaxReserved owed, nothing is reserved,
 // no job is inserted, tx is left as it was and the error is a *ratelimit.LimitedError (errors.As)
 // with the RetryAt at which the same call could succeed. Bad input is an error matching
-// ratelimit.ErrInvalid, also with nothing written; so is a job that River refuses to insert
+// ratelimit.ErrInvalid (an *ratelimit.ArgumentError), also with nothing written: a nil tx or args
+// (a nil pointer in the interface too, such as a nil *pgxpool.Tx), for instance; so is a job that River refuses to insert
 // (arguments it cannot encode, invalid insert options), an *ratelimit.ArgumentError wrapping
 // River's error, and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
 // up to 2^61 µs; the job's JSON metadata holds no later time). The reservation and the job are
@@ -285,12 +286,13 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 // in its metadata, before anything is written.
 func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river.InsertOpts, error) {
 	var insertOpts river.InsertOpts
-	switch {
-	case tx == nil:
-		return insertOpts, argError(op, "tx", "is nil: pass the pgx.Tx the job and the reservation belong to", nil)
-	case args == nil:
-		return insertOpts, argError(op, "args", "is nil: pass the job's river.JobArgs", nil)
-	case opts.Jitter < 0:
+	if err := nilArg(op, "tx", tx, "pass the pgx.Tx the job and the reservation belong to"); err != nil {
+		return insertOpts, err
+	}
+	if err := nilArg(op, "args", args, "pass the job's river.JobArgs"); err != nil {
+		return insertOpts, err
+	}
+	if opts.Jitter < 0 {
 		return insertOpts, argError(op, "ReserveOpts.Jitter", fmt.Sprintf("must be >= 0, got %s", opts.Jitter), nil)
 	}
 	if opts.InsertOpts != nil {
