@@ -15,7 +15,7 @@ import (
 // scheduler interval (5 s) as available with a future scheduled_at, so a PreciseQueue fetches the
 // job on time; a longer snooze would be stored as scheduled and promoted up to 5 s late. A longer
 // wait is therefore split into snoozes of at most maxSnooze; each wake-up of a job whose tokens are
-// already paid for only snoozes again.
+// already paid for, or that was denied until a later time, only snoozes again.
 const maxSnooze = 4500 * time.Millisecond
 
 // GateRequest names the limit a job pays to run.
@@ -68,7 +68,8 @@ type GateConfig struct {
 // snoozes the job until they are due; when the job comes back it runs without paying again. So
 // jobs start at the limit's rate, each one once, in the order they asked. When the reservation
 // would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
-// of the denial (plus Jitter), then tries again.
+// of the denial plus its jitter (GateConfig.Jitter), then tries again: that time is recorded with
+// the job's payments, so a wait longer than one snooze keeps its jitter.
 //
 // River does not count a snooze as an attempt: it stores attempt-1, and the next fetch brings the
 // attempt number back to where it was, so a job can wait on a limit indefinitely without being
@@ -125,12 +126,19 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	}
 	run, ctx := gateRunOf(ctx, job)
 	id := limitID{req.Name, req.Key}
-	if p, ok := run.paid(id); ok {
+	p, ok := run.paid(id)
+	switch {
+	case ok && p.RetryAt.IsZero():
 		if wait := p.Due.Sub(g.now()); !p.Due.IsZero() && wait > 0 {
 			run.snoozed = true
 			return river.JobSnooze(min(wait, maxSnooze))
 		}
 		return g.pass(ctx, run, job, p, doInner)
+	case ok: // denied: asks again at the denial's RetryAt plus its jitter, however many snoozes it takes
+		if wait := p.RetryAt.Sub(g.now()); wait > 0 {
+			run.snoozed = true
+			return river.JobSnooze(min(wait, maxSnooze))
+		}
 	}
 	count := req.Count
 	if count == 0 {
@@ -147,10 +155,14 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	}
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
-		// Capped before the jitter is added: RetryAfter saturates at the largest Duration.
-		wait := min(res.RetryAfter(), maxSnooze) + jitter(req.JitterKey, g.jitter)
+		// Times, not a sum of Durations: RetryAfter saturates at the largest Duration.
+		retryAt := g.now().Add(res.RetryAfter()).Add(jitter(req.JitterKey, g.jitter))
+		run.set(gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, RetryAt: retryAt})
+		if err := run.store(ctx); err != nil {
+			return fmt.Errorf("scheduler: Gate: job %d (%s): record denial: %w", job.ID, job.Kind, err)
+		}
 		run.snoozed = true
-		return river.JobSnooze(min(max(wait, time.Millisecond), maxSnooze))
+		return river.JobSnooze(min(max(retryAt.Sub(g.now()), time.Millisecond), maxSnooze))
 	case !res.Reserved:
 		return g.pass(ctx, run, job, gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, Due: g.now()}, doInner)
 	}

@@ -99,13 +99,22 @@ func TestGate(t *testing.T) {
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 	require.Equal(t, "null", string(metadataValue(t, res.Job.Metadata, scheduler.MetadataKey)))
 
-	// step 5: one more would owe 2 > MaxReserved: nothing is taken, no payment recorded; the job
-	// is snoozed (at most MaxSnooze) to try again.
+	// step 5: one more would owe 2 > MaxReserved: nothing is taken, no payment recorded, only the
+	// time it may ask again (the denial's RetryAt, in 60 s); the job is snoozed (at most MaxSnooze).
 	res, err = w.Work(ctx, t, tx, callArgs{N: 3}, nil)
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 	require.Equal(t, 0, res.Job.Attempt)
-	require.Nil(t, metadataValue(t, res.Job.Metadata, scheduler.MetadataKey))
+	var denied struct {
+		Limits []map[string]any `json:"limits"`
+	}
+	require.NoError(t, json.Unmarshal(metadataValue(t, res.Job.Metadata, scheduler.MetadataKey), &denied))
+	require.Len(t, denied.Limits, 1)
+	retryAt, err := time.Parse(time.RFC3339Nano, denied.Limits[0]["retry_at"].(string))
+	require.NoError(t, err)
+	require.True(t, retryAt.Equal(clock.Add(time.Minute)), "retry_at %s", retryAt)
+	delete(denied.Limits[0], "retry_at")
+	require.Equal(t, map[string]any{"name": "calls", "key": "", "attempt": 1.0}, denied.Limits[0], "no due: nothing paid")
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 	require.Equal(t, int32(2), ran.Load())
 
@@ -408,4 +417,62 @@ func TestGateTwoGatesNested(t *testing.T) {
 	require.Equal(t, int32(3), ran.Load())
 	require.Equal(t, 1.0, valueTx("a"))
 	require.Equal(t, 0.0, valueTx("b"))
+}
+
+// TestGateDenialKeepsJitter: a denied job is snoozed until the RetryAt of the denial plus its
+// jitter, then tries again, however many snoozes of at most MaxSnooze that takes: the Gate records
+// the time and does not ask at an earlier wake-up. A denial due 4.4 s later, with the
+// deterministic jitter JitterFor("a", 2s) = 1.02 s, does not take its token before RetryAt +
+// 1.02 s. Before, the wait was cut to one MaxSnooze (4.5 s) and the job, asking again then, took
+// its token 0.1 s after RetryAt, its jitter lost. The job is brought back after each snooze the
+// Gate asks for, as River would bring it back.
+func TestGateDenialKeepsJitter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var clock atomic.Int64
+	clock.Store(t0.UnixNano())
+	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	// One token per 4.4 s, capacity 1, no reservations: after the first job, one is denied 4.4 s.
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 4400 * time.Millisecond}}, now: now})
+	const jitterMax = 2 * time.Second
+	j := scheduler.JitterFor("a", jitterMax)
+	require.Greater(t, j, time.Second)
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Jitter: jitterMax,
+		Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+			return scheduler.GateRequest{Name: "calls", JitterKey: "a"}, job.Kind == callArgs{}.Kind()
+		}})
+	require.NoError(t, err)
+	scheduler.SetGateNow(gate, now)
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
+
+	retryAt := t0.Add(4400 * time.Millisecond)
+	job := (*rivertype.JobRow)(nil)
+	for i := 0; ; i++ {
+		require.Less(t, i, 10, "the job never ran")
+		before := time.Now()
+		if job == nil {
+			res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+		} else {
+			res, err = w.WorkJob(ctx, t, tx, job)
+		}
+		require.NoError(t, err)
+		if res.EventKind == river.EventKindJobCompleted {
+			break
+		}
+		require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
+		job = res.Job
+		clock.Add(int64(job.ScheduledAt.Sub(before))) // River brings it back after its snooze
+	}
+	require.False(t, now().Before(retryAt.Add(j)),
+		"the denied job ran at RetryAt + %s, before RetryAt + its jitter %s: the jitter was cut to what fits in one MaxSnooze (%s)",
+		now().Sub(retryAt), j, scheduler.MaxSnooze)
+	require.Less(t, now().Sub(retryAt.Add(j)), 500*time.Millisecond, "and not much after")
 }

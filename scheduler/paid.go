@@ -15,7 +15,8 @@ import (
 // paid for their tokens: ReserveTx sets it for attempt 1 (standing for every limit the job
 // reserved), a Gate for each limit it reserved on and snoozed the job for. A Gate lets such an
 // attempt through without taking its limit's tokens again, and clears its record once the job has
-// run. River UI shows it with the job's other metadata.
+// run. A Gate that was denied records there too when it may ask again. River UI shows it with the
+// job's other metadata.
 const paidKey = "txlimit_paid"
 
 // payments is the value stored under paidKey.
@@ -25,8 +26,8 @@ type payments struct {
 	// number across snoozes and increments it for a retry, so a retry pays again.
 	Attempt int `json:"attempt,omitempty"`
 
-	// Limits are the Gates' payments, one per limit (name, key): a payment counts only for the
-	// limit it names, so a job behind two Gates pays each, once.
+	// Limits are the Gates' payments (or denials), one per limit (name, key): a payment counts only
+	// for the limit it names, so a job behind two Gates pays each, once.
 	Limits []gatePayment `json:"limits,omitempty"`
 
 	// Name, Key and Due are a Gate's payment as versions before Limits recorded it, with Attempt
@@ -36,14 +37,18 @@ type payments struct {
 	Due  time.Time `json:"due,omitzero"`
 }
 
-// gatePayment is a Gate's payment of one limit for one attempt of a job.
+// gatePayment is a Gate's payment of one limit for one attempt of a job, or, with RetryAt set, its
+// denial: nothing paid, and the time before which the Gate does not ask again.
 type gatePayment struct {
 	Name    string `json:"name"`
 	Key     string `json:"key"`
 	Attempt int    `json:"attempt"`
 	// Due is when the tokens are due, on the clock of the process that reserved them (River
 	// schedules snoozes on the same clock); for tokens taken at once, when they were taken.
-	Due time.Time `json:"due"`
+	Due time.Time `json:"due,omitzero"`
+	// RetryAt, set on a denial, is the denial's RetryAt plus the Gate's jitter, on the same clock:
+	// the job, snoozed as often as it takes, asks again then, not at an earlier wake-up.
+	RetryAt time.Time `json:"retry_at,omitzero"`
 }
 
 // readPayments returns the payments recorded in a job's metadata; none when it has none or they
@@ -95,7 +100,8 @@ func gateRunOf(ctx context.Context, job *rivertype.JobRow) (*gateRun, context.Co
 }
 
 // paid returns the payment of the run's attempt for the limit id, as the run found it: ReserveTx's,
-// which stands for every limit (Name empty, Due zero), or a Gate's of that limit.
+// which stands for every limit (Name empty, Due zero), or a Gate's of that limit, or its denial
+// (RetryAt set).
 func (r *gateRun) paid(id limitID) (gatePayment, bool) {
 	if r.read.Attempt != 0 && r.read.Attempt == r.attempt {
 		return gatePayment{Attempt: r.attempt}, true

