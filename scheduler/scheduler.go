@@ -105,26 +105,28 @@ type ReserveOpts struct {
 // Reservation is the outcome of ReserveTx or ReserveManyTx.
 type Reservation struct {
 	// Duplicate reports that River skipped the insert because an equivalent job exists under the
-	// job's UniqueOpts. The reserved tokens were credited back in the same transaction and Job is
-	// the existing job.
+	// job's UniqueOpts. The reserved tokens were credited back in the same transaction, and the
+	// Reservation describes the existing job: Job is that job, ScheduledAt its time, RetryAt and
+	// Jitter zero.
 	Duplicate bool
 
-	// Jitter is the delay added to RetryAt. Zero when the job runs now.
+	// Jitter is the delay added to RetryAt. Zero when the job runs now, and on a duplicate.
 	Jitter time.Duration
 
 	// Job is the inserted job. Its State is available even when it is due in the future (see
 	// PreciseHook).
 	Job *rivertype.JobRow
 
-	// Results are the limit decisions, one per limit in request order, all granted.
+	// Results are the limit decisions, one per limit in request order, all granted. On a duplicate
+	// they were credited back.
 	Results []ratelimit.Result
 
 	// RetryAt is when the reserved tokens will have accrued: the latest RetryAt of Results. Zero
-	// when they were all there and the job runs now.
+	// when they were all there and the job runs now, and on a duplicate (nothing stays reserved).
 	RetryAt time.Time
 
 	// ScheduledAt is when the job is due: RetryAt plus Jitter (or InsertOpts.ScheduledAt when that
-	// is later). Zero when the job runs now.
+	// is later); on a duplicate, the existing job's Job.ScheduledAt. Zero when the job runs now.
 	ScheduledAt time.Time
 }
 
@@ -264,7 +266,9 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 	}
 	r.Job = ins.Job
 	if ins.UniqueSkippedAsDuplicate {
+		// The Reservation describes the existing job: nothing stays reserved for this call.
 		r.Duplicate = true
+		r.RetryAt, r.Jitter, r.ScheduledAt = time.Time{}, 0, ins.Job.ScheduledAt
 		for _, c := range credits {
 			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.LimitOpts{Config: c.config}); err != nil {
 				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job: %w", op, err)

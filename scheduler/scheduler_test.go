@@ -235,6 +235,33 @@ func TestReserveTxDuplicateIsCreditedBack(t *testing.T) {
 	require.Len(t, jobs(t, client), 1)
 }
 
+// TestReserveTxDuplicateReportsExistingJob: when River skips the insert as a duplicate, the
+// reservation is credited back and the Reservation describes the existing job: its ScheduledAt,
+// no RetryAt. Here the existing job runs now and the second call's reservation would have been
+// due in 60 s; before, the Reservation said 60 s.
+func TestReserveTxDuplicateReportsExistingJob(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
+	for i, dup := range []bool{false, true} {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			res, err := sched.ReserveTx(ctx, tx, "calls", "u1", 10, uniqueArgs{Doc: "d1"}, nil)
+			require.NoError(t, err)
+			require.Equal(t, dup, res.Duplicate, "insert %d", i)
+			if dup {
+				require.True(t, res.ScheduledAt.Equal(res.Job.ScheduledAt),
+					"Reservation.ScheduledAt %s, but the job (the existing one) is due at %s", res.ScheduledAt, res.Job.ScheduledAt)
+				require.True(t, res.RetryAt.IsZero(), "Reservation.RetryAt %s for tokens that were credited back", res.RetryAt)
+				require.Zero(t, res.Jitter)
+				require.Len(t, res.Results, 1)
+			}
+			return nil
+		}))
+	}
+	require.Equal(t, 0.0, value(t, b, "calls", "u1"))
+}
+
 // TestReserveTxConcurrent: 64 goroutines reserve and schedule against one budget, rolling back at
 // random; exactly the committed reservations have jobs.
 func TestReserveTxConcurrent(t *testing.T) {
