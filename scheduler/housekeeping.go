@@ -40,7 +40,7 @@ type HousekeepingConfig struct {
 	PruneTimeout time.Duration
 
 	// Queue is the River queue both jobs are inserted in; a client must work it, or they never
-	// run. Defaults to river.QueueDefault.
+	// run. A name River refuses is an *ratelimit.ArgumentError. Defaults to river.QueueDefault.
 	Queue string
 
 	// RunOnStart inserts both jobs as soon as the client is elected leader, besides every interval,
@@ -88,6 +88,8 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 	}
 	if out.Queue == "" {
 		out.Queue = river.QueueDefault
+	} else if err := checkQueueName(op, "HousekeepingConfig.Queue", out.Queue); err != nil {
+		return out, err
 	}
 	return out, nil
 }

@@ -23,7 +23,8 @@ type Config struct {
 	AllowImprecise bool
 
 	// Queues are the River queues some River client works (the keys of river.Config.Queues of
-	// your workers, which River does not let other packages read): ReserveTx and ReserveManyTx
+	// your workers, which River does not let other packages read; each a name River accepts, or
+	// New returns an *ratelimit.ArgumentError): ReserveTx and ReserveManyTx
 	// insert reserved jobs into these only. A job headed for another queue (its InsertOpts.Queue,
 	// else its args' InsertOpts().Queue, else river.QueueDefault) is refused with a *SetupError
 	// (ErrQueueNotWorked) before anything is reserved, with no query. Set it in a process whose
@@ -68,6 +69,9 @@ func New(client *river.Client[pgx.Tx], limiter *ratelimit.Limiter, config *Confi
 		for i, q := range config.Queues {
 			if q == "" {
 				return nil, argError("New", fmt.Sprintf("Config.Queues[%d]", i), "is empty: name a queue your River clients work, e.g. river.QueueDefault", nil)
+			}
+			if err := checkQueueName("New", fmt.Sprintf("Config.Queues[%d]", i), q); err != nil {
+				return nil, err
 			}
 		}
 		s.queues = slices.Clone(config.Queues)
@@ -137,7 +141,8 @@ type Reservation struct {
 //
 // The job's queue must be one River's clients work (see Config.Queues): a job headed for a queue
 // no client works would wait there with its tokens reserved, so it is refused with a *SetupError
-// (errors.Is(err, ErrQueueNotWorked)), nothing reserved, nothing inserted, tx as it was.
+// (errors.Is(err, ErrQueueNotWorked)), nothing reserved, nothing inserted, tx as it was. A queue
+// name River refuses is bad input (ratelimit.ErrInvalid) instead, checked first.
 //
 // When the reservation would leave more than the limit's MaxReserved owed, nothing is reserved,
 // no job is inserted, tx is left as it was and the error is a *ratelimit.LimitedError (errors.As)
@@ -178,6 +183,9 @@ func (s *Scheduler) reserve(ctx context.Context, op string, tx pgx.Tx, reqs []ra
 		return nil, err
 	}
 	queue := jobQueue(args, insertOpts)
+	if err := checkQueueName(op, jobQueueArg(insertOpts), queue); err != nil {
+		return nil, err
+	}
 	if err := s.configuredQueue(op, queue); err != nil {
 		return nil, err
 	}

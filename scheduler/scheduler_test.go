@@ -6,11 +6,13 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertest"
@@ -585,4 +587,68 @@ func TestReserveTxDropsCopiedBookkeeping(t *testing.T) {
 		return nil
 	}))
 	require.Equal(t, 7.0, value(t, b, "calls", "u1"))
+}
+
+// TestReserveTxInvalidQueueIsBadInput: a queue name River refuses is bad input (ratelimit.ErrInvalid,
+// nothing written), checked before whether a client works the queue. Before, once River's queue
+// table listed a queue, it was a *SetupError (ErrQueueNotWorked) whose fix said to add "bad queue!"
+// to river.Config.Queues, a name River refuses there too. New, Check and Housekeeping check the
+// queues they are given the same way.
+func TestReserveTxInvalidQueueIsBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
+	b.workQueues(t, "llm")
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := sched.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Queue: "bad queue!"}})
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		require.NotErrorIs(t, err, scheduler.ErrQueueNotWorked)
+		require.EqualError(t, err, `scheduler: ReserveTx: ReserveOpts.InsertOpts.Queue is "bad queue!", a queue name River refuses: `+
+			`use lower-case letters and digits, runs of them joined by one '_', '-' or '|', at most 64 characters`)
+		_, err = sched.ReserveManyTx(ctx, tx, []ratelimit.Request{{Name: "calls", Key: "u1"}}, badQueueArgs{}, nil)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		require.ErrorContains(t, err, "args' InsertOpts().Queue")
+		require.ErrorIs(t, sched.Check(ctx, tx, badQueueArgs{}), ratelimit.ErrInvalid)
+		return nil
+	}))
+	require.Equal(t, 10.0, value(t, b, "calls", "u1"))
+	require.Empty(t, jobs(t, b.client))
+
+	_, err := scheduler.New(b.client, b.limiter, &scheduler.Config{Queues: []string{"llm", "LLM"}})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.ErrorContains(t, err, "Config.Queues[1]")
+	_, err = scheduler.Housekeeping(river.NewWorkers(), b.limiter, b.pool, &scheduler.HousekeepingConfig{Queue: "-llm"})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+}
+
+// badQueueArgs are args whose own InsertOpts name a queue River refuses.
+type badQueueArgs struct{}
+
+func (badQueueArgs) Kind() string                 { return "txlimit_bad_queue" }
+func (badQueueArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{Queue: "Bad"} }
+
+// TestQueueNameRuleIsRivers: the package's check of a queue name accepts exactly the names River
+// accepts (River's own check, which it does not export, runs on river.Config.Queues in NewClient).
+func TestQueueNameRuleIsRivers(t *testing.T) {
+	t.Parallel()
+	workers := river.NewWorkers()
+	river.AddWorker(workers, river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
+	pool, err := pgxpool.New(context.Background(), "postgres://localhost/unused") // River wants one; it never connects
+	require.NoError(t, err)
+	defer pool.Close()
+	for _, name := range []string{"default", "llm", "a", "0", "a1", "a_b", "a-b", "a|b", "a_b-c|d", "a__b", "a-_b",
+		"_a", "a_", "-a", "a-", "A", "llM", "a b", "a.b", "a/b", "bad queue!", "ü", "a\n",
+		strings.Repeat("a", 64), strings.Repeat("a", 65), strings.Repeat("ab-", 21) + "a", strings.Repeat("ab-", 21) + "ab"} {
+		_, riverErr := river.NewClient(riverpgxv5.New(pool), &river.Config{
+			Queues:  map[string]river.QueueConfig{name: {MaxWorkers: 1}},
+			Workers: workers,
+			Logger:  quietLogger(),
+		})
+		ours := scheduler.CheckQueueName(name)
+		require.Equal(t, riverErr == nil, ours == nil, "queue %q: River says %v, the package %v", name, riverErr, ours)
+		if ours != nil {
+			require.ErrorIs(t, ours, ratelimit.ErrInvalid)
+		}
+	}
 }

@@ -92,7 +92,8 @@ var errProbe = errors.New("scheduler: check probe (not an error)")
 // a kind it has no worker for before its hooks run, so they must be of one of its kinds (nothing is
 // inserted). nil uses a kind of this package, which works for insert-only clients and clients with
 // SkipUnknownJobCheck, and checks no queue but those of Config.Queues. Defaults to nil. A nil db,
-// or a nil pointer as db or probe, is an *ratelimit.ArgumentError.
+// a nil pointer as db or probe, or a probe whose queue is a name River refuses, is an
+// *ratelimit.ArgumentError.
 func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs) error {
 	const op = "Check"
 	if err := nilArg(op, "db", db, "pass the *pgxpool.Pool of the River client"); err != nil {
@@ -146,7 +147,11 @@ func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs)
 // works: probe's, when not nil, and those of Config.Queues, when River's queue table lists any.
 func (s *Scheduler) checkQueues(ctx context.Context, op string, tx pgx.Tx, probe river.JobArgs) error {
 	if probe != nil {
-		if err := s.workedQueue(ctx, op, tx, jobQueue(probe, river.InsertOpts{})); err != nil {
+		queue := jobQueue(probe, river.InsertOpts{})
+		if err := checkQueueName(op, "probe's InsertOpts().Queue", queue); err != nil {
+			return err
+		}
+		if err := s.workedQueue(ctx, op, tx, queue); err != nil {
 			return err
 		}
 	}
