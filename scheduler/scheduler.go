@@ -86,8 +86,9 @@ type ReserveOpts struct {
 	// Defaults to nil: the registered config.
 	Config *ratelimit.Config
 
-	// InsertOpts are the job's River insert options. Their ScheduledAt is honoured when it is later
-	// than the reservation's. Metadata, when set, must be a JSON object; the job gets it with the
+	// InsertOpts are the job's River insert options. Their ScheduledAt (else that of the args' own
+	// InsertOpts, as River picks it) is honoured when it is later than the reservation's, and the
+	// job never moves before it. Metadata, when set, must be a JSON object; the job gets it with the
 	// package's own keys written anew: "txlimit_paid" and "txlimit_reserved" are set, and
 	// "txlimit_settled" and "txlimit_stranded" are dropped, so that metadata copied from another job
 	// (to run it again, say) does not carry over that job's payment, reservation, settlement or
@@ -309,6 +310,11 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 	}
 	if opts.InsertOpts != nil {
 		insertOpts = *opts.InsertOpts
+	}
+	if a, ok := args.(river.JobArgsWithInsertOpts); ok && insertOpts.ScheduledAt.IsZero() {
+		// River's precedence: the args' own ScheduledAt when the call sets none. The reservation's
+		// time replaces it in the insert, so it is kept here, as the earliest the job may run.
+		insertOpts.ScheduledAt = a.InsertOpts().ScheduledAt
 	}
 	md, err := withPaid(insertOpts.Metadata)
 	if err != nil {

@@ -264,6 +264,52 @@ func TestReserveTxDuplicateReportsExistingJob(t *testing.T) {
 	require.Equal(t, 0.0, value(t, b, "calls", "u1"))
 }
 
+// laterArgs are args whose own InsertOpts schedule them at t0+50s.
+type laterArgs struct{}
+
+func (laterArgs) Kind() string { return "txlimit_later" }
+func (laterArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{ScheduledAt: t0.Add(50 * time.Second)}
+}
+
+// TestReserveTxArgsScheduledAt: the args' own InsertOpts().ScheduledAt counts as River counts it
+// (when ReserveOpts.InsertOpts sets none): a job whose tokens are there is due then, and so is a
+// reserved one whose tokens accrue earlier, which no credit moves before it. A ScheduledAt of
+// ReserveOpts.InsertOpts takes its place. Before, the reservation's time replaced it, and a job
+// that ran at once reported no ScheduledAt though River scheduled it.
+func TestReserveTxArgsScheduledAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil) // no Workers: it inserts laterArgs
+	later := t0.Add(50 * time.Second)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		for i, c := range []struct {
+			count   float64
+			opts    *scheduler.ReserveOpts
+			retryAt time.Time
+			want    time.Time
+		}{
+			{count: 10, want: later},                                  // the tokens are there
+			{count: 1, retryAt: t0.Add(6 * time.Second), want: later}, // due earlier than the args ask
+			{count: 1, retryAt: t0.Add(12 * time.Second), want: t0.Add(20 * time.Second),
+				opts: &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: t0.Add(20 * time.Second)}}},
+		} {
+			res, err := sched.ReserveTx(ctx, tx, "calls", "u1", c.count, laterArgs{}, c.opts)
+			require.NoError(t, err, "step %d", i)
+			require.Equal(t, c.retryAt, res.RetryAt.UTC(), "step %d", i)
+			require.Equal(t, c.want, res.ScheduledAt.UTC(), "step %d", i)
+			require.Equal(t, c.want, res.Job.ScheduledAt.UTC(), "step %d", i)
+			var rec struct {
+				NotBefore time.Time `json:"not_before"`
+			}
+			require.NoError(t, json.Unmarshal(metadataValue(t, res.Job.Metadata, scheduler.ReservedKey), &rec))
+			require.Equal(t, c.want, rec.NotBefore.UTC(), "step %d: the job never moves before it", i)
+		}
+		return nil
+	}))
+}
+
 // TestReserveTxConcurrent: 64 goroutines reserve and schedule against one budget, rolling back at
 // random; exactly the committed reservations have jobs.
 func TestReserveTxConcurrent(t *testing.T) {
