@@ -115,11 +115,13 @@ type Reservation struct {
 	// Jitter zero.
 	Duplicate bool
 
-	// Jitter is the delay added to RetryAt. Zero when the job runs now, and on a duplicate.
+	// Jitter is the delay added to RetryAt, in [0, ReserveOpts.Jitter). Zero when RetryAt is zero.
 	Jitter time.Duration
 
-	// Job is the inserted job. Its State is available even when it is due in the future (see
-	// PreciseHook).
+	// Job is the job as River's insert returned it; on a duplicate, the existing job, in whatever
+	// state it is. A new job is available, also when it is due in the future (PreciseHook keeps
+	// its future ScheduledAt), except that it is pending when InsertOpts.Pending is set, and
+	// scheduled when ScheduledAt is set but the client lacks PreciseHook (Config.AllowImprecise).
 	Job *rivertype.JobRow
 
 	// Results are the limit decisions, one per limit in request order, all granted. On a duplicate
@@ -127,18 +129,25 @@ type Reservation struct {
 	Results []ratelimit.Result
 
 	// RetryAt is when the reserved tokens will have accrued: the latest RetryAt of Results. Zero
-	// when they were all there and the job runs now, and on a duplicate (nothing stays reserved).
+	// when they were all there, and on a duplicate (nothing stays reserved).
 	RetryAt time.Time
 
-	// ScheduledAt is when the job is due: RetryAt plus Jitter (or InsertOpts.ScheduledAt when that
-	// is later); on a duplicate, the existing job's Job.ScheduledAt. Zero when the job runs now.
+	// ScheduledAt is when the job was inserted to be due: the later of RetryAt plus Jitter and
+	// the ScheduledAt the insert asked for (ReserveOpts.InsertOpts.ScheduledAt, else that of the
+	// args' own InsertOpts). Zero when neither is set (the tokens were all there and no time was
+	// asked for): the job is due at once, and Job.ScheduledAt is when it was inserted. On a
+	// duplicate, the existing job's Job.ScheduledAt. Tokens given back later by the jobs ahead of
+	// it (SettleTx, CancelTx) can move the job earlier, never before the time asked for.
 	ScheduledAt time.Time
 }
 
 // ReserveTx reserves count tokens of the limit name for key and inserts a River job with args, both
 // in tx, so that the job exists if and only if tx commits. When the tokens are there the job runs
 // now; otherwise it is scheduled for the reservation's RetryAt (plus opts.Jitter) and runs then,
-// without checking the limit again. Settle the reservation from the job with a Settlement.
+// without checking the limit again. The job settles its reservation with SettleTx (SettleManyTx
+// for a job of ReserveManyTx) in the transaction that completes it, once its real cost is known,
+// and CancelTx cancels it with a refund before it starts: both read what it reserved from the job,
+// give tokens back exactly once, and pull the jobs waiting behind it forward.
 //
 // The job's queue must be one River's clients work (see Config.Queues): a job headed for a queue
 // no client works would wait there with its tokens reserved, so it is refused with a *SetupError
