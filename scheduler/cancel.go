@@ -85,17 +85,20 @@ func (e *notReservedError) Is(target error) bool {
 // commits or rolls back with tx.
 //
 // The cancel is recorded as the job's settlement (job metadata "txlimit_settled", nothing used), so
-// a later SettleTx of the job changes nothing and returns it. A job that is running, has run
+// a later SettleTx of the job changes nothing and returns it, and the job's payment for its first
+// attempt ("txlimit_paid") is removed: should River bring the job back (Client.JobRetry), it runs
+// unpaid, and a Gate over its kind makes it pay like any other job. A job that is running, has run
 // (completed, discarded, retryable, or snoozed after it started), was settled or was cancelled
 // already is left as it is, nothing is credited, and the error is a *NotCancellableError
 // (errors.Is(err, ErrNotCancellable)). A job that does not exist is an error matching
-// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved. The call works
+// rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved; a nil tx (a
+// nil pointer such as a nil *pgxpool.Tx too) is an *ratelimit.ArgumentError. The call works
 // in a savepoint of tx: any error leaves tx as it was, unless it says to roll tx back.
 // The job's row stays locked until tx ends, so that no worker starts it meanwhile.
 func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobSettlement, error) {
 	const op = "CancelTx"
-	if tx == nil {
-		return nil, argError(op, "tx", "is nil: pass the pgx.Tx to cancel in", nil)
+	if err := nilArg(op, "tx", tx, "pass the pgx.Tx to cancel in"); err != nil {
+		return nil, err
 	}
 	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
 		job, err := schedsql.New().LockJob(ctx, sp, jobID)
@@ -142,7 +145,9 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobS
 		if err != nil {
 			return nil, err
 		}
-		if err := schedsql.New().RecordSettlement(ctx, sp, schedsql.RecordSettlementParams{ID: jobID, Outcome: string(b)}); err != nil {
+		// The refund takes back what ReserveTx's payment paid for: should River bring the job back
+		// (JobRetry), it pays at its Gates like any other.
+		if err := schedsql.New().RecordCancellation(ctx, sp, schedsql.RecordCancellationParams{ID: jobID, Outcome: string(b)}); err != nil {
 			return nil, fmt.Errorf("scheduler: %s: %w", op, err)
 		}
 		return out, nil

@@ -17,6 +17,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -785,4 +786,43 @@ func TestPullForwardShardedKeepsTime(t *testing.T) {
 	}))
 	require.Equal(t, before, jobRow(t, b, r2.Job.ID).ScheduledAt)
 	_ = scheduler.ReservedKey
+}
+
+// TestCancelTxRetriedJobPaysAgain: CancelTx refunds every token a job of ReserveTx reserved and
+// removes the job's payment for its first attempt ("txlimit_paid": {"attempt": 1}). A cancelled
+// job brought back with River's JobRetry (River UI's Retry) then pays at the Gate over its kind;
+// before, it ran as paid for by the refunded reservation and the limit over-granted by the whole
+// job.
+func TestCancelTxRetriedJobPaysAgain(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, tenPerSecond)
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
+	require.NoError(t, err)
+	var ran atomic.Int32
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	res := reserve(t, b, "calls", "", 3)
+	require.Equal(t, 7.0, value(t, b, "calls", ""))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.CancelTx(ctx, tx, res.Job.ID)
+		return err
+	}))
+	require.Equal(t, 10.0, value(t, b, "calls", ""), "refunded")
+
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	row, err := b.client.JobRetryTx(ctx, tx, res.Job.ID)
+	require.NoError(t, err)
+	wr, err := w.WorkJob(ctx, t, tx, row)
+	require.NoError(t, err)
+	st, err := b.limiter.State(ctx, tx, "calls", "", nil)
+	require.NoError(t, err)
+	require.False(t, wr.EventKind == river.EventKindJobCompleted && st.Value == 10,
+		"the refunded job ran through the Gate (%s) and the limit is still full (%g): its first attempt still counts as paid", wr.EventKind, st.Value)
+	require.Equal(t, river.EventKindJobCompleted, wr.EventKind)
+	require.Equal(t, 9.0, st.Value, "the Gate took its token")
+	require.Equal(t, int32(1), ran.Load())
+	require.Nil(t, metadataValue(t, jobRow(t, b, res.Job.ID).Metadata, scheduler.MetadataKey), "no payment left after the cancel")
 }

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"reflect"
 
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -12,6 +13,20 @@ import (
 // err, when not nil, is another library's refusal of the value (River's).
 func argError(op, arg, reason string, err error) error {
 	return &schedArgError{&ratelimit.ArgumentError{Op: op, Arg: arg, Reason: reason, Err: err}}
+}
+
+// nilArg returns the *ratelimit.ArgumentError of op's argument arg when v is nil, a nil pointer in
+// an interface included (a nil *pgxpool.Tx as a pgx.Tx, a nil pointer to a job's args), which would
+// panic at its first method call; fix says what to pass. It is nil otherwise. Package ratelimit
+// checks its Executor the same way.
+func nilArg(op, arg string, v any, fix string) error {
+	if v == nil {
+		return argError(op, arg, "is nil: "+fix, nil)
+	}
+	if rv := reflect.ValueOf(v); rv.Kind() == reflect.Pointer && rv.IsNil() {
+		return argError(op, arg, fmt.Sprintf("is a nil %T: %s", v, fix), nil)
+	}
+	return nil
 }
 
 // schedArgError is a *ratelimit.ArgumentError reported by this package.

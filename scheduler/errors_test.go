@@ -5,7 +5,9 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/stretchr/testify/require"
 
@@ -71,4 +73,88 @@ func TestOneSetupError(t *testing.T) {
 		require.NotErrorIs(t, c.err, scheduler.ErrNoRiverTables, "step %d", i)
 		require.EqualError(t, c.err, c.msg, "step %d", i)
 	}
+}
+
+// recovered runs f and returns what it panicked with, if it did.
+func recovered(f func()) (v any) {
+	defer func() { v = recover() }()
+	f()
+	return nil
+}
+
+// TestTypedNilIsBadInput: a nil pointer in an interface (a nil *pgxpool.Tx as a pgx.Tx, a nil
+// *pgxpool.Pool as a db, a nil *callArgs as args) is bad input like an untyped nil, as in package
+// ratelimit (spec §5: "a nil Executor, a typed nil pointer included"): an *ratelimit.ArgumentError
+// naming its type, returned before anything is written. Before, each panicked; the args one in
+// River's insert, after LimitN had reserved the tokens in tx, with the savepoint left open, so a
+// caller that recovered and committed kept a reservation with no job.
+func TestTypedNilIsBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	var nilTx *pgxpool.Tx
+	var nilPool *pgxpool.Pool
+	for _, c := range []struct {
+		what string
+		call func() error
+	}{
+		{"ReserveTx with a nil *pgxpool.Tx", func() error {
+			_, err := b.sched.ReserveTx(ctx, nilTx, "calls", "u1", 1, callArgs{}, nil)
+			return err
+		}},
+		{"CancelTx with a nil *pgxpool.Tx", func() error { _, err := b.sched.CancelTx(ctx, nilTx, 1); return err }},
+		{"SettleTx with a nil *pgxpool.Tx", func() error { _, err := b.sched.SettleTx(ctx, nilTx, 1, 1); return err }},
+		{"Check with a nil *pgxpool.Pool", func() error { return b.sched.Check(ctx, nilPool, callArgs{}) }},
+		{"Check with a nil *callArgs probe", func() error { return b.sched.Check(ctx, b.pool, (*callArgs)(nil)) }},
+		{"ReserveManyTx with a nil *pgxpool.Tx", func() error {
+			_, err := b.sched.ReserveManyTx(ctx, nilTx, []ratelimit.Request{{Name: "calls", Key: "u1"}}, callArgs{}, nil)
+			return err
+		}},
+		{"Settle with a nil *pgxpool.Pool", func() error {
+			_, err := scheduler.Settlement{Name: "calls", Key: "u1", Reserved: 1}.Settle(ctx, nilPool, b.limiter, 0, nil)
+			return err
+		}},
+		{"NewGate with a nil *pgxpool.Pool", func() error {
+			_, err := scheduler.NewGate(&scheduler.GateConfig{DB: nilPool, Limiter: b.limiter, Limit: gateCalls})
+			return err
+		}},
+		{"Housekeeping with a nil *pgxpool.Pool", func() error {
+			_, err := scheduler.Housekeeping(river.NewWorkers(), b.limiter, nilPool, nil)
+			return err
+		}},
+	} {
+		var err error
+		if p := recovered(func() { err = c.call() }); p != nil {
+			t.Errorf("%s panicked: %v", c.what, p)
+			continue
+		}
+		if !errors.Is(err, ratelimit.ErrInvalid) {
+			t.Errorf("%s: %v, want an error matching ratelimit.ErrInvalid", c.what, err)
+		}
+	}
+	_, err := b.sched.ReserveTx(ctx, nilTx, "calls", "u1", 1, callArgs{}, nil)
+	require.EqualError(t, err, "scheduler: ReserveTx: tx is a nil *pgxpool.Tx: pass the pgx.Tx the job and the reservation belong to")
+
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		var err error
+		p := recovered(func() { _, err = b.sched.ReserveTx(ctx, tx, "calls", "u1", 1, (*callArgs)(nil), nil) })
+		require.Nil(t, p, "ReserveTx with a nil *callArgs panicked (the tokens reserved in tx: %g left)", valueIn(t, b, tx))
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		p = recovered(func() {
+			_, err = b.sched.ReserveManyTx(ctx, tx, []ratelimit.Request{{Name: "calls", Key: "u1"}}, (*callArgs)(nil), nil)
+		})
+		require.Nil(t, p, "ReserveManyTx with a nil *callArgs panicked")
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		return nil
+	}))
+	require.Equal(t, 10.0, value(t, b, "calls", "u1"), "nothing reserved")
+	require.Empty(t, jobs(t, b.client), "no job")
+}
+
+// valueIn is the value of calls/u1 as tx sees it.
+func valueIn(t *testing.T, b *testBundle, tx pgx.Tx) float64 {
+	t.Helper()
+	st, err := b.limiter.State(context.Background(), tx, "calls", "u1", nil)
+	require.NoError(t, err)
+	return st.Value
 }

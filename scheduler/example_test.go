@@ -16,10 +16,10 @@ import (
 	"github.com/txlimit/txlimit/scheduler"
 )
 
-// CompletionArgs is an LLM call that reserved its estimated tokens.
+// CompletionArgs is an LLM call that reserved its estimated tokens. It carries nothing of its
+// reservation: ReserveTx records that in the job, where SettleTx reads it.
 type CompletionArgs struct {
-	Prompt string               `json:"prompt"`
-	Budget scheduler.Settlement `json:"budget"`
+	Prompt string `json:"prompt"`
 }
 
 func (CompletionArgs) Kind() string { return "completion" }
@@ -35,9 +35,18 @@ func Example_reserveAndSchedule() {
 	if err := scheduler.Migrate(ctx, pool, nil); err != nil {
 		panic(err)
 	}
+	var sched *scheduler.Scheduler // made below, with the client
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(func(ctx context.Context, job *river.Job[CompletionArgs]) error {
-		return nil // call the model, then settle in the job's tx: sched.SettleTx(ctx, tx, job.ID, used)
+		used := 7000.0 // call the model: it says how many tokens the call used
+		// Settle in the transaction that completes the job: exactly once, whatever retries.
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if _, err := sched.SettleTx(ctx, tx, job.ID, used); err != nil {
+				return err
+			}
+			_, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
+			return err
+		})
 	}))
 	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
@@ -52,8 +61,7 @@ func Example_reserveAndSchedule() {
 	for _, estimate := range []float64{8000, 6000, 9000, 20000} {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			// ... the application's own writes ...
-			budget := scheduler.Settlement{Name: "llm-tokens", Key: "org-42", Reserved: estimate}
-			res, err := sched.ReserveTx(ctx, tx, budget.Name, budget.Key, estimate, CompletionArgs{Prompt: "...", Budget: budget}, nil)
+			res, err := sched.ReserveTx(ctx, tx, "llm-tokens", "org-42", estimate, CompletionArgs{Prompt: "..."}, nil)
 			if err != nil {
 				return err
 			}

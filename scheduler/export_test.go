@@ -52,3 +52,6 @@ func NewStrandedWorker(db ratelimit.Executor, config *HousekeepingConfig, now fu
 	w.now = now
 	return w, nil
 }
+
+// CheckQueueName is the check of a queue name River refuses.
+func CheckQueueName(queue string) error { return checkQueueName("Test", "queue", queue) }

@@ -15,7 +15,7 @@ import (
 // scheduler interval (5 s) as available with a future scheduled_at, so a PreciseQueue fetches the
 // job on time; a longer snooze would be stored as scheduled and promoted up to 5 s late. A longer
 // wait is therefore split into snoozes of at most maxSnooze; each wake-up of a job whose tokens are
-// already paid for only snoozes again.
+// already paid for, or that was denied until a later time, only snoozes again.
 const maxSnooze = 4500 * time.Millisecond
 
 // GateRequest names the limit a job pays to run.
@@ -68,20 +68,25 @@ type GateConfig struct {
 // snoozes the job until they are due; when the job comes back it runs without paying again. So
 // jobs start at the limit's rate, each one once, in the order they asked. When the reservation
 // would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
-// of the denial (plus Jitter), then tries again.
+// of the denial plus its jitter (GateConfig.Jitter), then tries again: that time is recorded with
+// the job's payments, so a wait longer than one snooze keeps its jitter.
 //
 // River does not count a snooze as an attempt: it stores attempt-1, and the next fetch brings the
 // attempt number back to where it was, so a job can wait on a limit indefinitely without being
 // discarded; only its metadata's "snoozes" counter grows. A payment is good for the attempt that
-// made it: if the job then fails, its retry pays again. A job that is cancelled or deleted while
-// it waits does not give its tokens back (the limit errs on the side of granting less). A
-// database error from the decision fails the attempt (River retries it later); it never lets the
-// job through.
+// made it: if the job then fails, its retry pays again. The Gate clears its payment when it lets
+// the job through, so a job that runs, fails, or is snoozed by its worker pays again next time.
+// A job that is cancelled or deleted while it waits does not give its tokens back (the limit errs
+// on the side of granting less). A database error from the decision fails the attempt (River
+// retries it later); it never lets the job through.
 //
 // A Gate's payment is for its own limit (name and key): a job behind two Gates (one in
-// river.Config.Middleware, one of its worker) pays each. Jobs inserted by Scheduler.ReserveTx
-// carry a payment for their first attempt that stands for whatever they reserved, so any Gate over
-// their kind lets that attempt through: gate such jobs only by the limits they reserve.
+// river.Config.Middleware, one of its worker) pays each, once. The job's payments are recorded
+// side by side, and when a Gate further in snoozes the job, the payments of the Gates it passed
+// stay recorded (also for tokens they took at once), so the job comes back paid for those. Jobs
+// inserted by Scheduler.ReserveTx carry a payment for their first attempt that stands for
+// whatever they reserved, so every Gate over their kind lets that attempt through: gate such jobs
+// only by the limits they reserve.
 type Gate struct {
 	river.MiddlewareDefaults
 
@@ -96,11 +101,13 @@ var _ rivertype.WorkerMiddleware = (*Gate)(nil)
 
 // NewGate returns a Gate. It returns an error naming the first missing field of config.
 func NewGate(config *GateConfig) (*Gate, error) {
-	switch {
-	case config == nil:
+	if config == nil {
 		return nil, argError("NewGate", "config", "is nil: set DB, Limit and Limiter", nil)
-	case config.DB == nil:
-		return nil, argError("NewGate", "GateConfig.DB", "is nil: set it to the *pgxpool.Pool of the River client", nil)
+	}
+	if err := nilArg("NewGate", "GateConfig.DB", config.DB, "set it to the *pgxpool.Pool of the River client"); err != nil {
+		return nil, err
+	}
+	switch {
 	case config.Limit == nil:
 		return nil, argError("NewGate", "GateConfig.Limit", "is nil: set it to a func that maps a job to its limit", nil)
 	case config.Limiter == nil:
@@ -117,11 +124,21 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	if !ok {
 		return doInner(ctx)
 	}
-	if p, ok := paidFor(job, req.Name, req.Key); ok {
+	run, ctx := gateRunOf(ctx, job)
+	id := limitID{req.Name, req.Key}
+	p, ok := run.paid(id)
+	switch {
+	case ok && p.RetryAt.IsZero():
 		if wait := p.Due.Sub(g.now()); !p.Due.IsZero() && wait > 0 {
+			run.snoozed = true
 			return river.JobSnooze(min(wait, maxSnooze))
 		}
-		return g.run(ctx, doInner)
+		return g.pass(ctx, run, job, p, doInner)
+	case ok: // denied: asks again at the denial's RetryAt plus its jitter, however many snoozes it takes
+		if wait := p.RetryAt.Sub(g.now()); wait > 0 {
+			run.snoozed = true
+			return river.JobSnooze(min(wait, maxSnooze))
+		}
 	}
 	count := req.Count
 	if count == 0 {
@@ -138,23 +155,43 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	}
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
-		// Capped before the jitter is added: RetryAfter saturates at the largest Duration.
-		wait := min(res.RetryAfter(), maxSnooze) + jitter(req.JitterKey, g.jitter)
-		return river.JobSnooze(min(max(wait, time.Millisecond), maxSnooze))
+		// Times, not a sum of Durations: RetryAfter saturates at the largest Duration.
+		retryAt := g.now().Add(res.RetryAfter()).Add(jitter(req.JitterKey, g.jitter))
+		run.set(gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, RetryAt: retryAt})
+		if err := run.store(ctx); err != nil {
+			return fmt.Errorf("scheduler: Gate: job %d (%s): record denial: %w", job.ID, job.Kind, err)
+		}
+		run.snoozed = true
+		return river.JobSnooze(min(max(retryAt.Sub(g.now()), time.Millisecond), maxSnooze))
 	case !res.Reserved:
-		return g.run(ctx, doInner)
+		return g.pass(ctx, run, job, gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, Due: g.now()}, doInner)
 	}
 	wait := res.RetryAfter()
-	if err := river.MetadataSet(ctx, paidKey, paid{Attempt: job.Attempt, Due: g.now().Add(wait), Name: req.Name, Key: req.Key}); err != nil {
+	run.set(gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, Due: g.now().Add(wait)})
+	if err := run.store(ctx); err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, err)
 	}
+	run.snoozed = true
 	return river.JobSnooze(min(wait, maxSnooze))
 }
 
-// run clears the job's payment, so that a snooze from the worker itself pays again, and works it.
-func (g *Gate) run(ctx context.Context, doInner func(context.Context) error) error {
-	if err := river.MetadataSet(ctx, paidKey, nil); err != nil {
-		return fmt.Errorf("scheduler: Gate: %w", err)
+// pass works the job, whose attempt paid p, behind the Gate. The payment is cleared first, so that
+// a job that runs, fails, or is snoozed by its worker pays again next time. When a Gate inside
+// this one snoozes the job instead, the payment is recorded again: the job comes back paid for
+// this Gate's limit, and pays only the inner one.
+func (g *Gate) pass(ctx context.Context, run *gateRun, job *rivertype.JobRow, p gatePayment, doInner func(context.Context) error) error {
+	run.clear(p)
+	if err := run.store(ctx); err != nil {
+		return fmt.Errorf("scheduler: Gate: job %d (%s): %w", job.ID, job.Kind, err)
 	}
-	return doInner(ctx)
+	run.snoozed = false
+	err := doInner(ctx)
+	if !run.snoozed {
+		return err
+	}
+	run.set(p)
+	if serr := run.store(ctx); serr != nil { // the job did not run: a Gate inside snoozed it
+		return fmt.Errorf("scheduler: Gate: job %d (%s): record payment: %w", job.ID, job.Kind, serr)
+	}
+	return err
 }

@@ -3,6 +3,7 @@ package scheduler_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -64,12 +65,18 @@ func TestGate(t *testing.T) {
 	require.Equal(t, rivertype.JobStateAvailable, job.State)
 	requireSnoozedFor(t, scheduler.MaxSnooze, before, after, job.ScheduledAt)
 	var p struct {
-		Attempt int       `json:"attempt"`
-		Due     time.Time `json:"due"`
+		Limits []struct {
+			Name    string    `json:"name"`
+			Key     string    `json:"key"`
+			Attempt int       `json:"attempt"`
+			Due     time.Time `json:"due"`
+		} `json:"limits"`
 	}
 	require.NoError(t, json.Unmarshal(metadataValue(t, job.Metadata, scheduler.MetadataKey), &p))
-	require.Equal(t, 1, p.Attempt)
-	require.True(t, p.Due.Equal(clock.Add(time.Minute)), "due %s", p.Due)
+	require.Len(t, p.Limits, 1)
+	require.Equal(t, "calls", p.Limits[0].Name)
+	require.Equal(t, 1, p.Limits[0].Attempt)
+	require.True(t, p.Limits[0].Due.Equal(clock.Add(time.Minute)), "due %s", p.Limits[0].Due)
 
 	// step 3: woken before it is due, it snoozes again for the rest, paying nothing.
 	clock = clock.Add(58 * time.Second)
@@ -92,13 +99,22 @@ func TestGate(t *testing.T) {
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 	require.Equal(t, "null", string(metadataValue(t, res.Job.Metadata, scheduler.MetadataKey)))
 
-	// step 5: one more would owe 2 > MaxReserved: nothing is taken, no payment recorded; the job
-	// is snoozed (at most MaxSnooze) to try again.
+	// step 5: one more would owe 2 > MaxReserved: nothing is taken, no payment recorded, only the
+	// time it may ask again (the denial's RetryAt, in 60 s); the job is snoozed (at most MaxSnooze).
 	res, err = w.Work(ctx, t, tx, callArgs{N: 3}, nil)
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 	require.Equal(t, 0, res.Job.Attempt)
-	require.Nil(t, metadataValue(t, res.Job.Metadata, scheduler.MetadataKey))
+	var denied struct {
+		Limits []map[string]any `json:"limits"`
+	}
+	require.NoError(t, json.Unmarshal(metadataValue(t, res.Job.Metadata, scheduler.MetadataKey), &denied))
+	require.Len(t, denied.Limits, 1)
+	retryAt, err := time.Parse(time.RFC3339Nano, denied.Limits[0]["retry_at"].(string))
+	require.NoError(t, err)
+	require.True(t, retryAt.Equal(clock.Add(time.Minute)), "retry_at %s", retryAt)
+	delete(denied.Limits[0], "retry_at")
+	require.Equal(t, map[string]any{"name": "calls", "key": "", "attempt": 1.0}, denied.Limits[0], "no due: nothing paid")
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 	require.Equal(t, int32(2), ran.Load())
 
@@ -254,4 +270,209 @@ func TestGateDenialOfAnEndlessWait(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 	requireSnoozedFor(t, scheduler.MaxSnooze, before, after, res.Job.ScheduledAt)
+}
+
+// TestGateTwoGatesPayOnceEach: a job behind two Gates pays each limit once. When the inner Gate
+// (limit b) reserves and snoozes the job, the outer Gate's payment (limit a) stays recorded next
+// to b's, so the job comes back paid for both. a and b are 1/minute: the job reserves a (due
+// t0+1m), then b (due t0+2m), and at t0+2m runs, having taken one token of each. (b owes a token at
+// t0, so that it is empty at t0+1m.)
+func TestGateTwoGatesPayOnceEach(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var clock atomic.Int64
+	clock.Store(t0.UnixNano())
+	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	b := setup(t, &setupOpts{
+		limits: map[string]ratelimit.Config{
+			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
+			"b": {Rate: 1, Period: time.Minute, MaxReserved: 10},
+		},
+		now: now,
+	})
+	gate := func(name string) *scheduler.Gate {
+		g, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter,
+			Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+				return scheduler.GateRequest{Name: name}, job.Kind == callArgs{}.Kind()
+			}})
+		require.NoError(t, err)
+		scheduler.SetGateNow(g, now)
+		return g
+	}
+	var ran atomic.Int32
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	// At t0, a is empty and b owes a token: b is empty again at t0+1m.
+	for name, n := range map[string]float64{"a": 1, "b": 2} {
+		res, err := b.limiter.LimitN(ctx, b.pool, name, "", n, &ratelimit.LimitOpts{Reserve: true})
+		require.NoError(t, err)
+		require.True(t, res.OK)
+	}
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "reserved on a, due t0+1m")
+	clock.Store(t0.Add(time.Minute).UnixNano())
+	res, err = w.WorkJob(ctx, t, tx, res.Job)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "a paid; reserved on b, due t0+2m")
+	clock.Store(t0.Add(2 * time.Minute).UnixNano())
+	for i := 0; res.EventKind == river.EventKindJobSnoozed; i++ {
+		require.Less(t, i, 5, "the job never ran")
+		res, err = w.WorkJob(ctx, t, tx, res.Job)
+		require.NoError(t, err)
+	}
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	require.Equal(t, int32(1), ran.Load())
+	// Each limit refilled 2 tokens since t0 and paid 1 for the job: a has 1 left, b (which owed
+	// one at t0) 0.
+	st, err := b.limiter.State(ctx, tx, "b", "", nil)
+	require.NoError(t, err)
+	require.Equal(t, 0.0, st.Value, "b")
+	st, err = b.limiter.State(ctx, tx, "a", "", nil)
+	require.NoError(t, err)
+	require.Equal(t, 1.0, st.Value, "a paid %g tokens for one run of the job", 2-st.Value)
+}
+
+// TestGateTwoGatesNested: the other ways through two Gates (a outer, b inner, 1/minute each).
+// A job of ReserveTx runs through both on its reservation's payment, taking nothing; a job whose
+// outer limit has its token takes it at once and, when the inner Gate reserves and snoozes it,
+// comes back paid for a; a payment recorded by an earlier version (one Gate's, at the top level of
+// "txlimit_paid") still counts for its own limit only.
+func TestGateTwoGatesNested(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var clock atomic.Int64
+	clock.Store(t0.UnixNano())
+	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	b := setup(t, &setupOpts{
+		limits: map[string]ratelimit.Config{
+			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
+			"b": {Rate: 1, Period: time.Minute, MaxReserved: 10},
+		},
+		now: now,
+	})
+	gate := func(name string) *scheduler.Gate {
+		g, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter,
+			Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+				return scheduler.GateRequest{Name: name}, job.Kind == callArgs{}.Kind()
+			}})
+		require.NoError(t, err)
+		scheduler.SetGateNow(g, now)
+		return g
+	}
+	var ran atomic.Int32
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	// The Gates decide on the pool, outside tx: tx takes no limit's row lock.
+	r := reserve(t, b, "a", "", 1) // a job of ReserveTx, reserved on a
+	require.Equal(t, 0.0, value(t, b, "a", ""))
+	lr, err := b.limiter.LimitN(ctx, b.pool, "b", "", 2, &ratelimit.LimitOpts{Reserve: true}) // b owes one
+	require.NoError(t, err)
+	require.True(t, lr.OK)
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	valueTx := func(name string) float64 {
+		st, err := b.limiter.State(ctx, tx, name, "", nil)
+		require.NoError(t, err)
+		return st.Value
+	}
+
+	// The job of ReserveTx passes both Gates on its payment.
+	res, err := w.WorkJob(ctx, t, tx, r.Job)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	require.Equal(t, int32(1), ran.Load())
+	require.Equal(t, 0.0, valueTx("a"))
+	require.Equal(t, -1.0, valueTx("b"), "b took nothing")
+
+	// b, owing one at t0, is empty at t0+1m: a job takes a's token (refilled at t0+1m) at once,
+	// then reserves on b (due t0+2m) and comes back paid for both.
+	clock.Store(t0.Add(time.Minute).UnixNano())
+	wr, err := w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, wr.EventKind)
+	require.Equal(t, 0.0, valueTx("a"), "a's token taken")
+	require.Equal(t, -1.0, valueTx("b"), "b reserved")
+	clock.Store(t0.Add(3 * time.Minute).UnixNano())
+	for i := 0; wr.EventKind == river.EventKindJobSnoozed; i++ {
+		require.Less(t, i, 5, "the job never ran")
+		wr, err = w.WorkJob(ctx, t, tx, wr.Job)
+		require.NoError(t, err)
+	}
+	require.Equal(t, river.EventKindJobCompleted, wr.EventKind)
+	require.Equal(t, int32(2), ran.Load())
+	require.Equal(t, 1.0, valueTx("a"), "a paid once (full again at t0+3m)")
+	require.Equal(t, 1.0, valueTx("b"))
+
+	// An earlier version's payment of a (due now) lets the job past a; b charges.
+	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q, "name": "a", "key": ""}}`, scheduler.MetadataKey, now().Format(time.RFC3339Nano))
+	wr, err = w.Work(ctx, t, tx, callArgs{N: 3}, &river.InsertOpts{Metadata: []byte(md)})
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, wr.EventKind)
+	require.Equal(t, int32(3), ran.Load())
+	require.Equal(t, 1.0, valueTx("a"))
+	require.Equal(t, 0.0, valueTx("b"))
+}
+
+// TestGateDenialKeepsJitter: a denied job is snoozed until the RetryAt of the denial plus its
+// jitter, then tries again, however many snoozes of at most MaxSnooze that takes: the Gate records
+// the time and does not ask at an earlier wake-up. A denial due 4.4 s later, with the
+// deterministic jitter JitterFor("a", 2s) = 1.02 s, does not take its token before RetryAt +
+// 1.02 s. Before, the wait was cut to one MaxSnooze (4.5 s) and the job, asking again then, took
+// its token 0.1 s after RetryAt, its jitter lost. The job is brought back after each snooze the
+// Gate asks for, as River would bring it back.
+func TestGateDenialKeepsJitter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var clock atomic.Int64
+	clock.Store(t0.UnixNano())
+	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	// One token per 4.4 s, capacity 1, no reservations: after the first job, one is denied 4.4 s.
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 4400 * time.Millisecond}}, now: now})
+	const jitterMax = 2 * time.Second
+	j := scheduler.JitterFor("a", jitterMax)
+	require.Greater(t, j, time.Second)
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Jitter: jitterMax,
+		Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
+			return scheduler.GateRequest{Name: "calls", JitterKey: "a"}, job.Kind == callArgs{}.Kind()
+		}})
+	require.NoError(t, err)
+	scheduler.SetGateNow(gate, now)
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
+
+	retryAt := t0.Add(4400 * time.Millisecond)
+	job := (*rivertype.JobRow)(nil)
+	for i := 0; ; i++ {
+		require.Less(t, i, 10, "the job never ran")
+		before := time.Now()
+		if job == nil {
+			res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+		} else {
+			res, err = w.WorkJob(ctx, t, tx, job)
+		}
+		require.NoError(t, err)
+		if res.EventKind == river.EventKindJobCompleted {
+			break
+		}
+		require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
+		job = res.Job
+		clock.Add(int64(job.ScheduledAt.Sub(before))) // River brings it back after its snooze
+	}
+	require.False(t, now().Before(retryAt.Add(j)),
+		"the denied job ran at RetryAt + %s, before RetryAt + its jitter %s: the jitter was cut to what fits in one MaxSnooze (%s)",
+		now().Sub(retryAt), j, scheduler.MaxSnooze)
+	require.Less(t, now().Sub(retryAt.Add(j)), 500*time.Millisecond, "and not much after")
 }

@@ -40,7 +40,7 @@ type HousekeepingConfig struct {
 	PruneTimeout time.Duration
 
 	// Queue is the River queue both jobs are inserted in; a client must work it, or they never
-	// run. Defaults to river.QueueDefault.
+	// run. A name River refuses is an *ratelimit.ArgumentError. Defaults to river.QueueDefault.
 	Queue string
 
 	// RunOnStart inserts both jobs as soon as the client is elected leader, besides every interval,
@@ -88,6 +88,8 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 	}
 	if out.Queue == "" {
 		out.Queue = river.QueueDefault
+	} else if err := checkQueueName(op, "HousekeepingConfig.Queue", out.Queue); err != nil {
+		return out, err
 	}
 	return out, nil
 }
@@ -122,8 +124,9 @@ func Housekeeping(workers *river.Workers, limiter *ratelimit.Limiter, db ratelim
 		return nil, argError(op, "workers", "is nil: pass the *river.Workers of the client that works HousekeepingConfig.Queue", nil)
 	case limiter == nil:
 		return nil, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter whose limits to prune", nil)
-	case db == nil:
-		return nil, argError(op, "db", "is nil: pass the *pgxpool.Pool of the River client", nil)
+	}
+	if err := nilArg(op, "db", db, "pass the *pgxpool.Pool of the River client"); err != nil {
+		return nil, err
 	}
 	pgxDB, ok := db.(schedsql.DBTX) // River's tables are read through pgx
 	if !ok {

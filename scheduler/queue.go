@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -25,6 +26,30 @@ func jobQueue(args river.JobArgs, opts river.InsertOpts) string {
 		own = a.InsertOpts()
 	}
 	return cmp.Or(opts.Queue, own.Queue, river.QueueDefault)
+}
+
+// queueNameRE is River's rule for a queue name (validateQueueName in river's client.go, v0.51.0),
+// which River does not export; with at most 64 characters. TestQueueNameRuleIsRivers keeps the two
+// equal.
+var queueNameRE = regexp.MustCompile(`^(?:[a-z0-9])+(?:[_|\-]?[a-z0-9]+)*$`)
+
+// checkQueueName returns the *ratelimit.ArgumentError of op's argument arg when queue is a name
+// River refuses, nil otherwise: a job headed for it would be refused at insert, and no client can
+// work it, so it is bad input, not a queue no client works yet.
+func checkQueueName(op, arg, queue string) error {
+	if len(queue) <= 64 && queueNameRE.MatchString(queue) {
+		return nil
+	}
+	return argError(op, arg, fmt.Sprintf("is %q, a queue name River refuses: use lower-case letters and digits, "+
+		"runs of them joined by one '_', '-' or '|', at most 64 characters", queue), nil)
+}
+
+// jobQueueArg names the argument that set the queue jobQueue returns for opts.
+func jobQueueArg(opts river.InsertOpts) string {
+	if opts.Queue != "" {
+		return "ReserveOpts.InsertOpts.Queue"
+	}
+	return "args' InsertOpts().Queue"
 }
 
 // configuredQueue returns the *SetupError of a job headed for queue when Config.Queues is set and

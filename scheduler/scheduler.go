@@ -23,7 +23,8 @@ type Config struct {
 	AllowImprecise bool
 
 	// Queues are the River queues some River client works (the keys of river.Config.Queues of
-	// your workers, which River does not let other packages read): ReserveTx and ReserveManyTx
+	// your workers, which River does not let other packages read; each a name River accepts, or
+	// New returns an *ratelimit.ArgumentError): ReserveTx and ReserveManyTx
 	// insert reserved jobs into these only. A job headed for another queue (its InsertOpts.Queue,
 	// else its args' InsertOpts().Queue, else river.QueueDefault) is refused with a *SetupError
 	// (ErrQueueNotWorked) before anything is reserved, with no query. Set it in a process whose
@@ -69,6 +70,9 @@ func New(client *river.Client[pgx.Tx], limiter *ratelimit.Limiter, config *Confi
 			if q == "" {
 				return nil, argError("New", fmt.Sprintf("Config.Queues[%d]", i), "is empty: name a queue your River clients work, e.g. river.QueueDefault", nil)
 			}
+			if err := checkQueueName("New", fmt.Sprintf("Config.Queues[%d]", i), q); err != nil {
+				return nil, err
+			}
 		}
 		s.queues = slices.Clone(config.Queues)
 	}
@@ -82,9 +86,15 @@ type ReserveOpts struct {
 	// Defaults to nil: the registered config.
 	Config *ratelimit.Config
 
-	// InsertOpts are the job's River insert options. Their ScheduledAt is honoured when it is later
-	// than the reservation's; Metadata, when set, must be a JSON object and gets "txlimit_paid" added.
-	// Defaults to nil: River's defaults and the args' own InsertOpts.
+	// InsertOpts are the job's River insert options. Their ScheduledAt (else that of the args' own
+	// InsertOpts, as River picks it) is honoured when it is later than the reservation's, and the
+	// job never moves before it. Metadata, when set, must be a JSON object; the job gets it with the
+	// package's own keys written anew: "txlimit_paid" and "txlimit_reserved" are set, and
+	// "txlimit_settled" and "txlimit_stranded" are dropped, so that metadata copied from another job
+	// (to run it again, say) does not carry over that job's payment, reservation, settlement or
+	// stranded mark, which would make the new reservation look settled and never refundable. The
+	// caller's other keys are kept as they are. Defaults to nil: River's defaults and the args' own
+	// InsertOpts.
 	InsertOpts *river.InsertOpts
 
 	// Jitter bounds a delay added to the RetryAt of a job that has to wait, so that jobs reserved
@@ -100,42 +110,55 @@ type ReserveOpts struct {
 // Reservation is the outcome of ReserveTx or ReserveManyTx.
 type Reservation struct {
 	// Duplicate reports that River skipped the insert because an equivalent job exists under the
-	// job's UniqueOpts. The reserved tokens were credited back in the same transaction and Job is
-	// the existing job.
+	// job's UniqueOpts. The reserved tokens were credited back in the same transaction, and the
+	// Reservation describes the existing job: Job is that job, ScheduledAt its time, RetryAt and
+	// Jitter zero.
 	Duplicate bool
 
-	// Jitter is the delay added to RetryAt. Zero when the job runs now.
+	// Jitter is the delay added to RetryAt, in [0, ReserveOpts.Jitter). Zero when RetryAt is zero.
 	Jitter time.Duration
 
-	// Job is the inserted job. Its State is available even when it is due in the future (see
-	// PreciseHook).
+	// Job is the job as River's insert returned it; on a duplicate, the existing job, in whatever
+	// state it is. A new job is available, also when it is due in the future (PreciseHook keeps
+	// its future ScheduledAt), except that it is pending when InsertOpts.Pending is set, and
+	// scheduled when ScheduledAt is set but the client lacks PreciseHook (Config.AllowImprecise).
 	Job *rivertype.JobRow
 
-	// Results are the limit decisions, one per limit in request order, all granted.
+	// Results are the limit decisions, one per limit in request order, all granted. On a duplicate
+	// they were credited back.
 	Results []ratelimit.Result
 
 	// RetryAt is when the reserved tokens will have accrued: the latest RetryAt of Results. Zero
-	// when they were all there and the job runs now.
+	// when they were all there, and on a duplicate (nothing stays reserved).
 	RetryAt time.Time
 
-	// ScheduledAt is when the job is due: RetryAt plus Jitter (or InsertOpts.ScheduledAt when that
-	// is later). Zero when the job runs now.
+	// ScheduledAt is when the job was inserted to be due: the later of RetryAt plus Jitter and
+	// the ScheduledAt the insert asked for (ReserveOpts.InsertOpts.ScheduledAt, else that of the
+	// args' own InsertOpts). Zero when neither is set (the tokens were all there and no time was
+	// asked for): the job is due at once, and Job.ScheduledAt is when it was inserted. On a
+	// duplicate, the existing job's Job.ScheduledAt. Tokens given back later by the jobs ahead of
+	// it (SettleTx, CancelTx) can move the job earlier, never before the time asked for.
 	ScheduledAt time.Time
 }
 
 // ReserveTx reserves count tokens of the limit name for key and inserts a River job with args, both
 // in tx, so that the job exists if and only if tx commits. When the tokens are there the job runs
 // now; otherwise it is scheduled for the reservation's RetryAt (plus opts.Jitter) and runs then,
-// without checking the limit again. Settle the reservation from the job with a Settlement.
+// without checking the limit again. The job settles its reservation with SettleTx (SettleManyTx
+// for a job of ReserveManyTx) in the transaction that completes it, once its real cost is known,
+// and CancelTx cancels it with a refund before it starts: both read what it reserved from the job,
+// give tokens back exactly once, and pull the jobs waiting behind it forward.
 //
 // The job's queue must be one River's clients work (see Config.Queues): a job headed for a queue
 // no client works would wait there with its tokens reserved, so it is refused with a *SetupError
-// (errors.Is(err, ErrQueueNotWorked)), nothing reserved, nothing inserted, tx as it was.
+// (errors.Is(err, ErrQueueNotWorked)), nothing reserved, nothing inserted, tx as it was. A queue
+// name River refuses is bad input (ratelimit.ErrInvalid) instead, checked first.
 //
 // When the reservation would leave more than the limit's MaxReserved owed, nothing is reserved,
 // no job is inserted, tx is left as it was and the error is a *ratelimit.LimitedError (errors.As)
 // with the RetryAt at which the same call could succeed. Bad input is an error matching
-// ratelimit.ErrInvalid, also with nothing written; so is a job that River refuses to insert
+// ratelimit.ErrInvalid (an *ratelimit.ArgumentError), also with nothing written: a nil tx or args
+// (a nil pointer in the interface too, such as a nil *pgxpool.Tx), for instance; so is a job that River refuses to insert
 // (arguments it cannot encode, invalid insert options), an *ratelimit.ArgumentError wrapping
 // River's error, and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
 // up to 2^61 µs; the job's JSON metadata holds no later time). The reservation and the job are
@@ -170,6 +193,9 @@ func (s *Scheduler) reserve(ctx context.Context, op string, tx pgx.Tx, reqs []ra
 		return nil, err
 	}
 	queue := jobQueue(args, insertOpts)
+	if err := checkQueueName(op, jobQueueArg(insertOpts), queue); err != nil {
+		return nil, err
+	}
 	if err := s.configuredQueue(op, queue); err != nil {
 		return nil, err
 	}
@@ -258,7 +284,9 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 	}
 	r.Job = ins.Job
 	if ins.UniqueSkippedAsDuplicate {
+		// The Reservation describes the existing job: nothing stays reserved for this call.
 		r.Duplicate = true
+		r.RetryAt, r.Jitter, r.ScheduledAt = time.Time{}, 0, ins.Job.ScheduledAt
 		for _, c := range credits {
 			if _, err := s.limiter.Credit(ctx, tx, c.name, c.key, c.count, &ratelimit.LimitOpts{Config: c.config}); err != nil {
 				return nil, fmt.Errorf("scheduler: %s: credit back the reservation of a duplicate job: %w", op, err)
@@ -280,18 +308,24 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 // in its metadata, before anything is written.
 func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river.InsertOpts, error) {
 	var insertOpts river.InsertOpts
-	switch {
-	case tx == nil:
-		return insertOpts, argError(op, "tx", "is nil: pass the pgx.Tx the job and the reservation belong to", nil)
-	case args == nil:
-		return insertOpts, argError(op, "args", "is nil: pass the job's river.JobArgs", nil)
-	case opts.Jitter < 0:
+	if err := nilArg(op, "tx", tx, "pass the pgx.Tx the job and the reservation belong to"); err != nil {
+		return insertOpts, err
+	}
+	if err := nilArg(op, "args", args, "pass the job's river.JobArgs"); err != nil {
+		return insertOpts, err
+	}
+	if opts.Jitter < 0 {
 		return insertOpts, argError(op, "ReserveOpts.Jitter", fmt.Sprintf("must be >= 0, got %s", opts.Jitter), nil)
 	}
 	if opts.InsertOpts != nil {
 		insertOpts = *opts.InsertOpts
 	}
-	md, err := withPaid(insertOpts.Metadata, paid{Attempt: 1})
+	if a, ok := args.(river.JobArgsWithInsertOpts); ok && insertOpts.ScheduledAt.IsZero() {
+		// River's precedence: the args' own ScheduledAt when the call sets none. The reservation's
+		// time replaces it in the insert, so it is kept here, as the earliest the job may run.
+		insertOpts.ScheduledAt = a.InsertOpts().ScheduledAt
+	}
+	md, err := withPaid(insertOpts.Metadata)
 	if err != nil {
 		return insertOpts, argError(op, "ReserveOpts.InsertOpts.Metadata", err.Error(), nil)
 	}

@@ -2,14 +2,17 @@ package scheduler_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertest"
@@ -232,6 +235,79 @@ func TestReserveTxDuplicateIsCreditedBack(t *testing.T) {
 		require.Equal(t, -2.0, value(t, b, "calls", "u1"), "insert %d", i)
 	}
 	require.Len(t, jobs(t, client), 1)
+}
+
+// TestReserveTxDuplicateReportsExistingJob: when River skips the insert as a duplicate, the
+// reservation is credited back and the Reservation describes the existing job: its ScheduledAt,
+// no RetryAt. Here the existing job runs now and the second call's reservation would have been
+// due in 60 s; before, the Reservation said 60 s.
+func TestReserveTxDuplicateReportsExistingJob(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
+	for i, dup := range []bool{false, true} {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			res, err := sched.ReserveTx(ctx, tx, "calls", "u1", 10, uniqueArgs{Doc: "d1"}, nil)
+			require.NoError(t, err)
+			require.Equal(t, dup, res.Duplicate, "insert %d", i)
+			if dup {
+				require.True(t, res.ScheduledAt.Equal(res.Job.ScheduledAt),
+					"Reservation.ScheduledAt %s, but the job (the existing one) is due at %s", res.ScheduledAt, res.Job.ScheduledAt)
+				require.True(t, res.RetryAt.IsZero(), "Reservation.RetryAt %s for tokens that were credited back", res.RetryAt)
+				require.Zero(t, res.Jitter)
+				require.Len(t, res.Results, 1)
+			}
+			return nil
+		}))
+	}
+	require.Equal(t, 0.0, value(t, b, "calls", "u1"))
+}
+
+// laterArgs are args whose own InsertOpts schedule them at t0+50s.
+type laterArgs struct{}
+
+func (laterArgs) Kind() string { return "txlimit_later" }
+func (laterArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{ScheduledAt: t0.Add(50 * time.Second)}
+}
+
+// TestReserveTxArgsScheduledAt: the args' own InsertOpts().ScheduledAt counts as River counts it
+// (when ReserveOpts.InsertOpts sets none): a job whose tokens are there is due then, and so is a
+// reserved one whose tokens accrue earlier, which no credit moves before it. A ScheduledAt of
+// ReserveOpts.InsertOpts takes its place. Before, the reservation's time replaced it, and a job
+// that ran at once reported no ScheduledAt though River scheduled it.
+func TestReserveTxArgsScheduledAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil) // no Workers: it inserts laterArgs
+	later := t0.Add(50 * time.Second)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		for i, c := range []struct {
+			count   float64
+			opts    *scheduler.ReserveOpts
+			retryAt time.Time
+			want    time.Time
+		}{
+			{count: 10, want: later},                                  // the tokens are there
+			{count: 1, retryAt: t0.Add(6 * time.Second), want: later}, // due earlier than the args ask
+			{count: 1, retryAt: t0.Add(12 * time.Second), want: t0.Add(20 * time.Second),
+				opts: &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: t0.Add(20 * time.Second)}}},
+		} {
+			res, err := sched.ReserveTx(ctx, tx, "calls", "u1", c.count, laterArgs{}, c.opts)
+			require.NoError(t, err, "step %d", i)
+			require.Equal(t, c.retryAt, res.RetryAt.UTC(), "step %d", i)
+			require.Equal(t, c.want, res.ScheduledAt.UTC(), "step %d", i)
+			require.Equal(t, c.want, res.Job.ScheduledAt.UTC(), "step %d", i)
+			var rec struct {
+				NotBefore time.Time `json:"not_before"`
+			}
+			require.NoError(t, json.Unmarshal(metadataValue(t, res.Job.Metadata, scheduler.ReservedKey), &rec))
+			require.Equal(t, c.want, rec.NotBefore.UTC(), "step %d: the job never moves before it", i)
+		}
+		return nil
+	}))
 }
 
 // TestReserveTxConcurrent: 64 goroutines reserve and schedule against one budget, rolling back at
@@ -518,4 +594,107 @@ func TestReserveTxBeyondYear9999(t *testing.T) {
 	var jobs int
 	require.NoError(t, b.pool.QueryRow(ctx, "SELECT count(*) FROM river_job").Scan(&jobs))
 	require.Zero(t, jobs)
+}
+
+// TestReserveTxDropsCopiedBookkeeping: metadata copied from a job that was settled (to run it
+// again with its own metadata, say) carries that job's "txlimit_settled", "txlimit_paid" and
+// "txlimit_reserved". ReserveTx writes the package's keys anew and drops the others, so the new
+// job's reservation is its own: not taken for settled, cancellable with its refund. Before, the
+// copied settlement made CancelTx refuse it ("was settled already"), SettleTx fail on the other
+// job's settlement, and the stranded check skip it: its tokens could never be given back.
+func TestReserveTxDropsCopiedBookkeeping(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, tenPerSecond)
+	first := reserve(t, b, "calls", "u1", 3)
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := b.sched.SettleTx(ctx, tx, first.Job.ID, 3)
+		return err
+	}))
+	md := metadataMap(t, jobRow(t, b, first.Job.ID).Metadata) // {"txlimit_paid", "txlimit_reserved", "txlimit_settled"}
+	require.Contains(t, md, scheduler.SettledKey)
+	md[scheduler.StrandedKey] = map[string]any{"at": "2024-01-01T12:00:00Z"}
+	md["trace"] = "abc"
+	copied, err := json.Marshal(md)
+	require.NoError(t, err)
+
+	var again *scheduler.Reservation
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		again, err = b.sched.ReserveTx(ctx, tx, "calls", "u1", 4, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Metadata: copied}})
+		return err
+	}))
+	require.JSONEq(t, `{"trace":"abc","txlimit_paid":{"attempt":1},
+		"txlimit_reserved":{"limits":[{"name":"calls","key":"u1","count":4}]}}`, string(jobRow(t, b, again.Job.ID).Metadata))
+	require.Equal(t, 3.0, value(t, b, "calls", "u1"))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		out, err := b.sched.CancelTx(ctx, tx, again.Job.ID)
+		require.NoError(t, err, "the new job's 4 tokens cannot be refunded")
+		require.Equal(t, 4.0, out.Limits[0].Credited)
+		return nil
+	}))
+	require.Equal(t, 7.0, value(t, b, "calls", "u1"))
+}
+
+// TestReserveTxInvalidQueueIsBadInput: a queue name River refuses is bad input (ratelimit.ErrInvalid,
+// nothing written), checked before whether a client works the queue. Before, once River's queue
+// table listed a queue, it was a *SetupError (ErrQueueNotWorked) whose fix said to add "bad queue!"
+// to river.Config.Queues, a name River refuses there too. New, Check and Housekeeping check the
+// queues they are given the same way.
+func TestReserveTxInvalidQueueIsBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, perMinute10)
+	_, sched := testdb.InsertScheduler(t, b.pool, b.limiter, nil)
+	b.workQueues(t, "llm")
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		_, err := sched.ReserveTx(ctx, tx, "calls", "u1", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Queue: "bad queue!"}})
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		require.NotErrorIs(t, err, scheduler.ErrQueueNotWorked)
+		require.EqualError(t, err, `scheduler: ReserveTx: ReserveOpts.InsertOpts.Queue is "bad queue!", a queue name River refuses: `+
+			`use lower-case letters and digits, runs of them joined by one '_', '-' or '|', at most 64 characters`)
+		_, err = sched.ReserveManyTx(ctx, tx, []ratelimit.Request{{Name: "calls", Key: "u1"}}, badQueueArgs{}, nil)
+		require.ErrorIs(t, err, ratelimit.ErrInvalid)
+		require.ErrorContains(t, err, "args' InsertOpts().Queue")
+		require.ErrorIs(t, sched.Check(ctx, tx, badQueueArgs{}), ratelimit.ErrInvalid)
+		return nil
+	}))
+	require.Equal(t, 10.0, value(t, b, "calls", "u1"))
+	require.Empty(t, jobs(t, b.client))
+
+	_, err := scheduler.New(b.client, b.limiter, &scheduler.Config{Queues: []string{"llm", "LLM"}})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.ErrorContains(t, err, "Config.Queues[1]")
+	_, err = scheduler.Housekeeping(river.NewWorkers(), b.limiter, b.pool, &scheduler.HousekeepingConfig{Queue: "-llm"})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+}
+
+// badQueueArgs are args whose own InsertOpts name a queue River refuses.
+type badQueueArgs struct{}
+
+func (badQueueArgs) Kind() string                 { return "txlimit_bad_queue" }
+func (badQueueArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{Queue: "Bad"} }
+
+// TestQueueNameRuleIsRivers: the package's check of a queue name accepts exactly the names River
+// accepts (River's own check, which it does not export, runs on river.Config.Queues in NewClient).
+func TestQueueNameRuleIsRivers(t *testing.T) {
+	t.Parallel()
+	workers := river.NewWorkers()
+	river.AddWorker(workers, river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
+	pool, err := pgxpool.New(context.Background(), "postgres://localhost/unused") // River wants one; it never connects
+	require.NoError(t, err)
+	defer pool.Close()
+	for _, name := range []string{"default", "llm", "a", "0", "a1", "a_b", "a-b", "a|b", "a_b-c|d", "a__b", "a-_b",
+		"_a", "a_", "-a", "a-", "A", "llM", "a b", "a.b", "a/b", "bad queue!", "ü", "a\n",
+		strings.Repeat("a", 64), strings.Repeat("a", 65), strings.Repeat("ab-", 21) + "a", strings.Repeat("ab-", 21) + "ab"} {
+		_, riverErr := river.NewClient(riverpgxv5.New(pool), &river.Config{
+			Queues:  map[string]river.QueueConfig{name: {MaxWorkers: 1}},
+			Workers: workers,
+			Logger:  quietLogger(),
+		})
+		ours := scheduler.CheckQueueName(name)
+		require.Equal(t, riverErr == nil, ours == nil, "queue %q: River says %v, the package %v", name, riverErr, ours)
+		if ours != nil {
+			require.ErrorIs(t, ours, ratelimit.ErrInvalid)
+		}
+	}
 }

@@ -62,8 +62,8 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 	if opts.Reserve || opts.AsError {
 		return SettledLimit{}, argError(op, "opts", "sets Reserve or AsError: Settle reads only opts.Config", nil)
 	}
-	if db == nil {
-		return SettledLimit{}, argError(op, "db", "is nil: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn", nil)
+	if err := nilArg(op, "db", db, "pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn"); err != nil {
+		return SettledLimit{}, err
 	}
 	// Refuse a bad name, key or config even when there is nothing to settle.
 	cfg, err := l.Lookup(s.Name, s.Key, opts.Config)
@@ -153,7 +153,8 @@ type JobSettlement struct {
 // after settling, or two processes settling at once cannot credit twice. Call it from the worker,
 // ideally in the transaction that completes the job (river.JobCompleteTx).
 //
-// actual must be finite and >= 0. A job that does not exist is an error matching
+// actual must be finite and >= 0, and tx not nil (nor a nil pointer such as a nil *pgxpool.Tx):
+// else the error is an *ratelimit.ArgumentError. A job that does not exist is an error matching
 // rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved; a job of
 // ReserveManyTx needs SettleManyTx. The call works in a savepoint of tx: any error leaves tx as it
 // was, unless it says to roll tx back.
@@ -168,8 +169,8 @@ func (s *Scheduler) SettleManyTx(ctx context.Context, tx pgx.Tx, jobID int64, ac
 }
 
 func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int64, actual []float64) (*JobSettlement, error) {
-	if tx == nil {
-		return nil, argError(op, "tx", "is nil: pass the pgx.Tx to settle in", nil)
+	if err := nilArg(op, "tx", tx, "pass the pgx.Tx to settle in"); err != nil {
+		return nil, err
 	}
 	for i, a := range actual {
 		if math.IsNaN(a) || math.IsInf(a, 0) || a < 0 {

@@ -91,11 +91,18 @@ var errProbe = errors.New("scheduler: check probe (not an error)")
 // ReserveOpts.InsertOpts.Queue is checked by that call. A River client with Workers refuses args of
 // a kind it has no worker for before its hooks run, so they must be of one of its kinds (nothing is
 // inserted). nil uses a kind of this package, which works for insert-only clients and clients with
-// SkipUnknownJobCheck, and checks no queue but those of Config.Queues. Defaults to nil.
+// SkipUnknownJobCheck, and checks no queue but those of Config.Queues. Defaults to nil. A nil db,
+// a nil pointer as db or probe, or a probe whose queue is a name River refuses, is an
+// *ratelimit.ArgumentError.
 func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs) error {
 	const op = "Check"
-	if db == nil {
-		return argError(op, "db", "is nil: pass the *pgxpool.Pool of the River client", nil)
+	if err := nilArg(op, "db", db, "pass the *pgxpool.Pool of the River client"); err != nil {
+		return err
+	}
+	if probe != nil {
+		if err := nilArg(op, "probe", probe, "pass args of your reserved jobs, or nil"); err != nil {
+			return err
+		}
 	}
 	tx, err := db.Begin(ctx)
 	if err != nil {
@@ -140,7 +147,11 @@ func (s *Scheduler) Check(ctx context.Context, db Beginner, probe river.JobArgs)
 // works: probe's, when not nil, and those of Config.Queues, when River's queue table lists any.
 func (s *Scheduler) checkQueues(ctx context.Context, op string, tx pgx.Tx, probe river.JobArgs) error {
 	if probe != nil {
-		if err := s.workedQueue(ctx, op, tx, jobQueue(probe, river.InsertOpts{})); err != nil {
+		queue := jobQueue(probe, river.InsertOpts{})
+		if err := checkQueueName(op, "probe's InsertOpts().Queue", queue); err != nil {
+			return err
+		}
+		if err := s.workedQueue(ctx, op, tx, queue); err != nil {
 			return err
 		}
 	}

@@ -147,6 +147,25 @@ func (q *Queries) MarkStranded(ctx context.Context, db DBTX, arg MarkStrandedPar
 	return items, nil
 }
 
+const recordCancellation = `-- name: RecordCancellation :exec
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata - 'txlimit_paid', '{txlimit_settled}', $1::text::jsonb, true)
+WHERE j.id = $2::bigint
+`
+
+type RecordCancellationParams struct {
+	Outcome string
+	ID      int64
+}
+
+// RecordCancellation stores the outcome of a cancel as the job's settlement and removes the payment
+// ReserveTx recorded for its first attempt (txlimit_paid): the refund took back what it paid for,
+// so the job, should River bring it back (JobRetry), pays at its Gates like any other.
+func (q *Queries) RecordCancellation(ctx context.Context, db DBTX, arg RecordCancellationParams) error {
+	_, err := db.Exec(ctx, recordCancellation, arg.Outcome, arg.ID)
+	return err
+}
+
 const recordSettlement = `-- name: RecordSettlement :exec
 UPDATE river_job j
 SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)

@@ -35,6 +35,14 @@ UPDATE river_job j
 SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::text::jsonb, true)
 WHERE j.id = sqlc.arg('id')::bigint;
 
+-- name: RecordCancellation :exec
+-- RecordCancellation stores the outcome of a cancel as the job's settlement and removes the payment
+-- ReserveTx recorded for its first attempt (txlimit_paid): the refund took back what it paid for,
+-- so the job, should River bring it back (JobRetry), pays at its Gates like any other.
+UPDATE river_job j
+SET metadata = jsonb_set(j.metadata - 'txlimit_paid', '{txlimit_settled}', sqlc.arg('outcome')::text::jsonb, true)
+WHERE j.id = sqlc.arg('id')::bigint;
+
 -- name: Waiting :many
 -- Waiting locks, in job ID order (arrival order), the reserved jobs from ID from_id on that have
 -- not started and are due after now, whose metadata contains filter: {"txlimit_reserved":
