@@ -4,12 +4,13 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"reflect"
 	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/txlimit/txlimit/internal/nilarg"
 )
 
 // Executor is the database handle a call runs on: a pgx.Tx, *pgxpool.Pool or *pgx.Conn (or any
@@ -381,11 +382,8 @@ func (l *Limiter) resolve(op, name, key string, inline *Config) (spec, error) {
 // value that no driver runs on.
 func checkExecutor(op string, db Executor) error {
 	const fix = "pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn, or wrap a database/sql handle with sqldb.Wrap (package github.com/txlimit/txlimit/sqldb)"
-	if db == nil {
-		return &ArgumentError{Op: op, Arg: "db", Reason: "is nil: " + fix}
-	}
-	if v := reflect.ValueOf(db); v.Kind() == reflect.Pointer && v.IsNil() {
-		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a nil %T: %s", db, fix)}
+	if r := nilarg.Reason(db); r != "" {
+		return &ArgumentError{Op: op, Arg: "db", Reason: r + ": " + fix}
 	}
 	if _, ok := stmtsFor(db); !ok {
 		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a %T: %s", db, fix)}

@@ -3,14 +3,13 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"fmt"
 	"math/rand/v2"
-	"reflect"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/txlimit/txlimit/internal/dbsqlc"
+	"github.com/txlimit/txlimit/internal/nilarg"
 )
 
 // TxBeginner starts transactions: a *pgxpool.Pool or *pgx.Conn.
@@ -46,11 +45,8 @@ type TxOpts struct {
 // at once; it costs no attempt, up to 100 such waits (then it counts as a failure like any other).
 func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	const op = "InSerializableTx"
-	if db == nil {
-		return &ArgumentError{Op: op, Arg: "db", Reason: "is nil: pass a *pgxpool.Pool or *pgx.Conn"}
-	}
-	if v := reflect.ValueOf(db); v.Kind() == reflect.Pointer && v.IsNil() {
-		return &ArgumentError{Op: op, Arg: "db", Reason: fmt.Sprintf("is a nil %T: pass a *pgxpool.Pool or *pgx.Conn", db)}
+	if r := nilarg.Reason(db); r != "" {
+		return &ArgumentError{Op: op, Arg: "db", Reason: r + ": pass a *pgxpool.Pool or *pgx.Conn"}
 	}
 	if fn == nil {
 		return &ArgumentError{Op: op, Arg: "fn", Reason: "is nil: pass the function to run in the transaction"}

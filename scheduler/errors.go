@@ -2,8 +2,8 @@ package scheduler
 
 import (
 	"fmt"
-	"reflect"
 
+	"github.com/txlimit/txlimit/internal/nilarg"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -20,11 +20,8 @@ func argError(op, arg, reason string, err error) error {
 // panic at its first method call; fix says what to pass. It is nil otherwise. Package ratelimit
 // checks its Executor the same way.
 func nilArg(op, arg string, v any, fix string) error {
-	if v == nil {
-		return argError(op, arg, "is nil: "+fix, nil)
-	}
-	if rv := reflect.ValueOf(v); rv.Kind() == reflect.Pointer && rv.IsNil() {
-		return argError(op, arg, fmt.Sprintf("is a nil %T: %s", v, fix), nil)
+	if r := nilarg.Reason(v); r != "" {
+		return argError(op, arg, r+": "+fix, nil)
 	}
 	return nil
 }

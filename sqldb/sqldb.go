@@ -18,7 +18,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"reflect"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -27,6 +26,7 @@ import (
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 	"github.com/txlimit/txlimit/internal/dbsqlcstd"
 	"github.com/txlimit/txlimit/internal/driver"
+	"github.com/txlimit/txlimit/internal/nilarg"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -50,10 +50,7 @@ type Querier interface {
 // gives a nil Executor, which every call of package ratelimit refuses with an *ArgumentError. Wrap itself costs one small allocation; keep
 // the result for as long as db lives, or wrap per call, as is convenient.
 func Wrap(db Querier) ratelimit.Executor {
-	if db == nil {
-		return nil
-	}
-	if v := reflect.ValueOf(db); v.Kind() == reflect.Pointer && v.IsNil() {
+	if nilarg.Reason(db) != "" {
 		return nil
 	}
 	return &executor{db: db}
