@@ -9,7 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertest"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
@@ -272,18 +274,15 @@ func TestGateDenialOfAnEndlessWait(t *testing.T) {
 	requireSnoozedFor(t, scheduler.MaxSnooze, before, after, res.Job.ScheduledAt)
 }
 
-// TestGateTwoGatesPayOnceEach: a job behind two Gates pays each limit once. When the inner Gate
-// (limit b) reserves and snoozes the job, the outer Gate's payment (limit a) stays recorded next
-// to b's, so the job comes back paid for both. a and b are 1/minute: the job reserves a (due
-// t0+1m), then b (due t0+2m), and at t0+2m runs, having taken one token of each. (b owes a token at
-// t0, so that it is empty at t0+1m.)
-func TestGateTwoGatesPayOnceEach(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	var clock atomic.Int64
+// twoGates sets up limits a and b (1/minute, MaxReserved 10) on a clock the test moves (starting
+// at t0), and a worker of callArgs jobs behind a Gate on a (outer) and one on b (inner); ran counts
+// the runs of the job.
+func twoGates(t *testing.T) (b *testBundle, clock *atomic.Int64, w *rivertest.Worker[callArgs, pgx.Tx], ran *atomic.Int32) {
+	t.Helper()
+	clock, ran = new(atomic.Int64), new(atomic.Int32)
 	clock.Store(t0.UnixNano())
 	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	b := setup(t, &setupOpts{
+	b = setup(t, &setupOpts{
 		limits: map[string]ratelimit.Config{
 			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
 			"b": {Rate: 1, Period: time.Minute, MaxReserved: 10},
@@ -299,9 +298,20 @@ func TestGateTwoGatesPayOnceEach(t *testing.T) {
 		scheduler.SetGateNow(g, now)
 		return g
 	}
-	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
+	w = testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
 		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	return b, clock, w, ran
+}
+
+// TestGateTwoGatesPayOnceEach: a job behind two Gates pays each limit once. When the inner Gate
+// (limit b) reserves and snoozes the job, the outer Gate's payment (limit a) stays recorded next
+// to b's, so the job comes back paid for both. a and b are 1/minute: the job reserves a (due
+// t0+1m), then b (due t0+2m), and at t0+2m runs, having taken one token of each. (b owes a token at
+// t0, so that it is empty at t0+1m.)
+func TestGateTwoGatesPayOnceEach(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b, clock, w, ran := twoGates(t)
 	// At t0, a is empty and b owes a token: b is empty again at t0+1m.
 	for name, n := range map[string]float64{"a": 1, "b": 2} {
 		res, err := b.limiter.LimitN(ctx, b.pool, name, "", n, &ratelimit.LimitOpts{Reserve: true})
@@ -345,28 +355,7 @@ func TestGateTwoGatesPayOnceEach(t *testing.T) {
 func TestGateTwoGatesNested(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var clock atomic.Int64
-	clock.Store(t0.UnixNano())
-	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	b := setup(t, &setupOpts{
-		limits: map[string]ratelimit.Config{
-			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
-			"b": {Rate: 1, Period: time.Minute, MaxReserved: 10},
-		},
-		now: now,
-	})
-	gate := func(name string) *scheduler.Gate {
-		g, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter,
-			Limit: func(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
-				return scheduler.GateRequest{Name: name}, job.Kind == callArgs{}.Kind()
-			}})
-		require.NoError(t, err)
-		scheduler.SetGateNow(g, now)
-		return g
-	}
-	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	b, clock, w, ran := twoGates(t)
 	// The Gates decide on the pool, outside tx: tx takes no limit's row lock.
 	r := reserve(t, b, "a", "", 1) // a job of ReserveTx, reserved on a
 	require.Equal(t, 0.0, value(t, b, "a", ""))
@@ -410,7 +399,7 @@ func TestGateTwoGatesNested(t *testing.T) {
 	require.Equal(t, 1.0, valueTx("b"))
 
 	// An earlier version's payment of a (due now) lets the job past a; b charges.
-	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q, "name": "a", "key": ""}}`, scheduler.MetadataKey, now().Format(time.RFC3339Nano))
+	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q, "name": "a", "key": ""}}`, scheduler.MetadataKey, time.Unix(0, clock.Load()).UTC().Format(time.RFC3339Nano))
 	wr, err = w.Work(ctx, t, tx, callArgs{N: 3}, &river.InsertOpts{Metadata: []byte(md)})
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobCompleted, wr.EventKind)
