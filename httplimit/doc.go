@@ -1,7 +1,7 @@
 // Package httplimit is net/http middleware that rate-limits requests with txlimit and tells
 // clients about it with the RateLimit-Policy and RateLimit fields of the IETF draft
 // draft-ietf-httpapi-ratelimit-headers (https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/),
-// as its revision -10 defines them (parameters q, w and pk of a policy; r, t and pk of a service
+// as its revision -10 defines them (parameters q, qu, w and pk of a policy; r, t and pk of a service
 // limit; the quota-exceeded problem type).
 //
 // A Middleware has one or more policies, each a named limit (a ratelimit.Config) and a KeyFunc
@@ -40,10 +40,9 @@
 //   - t, the seconds until more quota is available, rounded up: for a denied policy, until the
 //     request would be granted (ratelimit.Result.RetryAfter); for a granted token bucket, until
 //     r grows by one; left out when the limit is full and, for a granted fixed window, always.
-//     With Shards N >= 2, r covers only the shards the call looked at: two, which refill at
-//     2·Rate/N and are full at 2·Capacity/N, and t is computed from those. (Under REPEATABLE READ
-//     or SERIALIZABLE a lone call, such as one LimitN, looks at one shard only when that one
-//     holds the count; t is then up to half the wait.)
+//     With Shards N >= 2, r covers only the shards the call looked at: two, full at 2·Capacity/N,
+//     each refilling at Rate/N while below its capacity. The Result does not say which is full,
+//     so t counts one of them refilling: never too soon, at most twice the wait when both refill.
 //   - pk, the partition key: the first 12 bytes of HMAC-SHA256(Secret, name + 0x00 + key), so
 //     clients can tell partitions apart but never learn the key (an IP address or user id), and
 //     keys cannot be guessed from it without Config.Secret.
@@ -65,9 +64,12 @@
 // nil the count to the global provider.
 // A request whose own context ends before its decision (the client went away, or the request's
 // deadline passed, and the Decider returns context.Canceled or context.DeadlineExceeded) is no
-// failed decision: it is not let through, not even with Config.FailOpen (nothing was charged for
-// it), nor logged; it is answered without a body, 499 (nginx's "client closed request", which
-// no client reads) or, when its deadline passed, 503, and counted (outcome "canceled"). Under
+// failed decision: it is not let through, not even with Config.FailOpen (nobody waits for its
+// answer, or the time it had is up; through a Batcher it may have been charged when its batch was
+// already deciding), nor logged; it is answered without a body, 499 (nginx's "client closed
+// request") when it was cancelled without a cause, as net/http cancels a request whose client went
+// away, and 503 otherwise (its deadline passed, or the server cancelled it with a cause, shutting
+// down, say: the client may still be waiting), and counted (outcome "canceled"). Under
 // Config.Shadow it goes on to the next handler, as every request does.
 // Invalid input, such as a key longer than ratelimit.MaxKeyLen taken from a header or a negative
 // cost, is 400 Bad Request (ratelimit.ErrInvalid). A request for which a KeyFunc finds no key gets

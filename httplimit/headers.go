@@ -237,10 +237,12 @@ func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
 		return ceilSeconds(r.RetryAfter()), true
 	}
 	// r.Value covers the shards the call looked at: of a sharded limit, two of its N shards, which
-	// together refill at 2·Rate/N and hold at most 2·Capacity/N (docs/spec.md §8).
+	// hold at most 2·Capacity/N (docs/spec.md §8). Each refills at Rate/N while below its capacity,
+	// and a full one not at all; which of them is full the Result does not say, so t counts one
+	// shard refilling: never too soon, at most twice the wait when both refill.
 	rate, full := cfg.Rate, capacity(cfg)
 	if n := float64(cfg.Shards); n >= 2 {
-		rate, full = 2*rate/n, 2*full/n
+		rate, full = rate/n, 2*full/n
 	}
 	if cfg.Kind != ratelimit.TokenBucket || r.Value >= full {
 		return 0, false

@@ -91,9 +91,9 @@ type Policy struct {
 	Name string
 
 	// QuotaUnit is the unit of the policy's quota and of what remains of it, written as the qu
-	// parameter of RateLimit-Policy: "content-bytes" when Config.Cost charges a request's size, say
-	// (the draft registers "requests", "content-bytes" and "concurrent-requests"). It is written as
-	// a Structured Field String, so it must be printable ASCII (0x20 to 0x7E); New refuses any
+	// parameter of RateLimit-Policy: "content-bytes" when Config.Cost charges a request's size, say.
+	// It must be one of the values the draft's RateLimit Quota Units registry lists, "requests",
+	// "content-bytes" or "concurrent-requests" (clients ignore a malformed field); New refuses any
 	// other. Defaults to "": no qu parameter, which the draft reads as "requests".
 	QuotaUnit string
 }
@@ -118,7 +118,8 @@ type Config struct {
 	// it (outcome "fail_open") and logging it at warn level. Defaults to false: fail closed, a 503
 	// with Retry-After (FailClosedRetryAfter), counted (outcome "error") and logged at error
 	// level. A request whose own context ended before its decision (the client went away) is no
-	// failure: it is never let through, nor logged (see the package doc, "Errors").
+	// failure: it is not let through (unless Shadow lets every request through), nor logged (see
+	// the package doc, "Errors").
 	FailOpen bool
 
 	// Logger receives fail-open and fail-closed errors (warn and error) and shadow denials
@@ -206,9 +207,11 @@ func New(cfg *Config) (*Middleware, error) {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].Name %q cannot be written in the RateLimit header fields: "+
 				"a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.Name)
 		}
-		if !writable(p.QuotaUnit) {
-			return nil, fmt.Errorf("httplimit: Config.Policies[%d].QuotaUnit %q cannot be written in the RateLimit-Policy header "+
-				"field: a Structured Field String is printable ASCII (0x20 to 0x7E)", i, p.QuotaUnit)
+		switch p.QuotaUnit {
+		case "", "requests", "content-bytes", "concurrent-requests":
+		default:
+			return nil, fmt.Errorf("httplimit: Config.Policies[%d].QuotaUnit %q is not a quota unit of the draft's registry: "+
+				"use \"requests\", \"content-bytes\" or \"concurrent-requests\", or leave it empty", i, p.QuotaUnit)
 		}
 		if p.MissingKey < MissingKeyReject || p.MissingKey > MissingKeyShared {
 			return nil, fmt.Errorf("httplimit: Config.Policies[%d].MissingKey %d is unknown", i, p.MissingKey)
@@ -336,8 +339,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	case err != nil && ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
 		// The request's own context ended before the decision (the client went away, or the
-		// request's deadline passed): not a failed decision, and nothing was charged, so nothing
-		// is let through (Shadow aside, which refuses nothing) and nothing is logged.
+		// request's deadline passed): not a failed decision, so nothing is let through (Shadow
+		// aside, which refuses nothing) and nothing is logged.
 		m.obs.count(ctx, used, outcomeCanceled)
 		if m.cfg.Shadow {
 			next.ServeHTTP(w, r)
@@ -400,13 +403,14 @@ func grantsOne(name string, cfg ratelimit.Config) error {
 const statusClientClosedRequest = 499
 
 // canceledStatus is the status of a request whose context ended before its decision: 499 when
-// it was cancelled (the client went away), 503 Service Unavailable when its deadline passed (the
-// client may still be waiting for an answer).
+// it was cancelled without a cause (net/http's way when the client goes away), 503 Service
+// Unavailable otherwise: its deadline passed, or the server cancelled it with a cause (shutting
+// down, say), and the client may still be waiting for an answer.
 func canceledStatus(ctx context.Context) int {
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return http.StatusServiceUnavailable
+	if errors.Is(ctx.Err(), context.Canceled) && context.Cause(ctx) == context.Canceled {
+		return statusClientClosedRequest
 	}
-	return statusClientClosedRequest
+	return http.StatusServiceUnavailable
 }
 
 // names returns the names of policies.
