@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -63,4 +64,34 @@ func TestR7GateDenialOutlivesTheLimit(t *testing.T) {
 		"a minute and 20 snoozes after the limit was fixed (1000 tokens there), the denied job still snoozes: paid record %s",
 		metadataValue(t, res.Job.Metadata, scheduler.MetadataKey))
 	require.Equal(t, int32(2), ran.Load())
+}
+
+// TestR7GateNamelessOldPaymentRunsBeforeDue: before cd30f07 (a day old) a Gate recorded its
+// payment without naming the limit: {"attempt": N, "due": T}. The current reader takes any
+// payment without a name for ReserveTx's, which stands for every limit and has no due time, so a
+// job an earlier Gate reserved for and snoozed until T runs at its next wake-up, before its
+// tokens are due (and passes every other Gate unpaid). The version that wrote it snoozed it until T.
+func TestR7GateNamelessOldPaymentRunsBeforeDue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Minute, MaxReserved: 10})
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
+	require.NoError(t, err)
+	clock := time.Now()
+	scheduler.SetGateNow(gate, func() time.Time { return clock })
+	var ran atomic.Int32
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+
+	// What the earlier Gate left on a job it reserved for: due in 50 s.
+	due := clock.Add(50 * time.Second).UTC().Format(time.RFC3339Nano)
+	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q}}`, scheduler.MetadataKey, due)
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, &river.InsertOpts{Metadata: []byte(md)})
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind,
+		"a job paid by an earlier Gate with tokens due at %s ran at %s, 50 s early", due, clock.UTC().Format(time.RFC3339Nano))
+	require.Zero(t, ran.Load())
 }
