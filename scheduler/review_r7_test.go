@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
@@ -94,4 +95,22 @@ func TestR7GateNamelessOldPaymentRunsBeforeDue(t *testing.T) {
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind,
 		"a job paid by an earlier Gate with tokens due at %s ran at %s, 50 s early", due, clock.UTC().Format(time.RFC3339Nano))
 	require.Zero(t, ran.Load())
+}
+
+// TestR7ScheduledAtBeyondYear9999BlamesCount: b2b6cbf makes the caller's ScheduledAt part of the
+// job's time, so a ScheduledAt after the year 9999 now reaches the check written for a huge
+// reservation, which names "count" and says the call "reserves tokens due only at" that time,
+// though one token, there now, was asked for: the *ArgumentError names the wrong argument.
+func TestR7ScheduledAtBeyondYear9999BlamesCount(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Hour, MaxReserved: 10})
+	ctx := context.Background()
+	require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
+		far := time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)
+		_, err := b.sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: far}})
+		var ae *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &ae)
+		require.Equal(t, "ReserveOpts.InsertOpts.ScheduledAt", ae.Arg, "error: %v", err)
+		return nil
+	}))
 }
