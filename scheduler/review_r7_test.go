@@ -114,3 +114,37 @@ func TestR7ScheduledAtBeyondYear9999BlamesCount(t *testing.T) {
 		return nil
 	}))
 }
+
+// TestR7GateDenialOutlivesJobRetry: the same record outlives an operator's Client.JobRetry. A job
+// denied for an hour is cancelled (River's JobCancel, the Gate's tokens are not at stake: none
+// were taken), the limit gets its token back, and the job is retried: River keeps its attempt, so
+// the denial's retry_at still applies and the retried job only snoozes, for the rest of the hour,
+// with the token there.
+func TestR7GateDenialOutlivesJobRetry(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Hour}}})
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
+	require.NoError(t, err)
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
+	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "denied for an hour")
+	_, err = b.client.JobCancelTx(ctx, tx, res.Job.ID)
+	require.NoError(t, err)
+	_, err = b.limiter.Credit(ctx, tx, "calls", "", 1, nil) // the token is back
+	require.NoError(t, err)
+	row, err := b.client.JobRetryTx(ctx, tx, res.Job.ID)
+	require.NoError(t, err)
+	res, err = w.WorkJob(ctx, t, tx, row)
+	require.NoError(t, err)
+	require.Equal(t, river.EventKindJobCompleted, res.EventKind,
+		"the retried job, its token there, snoozes on the denial it had before the retry: %s", res.Job.Metadata)
+}
