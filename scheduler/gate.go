@@ -68,8 +68,10 @@ type GateConfig struct {
 // snoozes the job until they are due; when the job comes back it runs without paying again. So
 // jobs start at the limit's rate, each one once, in the order they asked. When the reservation
 // would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
-// of the denial plus its jitter (GateConfig.Jitter), then tries again: that time is recorded with
-// the job's payments, so a wait longer than one snooze keeps its jitter.
+// of the denial plus its jitter (GateConfig.Jitter), then tries again: both times are recorded with
+// the job's payments; before the RetryAt it asks again at every wake-up (the limit may have been
+// credited or changed: it then runs), after it it waits for the jitter, so that a wait longer
+// than one snooze keeps its jitter.
 //
 // River does not count a snooze as an attempt: it stores attempt-1, and the next fetch brings the
 // attempt number back to where it was, so a job can wait on a limit indefinitely without being
@@ -134,10 +136,12 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 			return river.JobSnooze(min(wait, maxSnooze))
 		}
 		return g.pass(ctx, run, job, p, doInner)
-	case ok: // denied: asks again at the denial's RetryAt plus its jitter, however many snoozes it takes
-		if wait := p.RetryAt.Sub(g.now()); wait > 0 {
+	case ok: // denied: between the denial's RetryAt (Due) and that plus its jitter (RetryAt), waits
+		// for the jitter to pass; before, it asks again at every wake-up (the limit may have been
+		// changed or credited meanwhile), and records the new answer
+		if now := g.now(); !now.Before(p.Due) && now.Before(p.RetryAt) {
 			run.snoozed = true
-			return river.JobSnooze(min(wait, maxSnooze))
+			return river.JobSnooze(min(p.RetryAt.Sub(now), maxSnooze))
 		}
 	}
 	count := req.Count
@@ -156,8 +160,9 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
 		// Times, not a sum of Durations: RetryAfter saturates at the largest Duration.
-		retryAt := g.now().Add(res.RetryAfter()).Add(jitter(req.JitterKey, g.jitter))
-		run.set(gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, RetryAt: retryAt})
+		due := g.now().Add(res.RetryAfter())
+		retryAt := due.Add(jitter(req.JitterKey, g.jitter))
+		run.set(gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, Due: due, RetryAt: retryAt})
 		if err := run.store(ctx); err != nil {
 			return fmt.Errorf("scheduler: Gate: job %d (%s): record denial: %w", job.ID, job.Kind, err)
 		}

@@ -102,7 +102,8 @@ func TestGate(t *testing.T) {
 	require.Equal(t, "null", string(metadataValue(t, res.Job.Metadata, scheduler.MetadataKey)))
 
 	// step 5: one more would owe 2 > MaxReserved: nothing is taken, no payment recorded, only the
-	// time it may ask again (the denial's RetryAt, in 60 s); the job is snoozed (at most MaxSnooze).
+	// denial's RetryAt (due, in 60 s) and that plus the jitter (retry_at, the same here: no
+	// jitter); the job is snoozed (at most MaxSnooze).
 	res, err = w.Work(ctx, t, tx, callArgs{N: 3}, nil)
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
@@ -115,8 +116,12 @@ func TestGate(t *testing.T) {
 	retryAt, err := time.Parse(time.RFC3339Nano, denied.Limits[0]["retry_at"].(string))
 	require.NoError(t, err)
 	require.True(t, retryAt.Equal(clock.Add(time.Minute)), "retry_at %s", retryAt)
+	due, err := time.Parse(time.RFC3339Nano, denied.Limits[0]["due"].(string))
+	require.NoError(t, err)
+	require.True(t, due.Equal(retryAt), "due %s", due)
 	delete(denied.Limits[0], "retry_at")
-	require.Equal(t, map[string]any{"name": "calls", "key": "", "attempt": 1.0}, denied.Limits[0], "no due: nothing paid")
+	delete(denied.Limits[0], "due")
+	require.Equal(t, map[string]any{"name": "calls", "key": "", "attempt": 1.0}, denied.Limits[0], "a denial: nothing paid")
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 	require.Equal(t, int32(2), ran.Load())
 

@@ -31,7 +31,8 @@ type payments struct {
 	Limits []gatePayment `json:"limits,omitempty"`
 
 	// Name, Key and Due are a Gate's payment as versions before Limits recorded it, with Attempt
-	// its attempt: read into Limits, never written.
+	// its attempt: read into Limits, never written. Without Name (versions before payments named
+	// their limit), Attempt and Due are a payment for any Gate, due then.
 	Name string    `json:"name,omitempty"`
 	Key  string    `json:"key,omitempty"`
 	Due  time.Time `json:"due,omitzero"`
@@ -44,10 +45,12 @@ type gatePayment struct {
 	Key     string `json:"key"`
 	Attempt int    `json:"attempt"`
 	// Due is when the tokens are due, on the clock of the process that reserved them (River
-	// schedules snoozes on the same clock); for tokens taken at once, when they were taken.
+	// schedules snoozes on the same clock); for tokens taken at once, when they were taken; on a
+	// denial, the denial's RetryAt.
 	Due time.Time `json:"due,omitzero"`
 	// RetryAt, set on a denial, is the denial's RetryAt plus the Gate's jitter, on the same clock:
-	// the job, snoozed as often as it takes, asks again then, not at an earlier wake-up.
+	// the job, snoozed as often as it takes, does not ask again between Due and RetryAt (before
+	// Due it asks at every wake-up, the limit may have changed).
 	RetryAt time.Time `json:"retry_at,omitzero"`
 }
 
@@ -100,11 +103,11 @@ func gateRunOf(ctx context.Context, job *rivertype.JobRow) (*gateRun, context.Co
 }
 
 // paid returns the payment of the run's attempt for the limit id, as the run found it: ReserveTx's,
-// which stands for every limit (Name empty, Due zero), or a Gate's of that limit, or its denial
-// (RetryAt set).
+// which stands for every limit (Name empty, Due zero; an earlier version's Gate payment for any
+// limit has its Due), or a Gate's of that limit, or its denial (RetryAt set).
 func (r *gateRun) paid(id limitID) (gatePayment, bool) {
 	if r.read.Attempt != 0 && r.read.Attempt == r.attempt {
-		return gatePayment{Attempt: r.attempt}, true
+		return gatePayment{Attempt: r.attempt, Due: r.read.Due}, true
 	}
 	for _, p := range r.read.Limits {
 		if p.Name == id.name && p.Key == id.key && p.Attempt == r.attempt {

@@ -263,6 +263,10 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = retryAt.Add(r.Jitter)
 		rec.Jitter = r.Jitter
 	}
+	if insertOpts.ScheduledAt.Year() > 9999 {
+		return nil, argError(op, "ReserveOpts.InsertOpts.ScheduledAt", fmt.Sprintf("is %s, after the year 9999 that the job's "+
+			"metadata (JSON) can hold", insertOpts.ScheduledAt.Format(time.RFC3339)), nil)
+	}
 	if insertOpts.ScheduledAt.After(r.ScheduledAt) {
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}

@@ -698,3 +698,19 @@ func TestQueueNameRuleIsRivers(t *testing.T) {
 		}
 	}
 }
+
+// TestReserveTxScheduledAtBeyondYear9999: a caller's ScheduledAt after the year 9999 (which the
+// job's metadata cannot hold) is an *ArgumentError naming it, not the count of one token there now.
+func TestReserveTxScheduledAtBeyondYear9999(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Hour, MaxReserved: 10})
+	ctx := context.Background()
+	require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
+		far := time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)
+		_, err := b.sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: far}})
+		var ae *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &ae)
+		require.Equal(t, "ReserveOpts.InsertOpts.ScheduledAt", ae.Arg, "error: %v", err)
+		return nil
+	}))
+}

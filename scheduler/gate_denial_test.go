@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
@@ -17,13 +16,11 @@ import (
 	"github.com/txlimit/txlimit/scheduler"
 )
 
-// TestR7GateDenialOutlivesTheLimit: a denial's retry_at (d608cad) is kept across snoozes whatever
-// happens to the limit meanwhile. A job denied on a limit whose RetryAfter saturates (a
-// misconfigured tiny rate: TestGateDenialOfAnEndlessWait's) records a retry_at ~292 years away;
-// once the limit is fixed (the GateRequest's Config now allows 1000/s) and has tokens, the job
-// still only snoozes, and will until that retry_at: stuck forever. Before the retry_at record, a
-// denied job asked again after one MaxSnooze and ran.
-func TestR7GateDenialOutlivesTheLimit(t *testing.T) {
+// TestGateDenialDoesNotOutliveTheLimit: before a denial's RetryAt the Gate asks the limit again at
+// every wake-up. A job denied on a limit whose RetryAfter saturates (a misconfigured tiny rate:
+// TestGateDenialOfAnEndlessWait's) records a RetryAt ~292 years away; once the limit is fixed (the
+// GateRequest's Config now allows 1000/s) and has tokens, the job runs at its next wake-up.
+func TestGateDenialDoesNotOutliveTheLimit(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	var clock atomic.Int64
@@ -67,12 +64,10 @@ func TestR7GateDenialOutlivesTheLimit(t *testing.T) {
 	require.Equal(t, int32(2), ran.Load())
 }
 
-// TestR7GateNamelessOldPaymentRunsBeforeDue: before cd30f07 (a day old) a Gate recorded its
-// payment without naming the limit: {"attempt": N, "due": T}. The current reader takes any
-// payment without a name for ReserveTx's, which stands for every limit and has no due time, so a
-// job an earlier Gate reserved for and snoozed until T runs at its next wake-up, before its
-// tokens are due (and passes every other Gate unpaid). The version that wrote it snoozed it until T.
-func TestR7GateNamelessOldPaymentRunsBeforeDue(t *testing.T) {
+// TestGateNamelessOldPaymentWaitsForItsDue: versions before payments named their limit recorded a
+// Gate's payment as {"attempt": N, "due": T}, for any Gate. A job an earlier Gate reserved for and
+// snoozed until T keeps waiting until T, as that version did.
+func TestGateNamelessOldPaymentWaitsForItsDue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Minute, MaxReserved: 10})
@@ -97,30 +92,11 @@ func TestR7GateNamelessOldPaymentRunsBeforeDue(t *testing.T) {
 	require.Zero(t, ran.Load())
 }
 
-// TestR7ScheduledAtBeyondYear9999BlamesCount: b2b6cbf makes the caller's ScheduledAt part of the
-// job's time, so a ScheduledAt after the year 9999 now reaches the check written for a huge
-// reservation, which names "count" and says the call "reserves tokens due only at" that time,
-// though one token, there now, was asked for: the *ArgumentError names the wrong argument.
-func TestR7ScheduledAtBeyondYear9999BlamesCount(t *testing.T) {
-	t.Parallel()
-	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Hour, MaxReserved: 10})
-	ctx := context.Background()
-	require.NoError(t, inTx(t, b.pool, true, func(tx pgx.Tx) error {
-		far := time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)
-		_, err := b.sched.ReserveTx(ctx, tx, "calls", "", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: far}})
-		var ae *ratelimit.ArgumentError
-		require.ErrorAs(t, err, &ae)
-		require.Equal(t, "ReserveOpts.InsertOpts.ScheduledAt", ae.Arg, "error: %v", err)
-		return nil
-	}))
-}
-
-// TestR7GateDenialOutlivesJobRetry: the same record outlives an operator's Client.JobRetry. A job
-// denied for an hour is cancelled (River's JobCancel, the Gate's tokens are not at stake: none
-// were taken), the limit gets its token back, and the job is retried: River keeps its attempt, so
-// the denial's retry_at still applies and the retried job only snoozes, for the rest of the hour,
-// with the token there.
-func TestR7GateDenialOutlivesJobRetry(t *testing.T) {
+// TestGateDenialDoesNotOutliveJobRetry: a job denied for an hour is cancelled (River's JobCancel;
+// none of the Gate's tokens were taken), the limit gets its token back, and the job is retried:
+// River keeps its attempt, and with it the denial's record, but before the denial's RetryAt the
+// Gate asks again, and the job runs.
+func TestGateDenialDoesNotOutliveJobRetry(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Hour}}})
@@ -139,7 +115,7 @@ func TestR7GateDenialOutlivesJobRetry(t *testing.T) {
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "denied for an hour")
 	_, err = b.client.JobCancelTx(ctx, tx, res.Job.ID)
 	require.NoError(t, err)
-	_, err = b.limiter.Credit(ctx, tx, "calls", "", 1, nil) // the token is back
+	_, err = b.limiter.Credit(ctx, b.pool, "calls", "", 1, nil) // the token is back (the Gate decides on the pool)
 	require.NoError(t, err)
 	row, err := b.client.JobRetryTx(ctx, tx, res.Job.ID)
 	require.NoError(t, err)
