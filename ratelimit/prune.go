@@ -27,7 +27,9 @@ type PruneOpts struct {
 // of shards beyond Config.Shards are left to Reset. It returns how many rows were deleted.
 //
 // Prune works in rounds of two statements (list, delete) over BatchSize rows in key order; run it
-// from a periodic job, on a pool rather than inside a long transaction.
+// from a periodic job, on a pool rather than inside a long transaction, and not in a SERIALIZABLE
+// transaction: its statements may scan the table, which there takes a relation-level predicate
+// lock that conflicts with every other writer of the table.
 func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *PruneOpts) (int64, error) {
 	const op = "Prune"
 	if opts == nil {

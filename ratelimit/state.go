@@ -67,8 +67,9 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 
 // Reset removes every shard row of (name, key), so the limit is full again. Resetting a limit that
 // has no rows is not an error; a name needs no config to be reset. It holds the key's shards as
-// Credit does (in shard order, up to the highest that has a row), so that under READ COMMITTED a
-// Reset that waits for a decision also deletes the rows that decision created.
+// Credit does (in shard order, up to the highest that has a row, with the same cost in Postgres's
+// lock table: see Credit), so that under READ COMMITTED a Reset that waits for a decision also
+// deletes the rows that decision created.
 func (l *Limiter) Reset(ctx context.Context, db Executor, name, key string) error {
 	const op = "Reset"
 	if err := checkExecutor(op, db); err != nil {
@@ -109,8 +110,12 @@ type CreditResult struct {
 // advisory lock that a decision creating that row holds, so that under READ COMMITTED it waits for
 // such a decision as for one writing a row and credits the shards as they are at one instant. Both
 // are held until the transaction ends (a decision that would create a held missing shard waits for
-// it); each missing shard held takes an entry of Postgres's lock table (max_locks_per_transaction),
-// so on a limit of many shards whose rows are few and far apart a Credit can take many.
+// it); each missing shard held takes an entry of Postgres's lock table, shared by every session
+// (max_locks_per_transaction × max_connections entries, 6,400 by default). On a limit of many
+// shards whose rows are few and far apart a Credit can take nearly one per shard: 1,023 for a key
+// of 1,024 shards whose only row is the last; raise max_locks_per_transaction before crediting or
+// resetting such keys concurrently, or their calls and everyone else's fail with "out of shared
+// memory".
 func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, count float64, opts *LimitOpts) (CreditResult, error) {
 	const op = "Credit"
 	s, err := l.prepare(op, db, name, key, opts)
