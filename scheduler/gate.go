@@ -15,7 +15,7 @@ import (
 // scheduler interval (5 s) as available with a future scheduled_at, so a PreciseQueue fetches the
 // job on time; a longer snooze would be stored as scheduled and promoted up to 5 s late. A longer
 // wait is therefore split into snoozes of at most maxSnooze; each wake-up of a job whose tokens are
-// already paid for, or that was denied until a later time, only snoozes again.
+// already paid for, or that waits out a denial's jitter, only snoozes again.
 const maxSnooze = 4500 * time.Millisecond
 
 // GateRequest names the limit a job pays to run.
@@ -69,9 +69,9 @@ type GateConfig struct {
 // jobs start at the limit's rate, each one once, in the order they asked. When the reservation
 // would go past the limit's MaxReserved nothing is taken and the job is snoozed until the RetryAt
 // of the denial plus its jitter (GateConfig.Jitter), then tries again: both times are recorded with
-// the job's payments; before the RetryAt it asks again at every wake-up (the limit may have been
-// credited or changed: it then runs), after it it waits for the jitter, so that a wait longer
-// than one snooze keeps its jitter.
+// the job's payments; until one snooze before the RetryAt it asks again at every wake-up (the
+// limit may have been credited or changed: it then runs), from then on it waits for the jitter,
+// so that a wait longer than one snooze keeps its jitter.
 //
 // River does not count a snooze as an attempt: it stores attempt-1, and the next fetch brings the
 // attempt number back to where it was, so a job can wait on a limit indefinitely without being
@@ -136,10 +136,13 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 			return river.JobSnooze(min(wait, maxSnooze))
 		}
 		return g.pass(ctx, run, job, p, doInner)
-	case ok: // denied: between the denial's RetryAt (Due) and that plus its jitter (RetryAt), waits
-		// for the jitter to pass; before, it asks again at every wake-up (the limit may have been
-		// changed or credited meanwhile), and records the new answer
-		if now := g.now(); !now.Before(p.Due) && now.Before(p.RetryAt) {
+	case ok: // denied: from one snooze before the denial's RetryAt (Due) to that plus its jitter
+		// (RetryAt), waits for the jitter to pass; before, it asks again at every wake-up (the
+		// limit may have been changed or credited meanwhile) and records the new answer. The
+		// snooze of margin keeps a wake-up just after the RetryAt, by a clock a little behind the
+		// one that recorded it, from asking and running without its jitter. (A denial recorded
+		// without Due, by an earlier version, is asked about at once.)
+		if now := g.now(); !p.Due.IsZero() && !now.Before(p.Due.Add(-maxSnooze)) && now.Before(p.RetryAt) {
 			run.snoozed = true
 			return river.JobSnooze(min(p.RetryAt.Sub(now), maxSnooze))
 		}
@@ -153,6 +156,7 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	if err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): %w", job.ID, job.Kind, err)
 	}
+	asked := g.now() // no later than the database's clock reading for the answer
 	res, err := g.limiter.LimitN(ctx, g.db, req.Name, req.Key, count, &ratelimit.LimitOpts{Config: req.Config, Reserve: cfg.MaxReserved != 0})
 	if err != nil {
 		return fmt.Errorf("scheduler: Gate: job %d (%s): %w", job.ID, job.Kind, err)
@@ -160,7 +164,10 @@ func (g *Gate) Work(ctx context.Context, job *rivertype.JobRow, doInner func(con
 	switch {
 	case !res.OK: // past MaxReserved (or none allowed): nothing taken, try again when it could succeed
 		// Times, not a sum of Durations: RetryAfter saturates at the largest Duration.
-		due := g.now().Add(res.RetryAfter())
+		// due counts from when the Gate asked, not when the answer came (a lock wait, the trip
+		// back): never after the denial's own RetryAt, so that a wake-up after that RetryAt waits
+		// for the jitter instead of asking again.
+		due := asked.Add(res.RetryAfter())
 		retryAt := due.Add(jitter(req.JitterKey, g.jitter))
 		run.set(gatePayment{Name: req.Name, Key: req.Key, Attempt: job.Attempt, Due: due, RetryAt: retryAt})
 		if err := run.store(ctx); err != nil {

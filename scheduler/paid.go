@@ -49,8 +49,8 @@ type gatePayment struct {
 	// denial, the denial's RetryAt.
 	Due time.Time `json:"due,omitzero"`
 	// RetryAt, set on a denial, is the denial's RetryAt plus the Gate's jitter, on the same clock:
-	// the job, snoozed as often as it takes, does not ask again between Due and RetryAt (before
-	// Due it asks at every wake-up, the limit may have changed).
+	// the job, snoozed as often as it takes, does not ask again from one snooze before Due to
+	// RetryAt (before that it asks at every wake-up, the limit may have changed).
 	RetryAt time.Time `json:"retry_at,omitzero"`
 }
 
