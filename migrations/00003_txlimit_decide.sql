@@ -111,11 +111,12 @@ $$;
 -- +goose StatementEnd
 
 -- txlimit_await_shard: waits for the steering lock of shard p_shard (p_lock_key as in
--- txlimit_steer, which says when), for at most 100 ms, or for the transaction's own lock_timeout
--- when that is set; a wait that times out goes on without the lock (it is a hint, not a guard).
--- The bound keeps a wait for a holder that does not hold the shard's row (one whose call was
--- refused, or charged its other pick) from lasting its whole transaction, and keeps such waits
--- from closing a deadlock that only Postgres's detector could break.
+-- txlimit_steer, which says when), for at most 100 ms, or the transaction's own lock_timeout when
+-- that is shorter (lock_timeout is shown in the largest unit that divides it: below 100 ms only
+-- as "<n>ms"); a wait that times out goes on without the lock (it is a hint, not a guard). The
+-- bound keeps a wait for a holder that does not hold the shard's row (one whose call was refused,
+-- or charged its other pick) from lasting its whole transaction, and keeps such waits from closing
+-- a deadlock that only Postgres's detector could break (it looks after deadlock_timeout, 1 s).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_await_shard(p_lock_key bigint, p_shard integer)
 RETURNS void
@@ -124,17 +125,13 @@ AS $$
 DECLARE
     own text := current_setting('lock_timeout');
 BEGIN
-    IF own = '0' THEN
-        PERFORM set_config('lock_timeout', '100ms', true);
-    END IF;
+    PERFORM set_config('lock_timeout', CASE WHEN own ~ '^[1-9][0-9]?ms$' THEN own ELSE '100ms' END, true);
     BEGIN
         PERFORM pg_advisory_xact_lock(p_lock_key # ('txlimit_state'::regclass::oid::bigint << 20) # p_shard::bigint);
     EXCEPTION WHEN lock_not_available THEN
         NULL; -- waited long enough: the shard's row decides from here
     END;
-    IF own = '0' THEN
-        PERFORM set_config('lock_timeout', own, true);
-    END IF;
+    PERFORM set_config('lock_timeout', own, true);
 END
 $$;
 -- +goose StatementEnd

@@ -89,7 +89,7 @@
 // and its transaction holds no row lock (it has written and locked nothing: a call on the pool,
 // say), it first waits for that candidate's advisory lock, so that it sleeps until the shard's
 // holder commits and then plans again on the shard as that left it; it waits at most 100 ms, or
-// the transaction's lock_timeout when that is set, since the holder need not hold the shard's row
+// the transaction's lock_timeout when that is shorter, since the holder need not hold the shard's row
 // (its call may have been refused, or charged its other pick). A refusal waits for no advisory
 // lock, and a transaction that holds rows may wait for the row itself, as any SQL does, never for
 // an advisory lock, where it could close a deadlock with what it holds. Under REPEATABLE READ or

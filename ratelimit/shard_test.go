@@ -1398,3 +1398,45 @@ func TestShardWaitedRowChangedIsDecidedAgain(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []float64{-0.5, -0.5}, st.Shards)
 }
+
+// Two READ COMMITTED transactions that set their own lock_timeout (a minute, longer than
+// Postgres's deadlock_timeout) and whose first calls were refused hold the steering locks of one
+// key each and no transaction ID. After the keys are reset (full again), each makes a Limit on the
+// key the other occupies: every candidate is taken, the plan grants and there is no transaction
+// ID, so each waits for the other's steering lock, but at most 100 ms whatever the transaction's
+// lock_timeout, so both go on before Postgres's deadlock detector looks (docs/spec.md §7, "No
+// deadlock between calls").
+func TestShardSteeringWaitIgnoresALongerLockTimeout(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": slowShards})
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+	emptyShards(t, e, "s", "a")
+	emptyShards(t, e, "s", "b")
+
+	t1, t2 := beginRC(t, e), beginRC(t, e)
+	_, err := t1.Exec(e.ctx, "SET LOCAL lock_timeout = '1min'")
+	require.NoError(t, err)
+	_, err = t2.Exec(e.ctx, "SET LOCAL lock_timeout = '1min'")
+	require.NoError(t, err)
+	refusedIn(t, e, t1, "s", "a", [2]int{0, 1})
+	refusedIn(t, e, t1, "s", "a", [2]int{1, 0})
+	refusedIn(t, e, t2, "s", "b", [2]int{0, 1})
+	refusedIn(t, e, t2, "s", "b", [2]int{1, 0})
+	// Both keys full again (neither transaction holds a row of them).
+	require.NoError(t, e.lim.Reset(e.ctx, e.pool, "s", "a"))
+	require.NoError(t, e.lim.Reset(e.ctx, e.pool, "s", "b"))
+
+	e.set(shardT0, [2]int{0, 1})
+	c1 := bAsync(rolledBackOnError(e, t1, "s", "b"))
+	eventually(t, "t1's call waits for shard 0 of key b, or is answered",
+		func() bool {
+			return len(c1) > 0 || testdb.SteerWaiters(t, e.pool, ratelimit.ShardLockBase("s", "b"), 0) == 1
+		})
+	c2 := bAsync(rolledBackOnError(e, t2, "s", "a"))
+
+	a1, a2 := bWait(t, c1), bWait(t, c2)
+	require.NoError(t, a1.err, "t1's Limit on key b (a steering wait must not deadlock)")
+	require.NoError(t, a2.err, "t2's Limit on key a (a steering wait must not deadlock)")
+	require.True(t, a1.res.OK)
+	require.True(t, a2.res.OK)
+}
