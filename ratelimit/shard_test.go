@@ -1117,6 +1117,28 @@ func refusedIn(t *testing.T, e *shardEnv, tx pgx.Tx, name, key string, pick [2]i
 	require.Nil(t, xid, "a refused call wrote or locked nothing")
 }
 
+// refusedOnBothShards makes two Limits on (s, key) in tx, steered to shard 0 and then to shard 1,
+// both refused: tx then holds both steering locks of the key and no row.
+func refusedOnBothShards(t *testing.T, e *shardEnv, tx pgx.Tx, key string) {
+	t.Helper()
+	refusedIn(t, e, tx, "s", key, [2]int{0, 1})
+	refusedIn(t, e, tx, "s", key, [2]int{1, 0})
+}
+
+// crossedLimits has t1 make a Limit on (s, b) and, once that waits for shard 0's steering lock or
+// is answered (so that t1 waits for t2 first), t2 one on (s, a); it returns both outcomes.
+func crossedLimits(t *testing.T, e *shardEnv, t1, t2 pgx.Tx) (a1, a2 bOutcome) {
+	t.Helper()
+	e.set(shardT0, [2]int{0, 1})
+	c1 := bAsync(rolledBackOnError(e, t1, "s", "b"))
+	eventually(t, "t1's call waits for shard 0 of key b, or is answered",
+		func() bool {
+			return len(c1) > 0 || testdb.SteerWaiters(t, e.pool, ratelimit.ShardLockBase("s", "b"), 0) == 1
+		})
+	c2 := bAsync(rolledBackOnError(e, t2, "s", "a"))
+	return bWait(t, c1), bWait(t, c2)
+}
+
 // rolledBackOnError runs Limit(name, key) in tx; when it fails, it rolls tx back (so that what
 // tx held is let go, as a caller handling the error would). For bAsync.
 func rolledBackOnError(e *shardEnv, tx pgx.Tx, name, key string) func() (ratelimit.Result, error) {
@@ -1143,22 +1165,11 @@ func TestShardRefusedTransactionsDoNotDeadlock(t *testing.T) {
 
 	// t1 is refused twice on key a (steered to shard 0, then to shard 1), t2 twice on key b.
 	t1, t2 := beginRC(t, e), beginRC(t, e)
-	refusedIn(t, e, t1, "s", "a", [2]int{0, 1})
-	refusedIn(t, e, t1, "s", "a", [2]int{1, 0})
-	refusedIn(t, e, t2, "s", "b", [2]int{0, 1})
-	refusedIn(t, e, t2, "s", "b", [2]int{1, 0})
+	refusedOnBothShards(t, e, t1, "a")
+	refusedOnBothShards(t, e, t2, "b")
 
 	// Each now asks for the other's key; both rows of both keys are free (and empty).
-	e.set(shardT0, [2]int{0, 1})
-	c1 := bAsync(rolledBackOnError(e, t1, "s", "b"))
-	// Not needed for the deadlock, only to make its order certain: t1 waits for t2 first.
-	eventually(t, "t1's call waits for shard 0 of key b, or is answered",
-		func() bool {
-			return len(c1) > 0 || testdb.SteerWaiters(t, e.pool, ratelimit.ShardLockBase("s", "b"), 0) == 1
-		})
-	c2 := bAsync(rolledBackOnError(e, t2, "s", "a"))
-
-	a1, a2 := bWait(t, c1), bWait(t, c2)
+	a1, a2 := crossedLimits(t, e, t1, t2)
 	require.NoError(t, a1.err, "t1's Limit on key b (refused calls must not deadlock)")
 	require.NoError(t, a2.err, "t2's Limit on key a (refused calls must not deadlock)")
 	require.False(t, a1.res.OK)
@@ -1418,23 +1429,13 @@ func TestShardSteeringWaitIgnoresALongerLockTimeout(t *testing.T) {
 	require.NoError(t, err)
 	_, err = t2.Exec(e.ctx, "SET LOCAL lock_timeout = '1min'")
 	require.NoError(t, err)
-	refusedIn(t, e, t1, "s", "a", [2]int{0, 1})
-	refusedIn(t, e, t1, "s", "a", [2]int{1, 0})
-	refusedIn(t, e, t2, "s", "b", [2]int{0, 1})
-	refusedIn(t, e, t2, "s", "b", [2]int{1, 0})
+	refusedOnBothShards(t, e, t1, "a")
+	refusedOnBothShards(t, e, t2, "b")
 	// Both keys full again (neither transaction holds a row of them).
 	require.NoError(t, e.lim.Reset(e.ctx, e.pool, "s", "a"))
 	require.NoError(t, e.lim.Reset(e.ctx, e.pool, "s", "b"))
 
-	e.set(shardT0, [2]int{0, 1})
-	c1 := bAsync(rolledBackOnError(e, t1, "s", "b"))
-	eventually(t, "t1's call waits for shard 0 of key b, or is answered",
-		func() bool {
-			return len(c1) > 0 || testdb.SteerWaiters(t, e.pool, ratelimit.ShardLockBase("s", "b"), 0) == 1
-		})
-	c2 := bAsync(rolledBackOnError(e, t2, "s", "a"))
-
-	a1, a2 := bWait(t, c1), bWait(t, c2)
+	a1, a2 := crossedLimits(t, e, t1, t2)
 	require.NoError(t, a1.err, "t1's Limit on key b (a steering wait must not deadlock)")
 	require.NoError(t, a2.err, "t2's Limit on key a (a steering wait must not deadlock)")
 	require.True(t, a1.res.OK)

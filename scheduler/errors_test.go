@@ -84,7 +84,7 @@ func recovered(f func()) (v any) {
 
 // TestTypedNilIsBadInput: a nil pointer in an interface (a nil *pgxpool.Tx as a pgx.Tx, a nil
 // *pgxpool.Pool as a db, a nil *callArgs as args) is bad input like an untyped nil, as in package
-// ratelimit (spec §5: "a nil Executor, a typed nil pointer included"): an *ratelimit.ArgumentError
+// ratelimit (docs/spec.md §5: "a nil Executor, a typed nil pointer included"): an *ratelimit.ArgumentError
 // naming its type, returned before anything is written. Before, each panicked; the args one in
 // River's insert, after LimitN had reserved the tokens in tx, with the savepoint left open, so a
 // caller that recovered and committed kept a reservation with no job.

@@ -11,7 +11,6 @@ import (
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
-	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -38,11 +37,7 @@ func TestGateDenialDoesNotOutliveTheLimit(t *testing.T) {
 	require.NoError(t, err)
 	scheduler.SetGateNow(gate, now)
 	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, &ran, gate)
 
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
 	require.NoError(t, err)
@@ -76,11 +71,7 @@ func TestGateNamelessOldPaymentWaitsForItsDue(t *testing.T) {
 	clock := time.Now()
 	scheduler.SetGateNow(gate, func() time.Time { return clock })
 	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, &ran, gate)
 
 	// What the earlier Gate left on a job it reserved for: due in 50 s.
 	due := clock.Add(50 * time.Second).UTC().Format(time.RFC3339Nano)
@@ -102,11 +93,7 @@ func TestGateDenialDoesNotOutliveJobRetry(t *testing.T) {
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Hour}}})
 	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
 	require.NoError(t, err)
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, nil, gate)
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
@@ -135,11 +122,7 @@ func TestGateDenialWithoutDueIsAskedAbout(t *testing.T) {
 	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
 	require.NoError(t, err)
 	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, &ran, gate)
 
 	// What d608cad left on a job it denied for an hour.
 	retryAt := time.Now().Add(time.Hour).UTC().Format(time.RFC3339Nano)
@@ -185,11 +168,7 @@ func TestGateDenialJitterSurvivesALateAnswer(t *testing.T) {
 		}})
 	require.NoError(t, err)
 	scheduler.SetGateNow(gate, gateNow)
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, nil, gate)
 
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
 	require.NoError(t, err)

@@ -38,12 +38,7 @@ func TestGate(t *testing.T) {
 	clock := time.Now()
 	scheduler.SetGateNow(gate, func() time.Time { return clock })
 	var ran atomic.Int32
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
-
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx) //nolint:errcheck
+	w, tx := gateWorker(t, b, &ran, gate)
 
 	// step 1: the token is there: the job takes it and runs.
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
@@ -263,11 +258,7 @@ func TestGateDenialOfAnEndlessWait(t *testing.T) {
 			return scheduler.GateRequest{Name: "calls", JitterKey: "k"}, job.Kind == callArgs{}.Kind()
 		}})
 	require.NoError(t, err)
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, nil, gate)
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
@@ -277,6 +268,23 @@ func TestGateDenialOfAnEndlessWait(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 	requireSnoozedFor(t, scheduler.MaxSnooze, before, after, res.Job.ScheduledAt)
+}
+
+// gateWorker returns a worker of callArgs jobs behind gates, counting the job's runs in ran (when
+// not nil), and a transaction to work them in, rolled back when the test ends.
+func gateWorker(t *testing.T, b *testBundle, ran *atomic.Int32, gates ...rivertype.Middleware) (*rivertest.Worker[callArgs, pgx.Tx], pgx.Tx) {
+	t.Helper()
+	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: gates},
+		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error {
+			if ran != nil {
+				ran.Add(1)
+			}
+			return nil
+		}))
+	tx, err := b.pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return w, tx
 }
 
 // twoGates sets up limits a and b (1/minute, MaxReserved 10) on a clock the test moves (starting
@@ -437,11 +445,7 @@ func TestGateDenialKeepsJitter(t *testing.T) {
 		}})
 	require.NoError(t, err)
 	scheduler.SetGateNow(gate, now)
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { return nil }))
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
+	w, tx := gateWorker(t, b, nil, gate)
 
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
 	require.NoError(t, err)
