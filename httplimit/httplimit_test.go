@@ -240,18 +240,13 @@ func TestShardedResetUsesTheShardsRate(t *testing.T) {
 	res, err := b.limiter.LimitN(context.Background(), b.pool, "sharded", "k", 1, &ratelimit.LimitOpts{Config: &cfg})
 	require.NoError(t, err)
 	require.True(t, res.OK)
-	w := httptest.NewRecorder()
-	m.WriteHeaders(w, res)
-	lim, err := httpsfv.UnmarshalList(w.Header().Values("RateLimit"))
-	require.NoError(t, err)
-	r, _ := lim[0].(httpsfv.Item).Params.Get("r")
-	tt, _ := lim[0].(httpsfv.Item).Params.Get("t")
+	r, tt := limitRT(t, m, res)
 	// r grows by one when the shards looked at (at most two) have gained next − Value tokens, at
 	// 2·Rate/Shards per Period at the fastest.
-	need := float64(r.(int64)+1) - res.Value
+	need := float64(r+1) - res.Value
 	fastest := 2 * cfg.Rate / float64(cfg.Shards) / cfg.Period.Seconds() // tokens per second
 	minT := int64(math.Ceil(need / fastest))
-	require.GreaterOrEqual(t, tt.(int64), minT, "Value %v over the shards looked at (charged %v): r=%d, t=%d, but r cannot grow by one before %d s",
+	require.GreaterOrEqual(t, tt, minT, "Value %v over the shards looked at (charged %v): r=%d, t=%d, but r cannot grow by one before %d s",
 		res.Value, res.Shards, r, tt, minT)
 	// On the pool (READ COMMITTED) the call looked at two fresh shards and charged one: 1 + 2 left,
 	// the other one full; one more token at the charged shard's 2 per minute takes 30 s.
@@ -259,9 +254,26 @@ func TestShardedResetUsesTheShardsRate(t *testing.T) {
 	require.Equal(t, int64(30), tt)
 
 	// Two shards hold at most 2·Capacity/Shards: at that, r cannot grow, and there is no t.
-	w = httptest.NewRecorder()
+	w := httptest.NewRecorder()
 	m.WriteHeaders(w, ratelimit.Result{Name: "sharded", Key: "k", OK: true, Value: 4})
 	require.Equal(t, `"sharded";r=4;pk=:`+b64(pk("sharded", "k"))+`:`, w.Header().Get("RateLimit"))
+}
+
+// limitRT returns the r and t parameters of the RateLimit field m writes for res (t: 0 when absent).
+func limitRT(t *testing.T, m *httplimit.Middleware, res ratelimit.Result) (r, tt int64) {
+	t.Helper()
+	w := httptest.NewRecorder()
+	m.WriteHeaders(w, res)
+	lim, err := httpsfv.UnmarshalList(w.Header().Values("RateLimit"))
+	require.NoError(t, err)
+	require.Len(t, lim, 1)
+	params := lim[0].(httpsfv.Item).Params
+	rv, ok := params.Get("r")
+	require.True(t, ok, "no r")
+	if tv, ok := params.Get("t"); ok {
+		tt = tv.(int64)
+	}
+	return rv.(int64), tt
 }
 
 func b64(b []byte) string {
@@ -747,13 +759,7 @@ func TestShardedResetWhenTheOtherShardIsFull(t *testing.T) {
 	require.True(t, res.OK)
 	require.Equal(t, 3.0, res.Value, "two fresh shards looked at, one charged: 1 + 2")
 	require.Len(t, res.Shards, 1)
-	w := httptest.NewRecorder()
-	m.WriteHeaders(w, res)
-	lim, err := httpsfv.UnmarshalList(w.Header().Values("RateLimit"))
-	require.NoError(t, err)
-	rv, _ := lim[0].(httpsfv.Item).Params.Get("r")
-	tv, _ := lim[0].(httpsfv.Item).Params.Get("t")
-	r, tt := rv.(int64), tv.(int64)
+	r, tt := limitRT(t, m, res)
 
 	// t seconds later: the charged shard has refilled at Rate/N; every other shard (the one looked
 	// at among them) is still full, at Capacity/N, and gained nothing.
@@ -769,8 +775,8 @@ func TestShardedResetWhenTheOtherShardIsFull(t *testing.T) {
 		}
 	}
 	require.GreaterOrEqual(t, int64(math.Floor(charged+other)), r+1,
-		"RateLimit %q: t=%d s after the grant the two shards looked at hold %g + %g: r is still %d, not %d (shards now %v)",
-		w.Header().Get("RateLimit"), tt, charged, other, int64(math.Floor(charged+other)), r+1, st.Shards)
+		"RateLimit r=%d;t=%d: t s after the grant the two shards looked at hold %g + %g: r is still %d, not %d (shards now %v)",
+		r, tt, charged, other, int64(math.Floor(charged+other)), r+1, st.Shards)
 }
 
 // Review r6. Draft -10 §3.1.2 (Quota Unit Parameter): the "qu" value "MUST be a String. Allowed

@@ -72,14 +72,21 @@ func TestOutOfDebtAt(t *testing.T) {
 	}
 }
 
+// closedPool returns a closed pool of b's database: a call that sends a statement on it fails.
+func closedPool(t *testing.T, b *testBundle) *pgxpool.Pool {
+	t.Helper()
+	closed, err := pgxpool.New(b.ctx, b.pool.Config().ConnString())
+	require.NoError(t, err)
+	closed.Close()
+	return closed
+}
+
 // TestOutOfDebtAtBadInput: bad input is an ErrInvalid error naming what is wrong, with no SQL run
 // (the pool is closed); no rows is no answer.
 func TestOutOfDebtAtBadInput(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"tok": {Rate: 10, Period: time.Second}})
-	closed, err := pgxpool.New(b.ctx, b.pool.Config().ConnString())
-	require.NoError(t, err)
-	closed.Close()
+	closed := closedPool(t, b)
 	got, err := b.lim.OutOfDebtAt(b.ctx, closed, time.Time{}, nil)
 	require.NoError(t, err)
 	require.Empty(t, got)
@@ -130,9 +137,7 @@ func TestOutOfDebtAtBadInput(t *testing.T) {
 func TestOutOfDebtAtFarApartTimes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, map[string]ratelimit.Config{"tok": {Rate: 10, Period: time.Second}})
-	closed, err := pgxpool.New(b.ctx, b.pool.Config().ConnString())
-	require.NoError(t, err)
-	closed.Close()
+	closed := closedPool(t, b)
 	const edge = 1 << 62
 	refused := func(t *testing.T, lim *ratelimit.Limiter, from time.Time, ts int64, arg string) {
 		t.Helper()

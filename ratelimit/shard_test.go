@@ -1125,6 +1125,27 @@ func refusedOnBothShards(t *testing.T, e *shardEnv, tx pgx.Tx, key string) {
 	refusedIn(t, e, tx, "s", key, [2]int{1, 0})
 }
 
+// refusedPair sets up limit s (slowShards) on a pool of its own, with keys a and b emptied, and two
+// READ COMMITTED transactions that run each statement of setup, then t1 refusedOnBothShards on key
+// a, t2 on key b.
+func refusedPair(t *testing.T, setup ...string) (e *shardEnv, t1, t2 pgx.Tx) {
+	t.Helper()
+	e = newShardEnv(t, map[string]ratelimit.Config{"s": slowShards})
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
+	emptyShards(t, e, "s", "a")
+	emptyShards(t, e, "s", "b")
+	t1, t2 = beginRC(t, e), beginRC(t, e)
+	for _, stmt := range setup {
+		for _, tx := range []pgx.Tx{t1, t2} {
+			_, err := tx.Exec(e.ctx, stmt)
+			require.NoError(t, err)
+		}
+	}
+	refusedOnBothShards(t, e, t1, "a")
+	refusedOnBothShards(t, e, t2, "b")
+	return e, t1, t2
+}
+
 // crossedLimits has t1 make a Limit on (s, b) and, once that waits for shard 0's steering lock or
 // is answered (so that t1 waits for t2 first), t2 one on (s, a); it returns both outcomes.
 func crossedLimits(t *testing.T, e *shardEnv, t1, t2 pgx.Tx) (a1, a2 bOutcome) {
@@ -1158,15 +1179,8 @@ func rolledBackOnError(e *shardEnv, tx pgx.Tx, name, key string) func() (ratelim
 // "takes no lock"; "no deadlock between calls"). When waiting, they could each wait for the other.
 func TestShardRefusedTransactionsDoNotDeadlock(t *testing.T) {
 	t.Parallel()
-	e := newShardEnv(t, map[string]ratelimit.Config{"s": slowShards})
-	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
-	emptyShards(t, e, "s", "a")
-	emptyShards(t, e, "s", "b")
-
 	// t1 is refused twice on key a (steered to shard 0, then to shard 1), t2 twice on key b.
-	t1, t2 := beginRC(t, e), beginRC(t, e)
-	refusedOnBothShards(t, e, t1, "a")
-	refusedOnBothShards(t, e, t2, "b")
+	e, t1, t2 := refusedPair(t)
 
 	// Each now asks for the other's key; both rows of both keys are free (and empty).
 	a1, a2 := crossedLimits(t, e, t1, t2)
@@ -1419,18 +1433,7 @@ func TestShardWaitedRowChangedIsDecidedAgain(t *testing.T) {
 // deadlock between calls").
 func TestShardSteeringWaitIgnoresALongerLockTimeout(t *testing.T) {
 	t.Parallel()
-	e := newShardEnv(t, map[string]ratelimit.Config{"s": slowShards})
-	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6})
-	emptyShards(t, e, "s", "a")
-	emptyShards(t, e, "s", "b")
-
-	t1, t2 := beginRC(t, e), beginRC(t, e)
-	_, err := t1.Exec(e.ctx, "SET LOCAL lock_timeout = '1min'")
-	require.NoError(t, err)
-	_, err = t2.Exec(e.ctx, "SET LOCAL lock_timeout = '1min'")
-	require.NoError(t, err)
-	refusedOnBothShards(t, e, t1, "a")
-	refusedOnBothShards(t, e, t2, "b")
+	e, t1, t2 := refusedPair(t, "SET LOCAL lock_timeout = '1min'")
 	// Both keys full again (neither transaction holds a row of them).
 	require.NoError(t, e.lim.Reset(e.ctx, e.pool, "s", "a"))
 	require.NoError(t, e.lim.Reset(e.ctx, e.pool, "s", "b"))

@@ -598,10 +598,8 @@ func pullForwardModel(t *testing.T, seed uint64) {
 	for name, l := range limits {
 		cfgs[name] = l.cfg
 	}
-	var clock atomic.Int64
-	clock.Store(t0.UnixNano())
-	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	b := setup(t, &setupOpts{limits: cfgs, now: now})
+	clock := newTestClock()
+	b := setup(t, &setupOpts{limits: cfgs, now: clock.Now})
 	rng := rand.New(rand.NewPCG(seed, 6))
 
 	var js []*mJob
@@ -664,7 +662,7 @@ func pullForwardModel(t *testing.T, seed uint64) {
 				return nil
 			}))
 			for i, name := range j.limits {
-				limits[name].add(mOp{at: now(), job: len(js), count: j.counts[i]})
+				limits[name].add(mOp{at: clock.Now(), job: len(js), count: j.counts[i]})
 			}
 			js = append(js, j)
 		case p < 65:
@@ -676,7 +674,7 @@ func pullForwardModel(t *testing.T, seed uint64) {
 				res, err := b.sched.CancelTx(ctx, tx, j.id)
 				require.NoError(t, err)
 				for i, name := range j.limits {
-					want := limits[name].add(mOp{at: now(), job: -1, from: index(j), count: j.counts[i]})
+					want := limits[name].add(mOp{at: clock.Now(), job: -1, from: index(j), count: j.counts[i]})
 					require.Equal(t, want, res.Limits[i].Credited, "step %d: refund of %s", step, name)
 				}
 				moved += res.PulledForward
@@ -696,7 +694,7 @@ func pullForwardModel(t *testing.T, seed uint64) {
 				res, err := b.sched.SettleManyTx(ctx, tx, j.id, actual)
 				require.NoError(t, err)
 				for i, name := range j.limits {
-					want := limits[name].add(mOp{at: now(), job: -1, from: index(j), count: j.counts[i] - actual[i]})
+					want := limits[name].add(mOp{at: clock.Now(), job: -1, from: index(j), count: j.counts[i] - actual[i]})
 					require.Equal(t, want, res.Limits[i].Credited, "step %d: credit of %s", step, name)
 				}
 				moved += res.PulledForward
@@ -704,7 +702,7 @@ func pullForwardModel(t *testing.T, seed uint64) {
 			}))
 			j.settled = true
 		default:
-			clock.Add(int64(time.Duration(1+rng.IntN(5)) * 100 * time.Millisecond))
+			clock.Add(time.Duration(1+rng.IntN(5)) * 100 * time.Millisecond)
 		}
 		check(step)
 	}

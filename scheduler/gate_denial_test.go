@@ -22,10 +22,8 @@ import (
 func TestGateDenialDoesNotOutliveTheLimit(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var clock atomic.Int64
-	clock.Store(t0.UnixNano())
-	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Second}}, now: now})
+	clock := newTestClock()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Second}}, now: clock.Now})
 	broken := &ratelimit.Config{Rate: 1e-9, Capacity: 1, Period: time.Hour}
 	fixed := &ratelimit.Config{Rate: 1000, Capacity: 1000, Period: time.Second}
 	var cfg atomic.Pointer[ratelimit.Config]
@@ -35,21 +33,17 @@ func TestGateDenialDoesNotOutliveTheLimit(t *testing.T) {
 			return scheduler.GateRequest{Name: "calls", Config: cfg.Load()}, job.Kind == callArgs{}.Kind()
 		}})
 	require.NoError(t, err)
-	scheduler.SetGateNow(gate, now)
+	scheduler.SetGateNow(gate, clock.Now)
 	var ran atomic.Int32
 	w, tx := gateWorker(t, b, &ran, gate)
 
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
-	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "denied")
+	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
+	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied")
 
 	cfg.Store(fixed) // the operator fixes the limit
-	clock.Add(int64(time.Minute))
+	clock.Add(time.Minute)
 	for i := 0; i < 20 && res.EventKind == river.EventKindJobSnoozed; i++ {
-		clock.Add(int64(scheduler.MaxSnooze)) // River brings it back after each snooze
+		clock.Add(scheduler.MaxSnooze) // River brings it back after each snooze
 		res, err = w.WorkJob(ctx, t, tx, res.Job)
 		require.NoError(t, err)
 	}
@@ -94,12 +88,8 @@ func TestGateDenialDoesNotOutliveJobRetry(t *testing.T) {
 	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
 	require.NoError(t, err)
 	w, tx := gateWorker(t, b, nil, gate)
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
-	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "denied for an hour")
+	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
+	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied for an hour")
 	_, err = b.client.JobCancelTx(ctx, tx, res.Job.ID)
 	require.NoError(t, err)
 	_, err = b.limiter.Credit(ctx, b.pool, "calls", "", 1, nil) // the token is back (the Gate decides on the pool)
@@ -149,10 +139,10 @@ func TestGateDenialWithoutDueIsAskedAbout(t *testing.T) {
 func TestGateDenialJitterSurvivesALateAnswer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var clock, lag atomic.Int64
-	clock.Store(t0.UnixNano())
-	dbNow := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
-	gateNow := func() time.Time { return time.Unix(0, clock.Load()+lag.Load()).UTC() }
+	clock := newTestClock()
+	var lag atomic.Int64
+	dbNow := clock.Now
+	gateNow := func() time.Time { return clock.Now().Add(time.Duration(lag.Load())) }
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 10 * time.Second}}, now: dbNow})
 	const jitterMax = 4 * time.Second
 	key := ""
@@ -170,24 +160,18 @@ func TestGateDenialJitterSurvivesALateAnswer(t *testing.T) {
 	scheduler.SetGateNow(gate, gateNow)
 	w, tx := gateWorker(t, b, nil, gate)
 
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token; the next at t0+10s
+	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token; the next at t0+10s
 	retryAt := t0.Add(10 * time.Second)
 
-	clock.Add(int64(1200 * time.Millisecond)) // t0+1.2s: denied until t0+10s, snoozed MaxSnooze
-	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
+	clock.Add(1200 * time.Millisecond) // t0+1.2s: denied until t0+10s, snoozed MaxSnooze
+	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil)
 
-	clock.Add(int64(scheduler.MaxSnooze)) // t0+5.7s: asks again; the answer reaches the Gate 1 s after the database read its clock
+	clock.Add(scheduler.MaxSnooze) // t0+5.7s: asks again; the answer reaches the Gate 1 s after the database read its clock
 	lag.Store(int64(time.Second))
-	res, err = w.WorkJob(ctx, t, tx, res.Job)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
+	res = workAgain(t, w, tx, river.EventKindJobSnoozed, res.Job)
 	lag.Store(0)
 
-	clock.Add(int64(scheduler.MaxSnooze)) // t0+10.2s: after the denial's RetryAt, before RetryAt + jitter
+	clock.Add(scheduler.MaxSnooze) // t0+10.2s: after the denial's RetryAt, before RetryAt + jitter
 	res, err = w.WorkJob(ctx, t, tx, res.Job)
 	require.NoError(t, err)
 	require.NotEqual(t, river.EventKindJobCompleted, res.EventKind,

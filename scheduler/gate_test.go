@@ -41,9 +41,7 @@ func TestGate(t *testing.T) {
 	w, tx := gateWorker(t, b, &ran, gate)
 
 	// step 1: the token is there: the job takes it and runs.
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil)
 	require.Equal(t, int32(1), ran.Load())
 	require.Equal(t, 0.0, value(t, b, "calls", ""))
 
@@ -88,9 +86,7 @@ func TestGate(t *testing.T) {
 
 	// step 4: due: it runs without paying again, and its payment is cleared.
 	clock = clock.Add(2 * time.Second)
-	res, err = w.WorkJob(ctx, t, tx, res.Job)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	res = workAgain(t, w, tx, river.EventKindJobCompleted, res.Job)
 	require.Equal(t, 1, res.Job.Attempt)
 	require.Equal(t, int32(2), ran.Load())
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
@@ -99,9 +95,7 @@ func TestGate(t *testing.T) {
 	// step 5: one more would owe 2 > MaxReserved: nothing is taken, no payment recorded, only the
 	// denial's RetryAt (due, in 60 s) and that plus the jitter (retry_at, the same here: no
 	// jitter); the job is snoozed (at most MaxSnooze).
-	res, err = w.Work(ctx, t, tx, callArgs{N: 3}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
+	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 3}, nil)
 	require.Equal(t, 0, res.Job.Attempt)
 	var denied struct {
 		Limits []map[string]any `json:"limits"`
@@ -126,9 +120,7 @@ func TestGate(t *testing.T) {
 	st, err := b.limiter.State(ctx, tx, "calls", "", nil)
 	require.NoError(t, err)
 	require.Equal(t, -2.0, st.Value)
-	res, err = w.WorkJob(ctx, t, tx, r.Job)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	res = workAgain(t, w, tx, river.EventKindJobCompleted, r.Job)
 	require.Equal(t, int32(3), ran.Load())
 }
 
@@ -221,27 +213,19 @@ func TestGateTwoGatesPayEach(t *testing.T) {
 	clock := time.Now()
 	scheduler.SetGateNow(gateA, func() time.Time { return clock })
 	scheduler.SetGateNow(gateB, func() time.Time { return clock })
-	var ran atomic.Int64
-	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gateA, gateB}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
+	var ran atomic.Int32
+	w, tx := gateWorker(t, b, &ran, gateA, gateB)
 	for _, name := range []string{"a", "b"} { // both limits empty
 		res, err := b.limiter.Limit(ctx, b.pool, name, "", nil)
 		require.NoError(t, err)
 		require.True(t, res.OK)
 	}
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
 
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind) // reserved on "a"
+	res := work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 1}, nil) // reserved on "a"
 	require.Equal(t, -1.0, value(t, b, "a", ""))
 
 	clock = clock.Add(time.Minute) // a's token is due
-	res, err = w.WorkJob(ctx, t, tx, res.Job)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "b is empty: the job reserves there and waits")
+	res = workAgain(t, w, tx, river.EventKindJobSnoozed, res.Job, "b is empty: the job reserves there and waits")
 	require.Equal(t, -1.0, value(t, b, "b", ""))
 	require.Zero(t, ran.Load())
 }
@@ -259,9 +243,7 @@ func TestGateDenialOfAnEndlessWait(t *testing.T) {
 		}})
 	require.NoError(t, err)
 	w, tx := gateWorker(t, b, nil, gate)
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
+	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
 	before := time.Now()
 	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
 	after := time.Now()
@@ -287,20 +269,39 @@ func gateWorker(t *testing.T, b *testBundle, ran *atomic.Int32, gates ...riverty
 	return w, tx
 }
 
+// work works a new job of args (inserted with opts) in tx and checks that it ended in want.
+func work(t *testing.T, w *rivertest.Worker[callArgs, pgx.Tx], tx pgx.Tx, want river.EventKind, args callArgs,
+	opts *river.InsertOpts, msgAndArgs ...any) *rivertest.WorkResult {
+	t.Helper()
+	res, err := w.Work(context.Background(), t, tx, args, opts)
+	require.NoError(t, err)
+	require.Equal(t, want, res.EventKind, msgAndArgs...)
+	return res
+}
+
+// workAgain works job again in tx, as River brings it back, and checks that it ended in want.
+func workAgain(t *testing.T, w *rivertest.Worker[callArgs, pgx.Tx], tx pgx.Tx, want river.EventKind,
+	job *rivertype.JobRow, msgAndArgs ...any) *rivertest.WorkResult {
+	t.Helper()
+	res, err := w.WorkJob(context.Background(), t, tx, job)
+	require.NoError(t, err)
+	require.Equal(t, want, res.EventKind, msgAndArgs...)
+	return res
+}
+
 // twoGates sets up limits a and b (1/minute, MaxReserved 10) on a clock the test moves (starting
 // at t0), and a worker of callArgs jobs behind a Gate on a (outer) and one on b (inner); ran counts
 // the runs of the job.
-func twoGates(t *testing.T) (b *testBundle, clock *atomic.Int64, w *rivertest.Worker[callArgs, pgx.Tx], ran *atomic.Int32) {
+func twoGates(t *testing.T) (b *testBundle, clock *testClock, w *rivertest.Worker[callArgs, pgx.Tx], tx pgx.Tx,
+	ran *atomic.Int32) {
 	t.Helper()
-	clock, ran = new(atomic.Int64), new(atomic.Int32)
-	clock.Store(t0.UnixNano())
-	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	clock, ran = newTestClock(), new(atomic.Int32)
 	b = setup(t, &setupOpts{
 		limits: map[string]ratelimit.Config{
 			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
 			"b": {Rate: 1, Period: time.Minute, MaxReserved: 10},
 		},
-		now: now,
+		now: clock.Now,
 	})
 	gate := func(name string) *scheduler.Gate {
 		g, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter,
@@ -308,12 +309,11 @@ func twoGates(t *testing.T) (b *testBundle, clock *atomic.Int64, w *rivertest.Wo
 				return scheduler.GateRequest{Name: name}, job.Kind == callArgs{}.Kind()
 			}})
 		require.NoError(t, err)
-		scheduler.SetGateNow(g, now)
+		scheduler.SetGateNow(g, clock.Now)
 		return g
 	}
-	w = testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate("a"), gate("b")}},
-		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
-	return b, clock, w, ran
+	w, tx = gateWorker(t, b, ran, gate("a"), gate("b"))
+	return b, clock, w, tx, ran
 }
 
 // TestGateTwoGatesPayOnceEach: a job behind two Gates pays each limit once. When the inner Gate
@@ -324,27 +324,21 @@ func twoGates(t *testing.T) (b *testBundle, clock *atomic.Int64, w *rivertest.Wo
 func TestGateTwoGatesPayOnceEach(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b, clock, w, ran := twoGates(t)
+	b, clock, w, tx, ran := twoGates(t)
 	// At t0, a is empty and b owes a token: b is empty again at t0+1m.
 	for name, n := range map[string]float64{"a": 1, "b": 2} {
 		res, err := b.limiter.LimitN(ctx, b.pool, name, "", n, &ratelimit.LimitOpts{Reserve: true})
 		require.NoError(t, err)
 		require.True(t, res.OK)
 	}
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
 
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "reserved on a, due t0+1m")
-	clock.Store(t0.Add(time.Minute).UnixNano())
-	res, err = w.WorkJob(ctx, t, tx, res.Job)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, res.EventKind, "a paid; reserved on b, due t0+2m")
-	clock.Store(t0.Add(2 * time.Minute).UnixNano())
+	res := work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 1}, nil, "reserved on a, due t0+1m")
+	clock.Set(t0.Add(time.Minute))
+	res = workAgain(t, w, tx, river.EventKindJobSnoozed, res.Job, "a paid; reserved on b, due t0+2m")
+	clock.Set(t0.Add(2 * time.Minute))
 	for i := 0; res.EventKind == river.EventKindJobSnoozed; i++ {
 		require.Less(t, i, 5, "the job never ran")
+		var err error
 		res, err = w.WorkJob(ctx, t, tx, res.Job)
 		require.NoError(t, err)
 	}
@@ -368,16 +362,13 @@ func TestGateTwoGatesPayOnceEach(t *testing.T) {
 func TestGateTwoGatesNested(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b, clock, w, ran := twoGates(t)
+	b, clock, w, tx, ran := twoGates(t)
 	// The Gates decide on the pool, outside tx: tx takes no limit's row lock.
 	r := reserve(t, b, "a", "", 1) // a job of ReserveTx, reserved on a
 	require.Equal(t, 0.0, value(t, b, "a", ""))
 	lr, err := b.limiter.LimitN(ctx, b.pool, "b", "", 2, &ratelimit.LimitOpts{Reserve: true}) // b owes one
 	require.NoError(t, err)
 	require.True(t, lr.OK)
-	tx, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
 	valueTx := func(name string) float64 {
 		st, err := b.limiter.State(ctx, tx, name, "", nil)
 		require.NoError(t, err)
@@ -385,22 +376,18 @@ func TestGateTwoGatesNested(t *testing.T) {
 	}
 
 	// The job of ReserveTx passes both Gates on its payment.
-	res, err := w.WorkJob(ctx, t, tx, r.Job)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind)
+	workAgain(t, w, tx, river.EventKindJobCompleted, r.Job)
 	require.Equal(t, int32(1), ran.Load())
 	require.Equal(t, 0.0, valueTx("a"))
 	require.Equal(t, -1.0, valueTx("b"), "b took nothing")
 
 	// b, owing one at t0, is empty at t0+1m: a job takes a's token (refilled at t0+1m) at once,
 	// then reserves on b (due t0+2m) and comes back paid for both.
-	clock.Store(t0.Add(time.Minute).UnixNano())
-	wr, err := w.Work(ctx, t, tx, callArgs{N: 2}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobSnoozed, wr.EventKind)
+	clock.Set(t0.Add(time.Minute))
+	wr := work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil)
 	require.Equal(t, 0.0, valueTx("a"), "a's token taken")
 	require.Equal(t, -1.0, valueTx("b"), "b reserved")
-	clock.Store(t0.Add(3 * time.Minute).UnixNano())
+	clock.Set(t0.Add(3 * time.Minute))
 	for i := 0; wr.EventKind == river.EventKindJobSnoozed; i++ {
 		require.Less(t, i, 5, "the job never ran")
 		wr, err = w.WorkJob(ctx, t, tx, wr.Job)
@@ -412,10 +399,8 @@ func TestGateTwoGatesNested(t *testing.T) {
 	require.Equal(t, 1.0, valueTx("b"))
 
 	// An earlier version's payment of a (due now) lets the job past a; b charges.
-	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q, "name": "a", "key": ""}}`, scheduler.MetadataKey, time.Unix(0, clock.Load()).UTC().Format(time.RFC3339Nano))
-	wr, err = w.Work(ctx, t, tx, callArgs{N: 3}, &river.InsertOpts{Metadata: []byte(md)})
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, wr.EventKind)
+	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q, "name": "a", "key": ""}}`, scheduler.MetadataKey, clock.Now().Format(time.RFC3339Nano))
+	wr = work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 3}, &river.InsertOpts{Metadata: []byte(md)})
 	require.Equal(t, int32(3), ran.Load())
 	require.Equal(t, 1.0, valueTx("a"))
 	require.Equal(t, 0.0, valueTx("b"))
@@ -431,11 +416,9 @@ func TestGateTwoGatesNested(t *testing.T) {
 func TestGateDenialKeepsJitter(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var clock atomic.Int64
-	clock.Store(t0.UnixNano())
-	now := func() time.Time { return time.Unix(0, clock.Load()).UTC() }
+	clock := newTestClock()
 	// One token per 4.4 s, capacity 1, no reservations: after the first job, one is denied 4.4 s.
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 4400 * time.Millisecond}}, now: now})
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 4400 * time.Millisecond}}, now: clock.Now})
 	const jitterMax = 2 * time.Second
 	j := scheduler.JitterFor("a", jitterMax)
 	require.Greater(t, j, time.Second)
@@ -444,12 +427,10 @@ func TestGateDenialKeepsJitter(t *testing.T) {
 			return scheduler.GateRequest{Name: "calls", JitterKey: "a"}, job.Kind == callArgs{}.Kind()
 		}})
 	require.NoError(t, err)
-	scheduler.SetGateNow(gate, now)
+	scheduler.SetGateNow(gate, clock.Now)
 	w, tx := gateWorker(t, b, nil, gate)
 
-	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, nil)
-	require.NoError(t, err)
-	require.Equal(t, river.EventKindJobCompleted, res.EventKind) // the one token
+	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
 
 	retryAt := t0.Add(4400 * time.Millisecond)
 	job := (*rivertype.JobRow)(nil)
@@ -467,10 +448,10 @@ func TestGateDenialKeepsJitter(t *testing.T) {
 		}
 		require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
 		job = res.Job
-		clock.Add(int64(job.ScheduledAt.Sub(before))) // River brings it back after its snooze
+		clock.Add(job.ScheduledAt.Sub(before)) // River brings it back after its snooze
 	}
-	require.False(t, now().Before(retryAt.Add(j)),
+	require.False(t, clock.Now().Before(retryAt.Add(j)),
 		"the denied job ran at RetryAt + %s, before RetryAt + its jitter %s: the jitter was cut to what fits in one MaxSnooze (%s)",
-		now().Sub(retryAt), j, scheduler.MaxSnooze)
-	require.Less(t, now().Sub(retryAt.Add(j)), 500*time.Millisecond, "and not much after")
+		clock.Now().Sub(retryAt), j, scheduler.MaxSnooze)
+	require.Less(t, clock.Now().Sub(retryAt.Add(j)), 500*time.Millisecond, "and not much after")
 }

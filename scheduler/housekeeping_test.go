@@ -110,15 +110,6 @@ func (s *syncBuffer) Write(p []byte) (int, error) {
 }
 func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
 
-// mutableClock is a limiter clock the test moves.
-type mutableClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *mutableClock) Now() time.Time  { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-func (c *mutableClock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
-
 // workJob runs one job of w with rivertest's worker, in a transaction that commits (or rolls back
 // when rollback is set), and returns the output it recorded.
 func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
@@ -144,7 +135,7 @@ func workPrune(t *testing.T, b *testBundle, w *scheduler.PruneWorker) scheduler.
 
 func TestPruneJob(t *testing.T) {
 	t.Parallel()
-	clock := &mutableClock{t: t0}
+	clock := newTestClock()
 	b := setup(t, &setupOpts{limits: pruneLimits, now: clock.Now})
 	ctx := context.Background()
 	take := func(name, key string, n float64) {
@@ -250,7 +241,7 @@ func TestPruneJobNeverChangesADecision(t *testing.T) {
 		{at: time.Hour + time.Second, name: "fw", key: "a", count: 1},
 	}
 	run := func(prune bool) ([]any, int64) {
-		clock := &mutableClock{t: t0}
+		clock := newTestClock()
 		b := setup(t, &setupOpts{limits: pruneLimits, now: clock.Now})
 		ctx := context.Background()
 		w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()})

@@ -10,6 +10,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,6 +30,19 @@ import (
 // t0 is the frozen time of tests that inject the limiter's clock. It is in the past, so jobs
 // scheduled from it are due at once.
 var t0 = time.Date(2024, 1, 1, 12, 0, 0, 0, time.UTC)
+
+// testClock is a clock a test moves, starting at t0; its Now may be called from any goroutine.
+type testClock struct{ ns atomic.Int64 }
+
+func newTestClock() *testClock {
+	c := &testClock{}
+	c.ns.Store(t0.UnixNano())
+	return c
+}
+
+func (c *testClock) Now() time.Time      { return time.Unix(0, c.ns.Load()).UTC() }
+func (c *testClock) Set(t time.Time)     { c.ns.Store(t.UnixNano()) }
+func (c *testClock) Add(d time.Duration) { c.ns.Add(int64(d)) }
 
 // callArgs is the job of most tests: a call that reserved Budget.
 type callArgs struct {
