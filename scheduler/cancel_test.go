@@ -598,7 +598,7 @@ func pullForwardModel(t *testing.T, seed uint64) {
 	for name, l := range limits {
 		cfgs[name] = l.cfg
 	}
-	clock := newTestClock()
+	clock := newTestClock(t0)
 	b := setup(t, &setupOpts{limits: cfgs, now: clock.Now})
 	rng := rand.New(rand.NewPCG(seed, 6))
 
@@ -795,8 +795,7 @@ func TestCancelTxRetriedJobPaysAgain(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setupCalls(t, tenPerSecond)
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
+	gate := callsGate(t, b, nil)
 	var ran atomic.Int32
 	w := testdb.RiverWorker(t, nil, &river.Config{Middleware: []rivertype.Middleware{gate}},
 		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))

@@ -22,7 +22,7 @@ import (
 func TestGateDenialDoesNotOutliveTheLimit(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	clock := newTestClock()
+	clock := newTestClock(t0)
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Second}}, now: clock.Now})
 	broken := &ratelimit.Config{Rate: 1e-9, Capacity: 1, Period: time.Hour}
 	fixed := &ratelimit.Config{Rate: 1000, Capacity: 1000, Period: time.Second}
@@ -60,20 +60,18 @@ func TestGateNamelessOldPaymentWaitsForItsDue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Minute, MaxReserved: 10})
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
-	clock := time.Now()
-	scheduler.SetGateNow(gate, func() time.Time { return clock })
+	clock := newTestClock(time.Now())
+	gate := callsGate(t, b, clock)
 	var ran atomic.Int32
 	w, tx := gateWorker(t, b, &ran, gate)
 
 	// What the earlier Gate left on a job it reserved for: due in 50 s.
-	due := clock.Add(50 * time.Second).UTC().Format(time.RFC3339Nano)
+	due := clock.Now().Add(50 * time.Second).Format(time.RFC3339Nano)
 	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q}}`, scheduler.MetadataKey, due)
 	res, err := w.Work(ctx, t, tx, callArgs{N: 1}, &river.InsertOpts{Metadata: []byte(md)})
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind,
-		"a job paid by an earlier Gate with tokens due at %s ran at %s, 50 s early", due, clock.UTC().Format(time.RFC3339Nano))
+		"a job paid by an earlier Gate with tokens due at %s ran at %s, 50 s early", due, clock.Now().Format(time.RFC3339Nano))
 	require.Zero(t, ran.Load())
 }
 
@@ -85,12 +83,11 @@ func TestGateDenialDoesNotOutliveJobRetry(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Hour}}})
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
+	gate := callsGate(t, b, nil)
 	w, tx := gateWorker(t, b, nil, gate)
 	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
 	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied for an hour")
-	_, err = b.client.JobCancelTx(ctx, tx, res.Job.ID)
+	_, err := b.client.JobCancelTx(ctx, tx, res.Job.ID)
 	require.NoError(t, err)
 	_, err = b.limiter.Credit(ctx, b.pool, "calls", "", 1, nil) // the token is back (the Gate decides on the pool)
 	require.NoError(t, err)
@@ -109,8 +106,7 @@ func TestGateDenialWithoutDueIsAskedAbout(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1000, Capacity: 1000, Period: time.Second}}})
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
+	gate := callsGate(t, b, nil)
 	var ran atomic.Int32
 	w, tx := gateWorker(t, b, &ran, gate)
 
@@ -139,7 +135,7 @@ func TestGateDenialWithoutDueIsAskedAbout(t *testing.T) {
 func TestGateDenialJitterSurvivesALateAnswer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	clock := newTestClock()
+	clock := newTestClock(t0)
 	var lag atomic.Int64
 	dbNow := clock.Now
 	gateNow := func() time.Time { return clock.Now().Add(time.Duration(lag.Load())) }

@@ -20,6 +20,18 @@ import (
 	"github.com/txlimit/txlimit/scheduler"
 )
 
+// callsGate returns a Gate of callArgs jobs over b's limit "calls" (gateCalls), on clock's time
+// when clock is not nil.
+func callsGate(t *testing.T, b *testBundle, clock *testClock) *scheduler.Gate {
+	t.Helper()
+	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
+	require.NoError(t, err)
+	if clock != nil {
+		scheduler.SetGateNow(gate, clock.Now)
+	}
+	return gate
+}
+
 // gateCalls gates callArgs jobs by the limit "calls", keyed by nothing.
 func gateCalls(job *rivertype.JobRow) (scheduler.GateRequest, bool) {
 	return scheduler.GateRequest{Name: "calls"}, job.Kind == callArgs{}.Kind()
@@ -33,10 +45,8 @@ func TestGate(t *testing.T) {
 		limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Minute, MaxReserved: 1}},
 		now:    frozen(t0),
 	})
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
-	clock := time.Now()
-	scheduler.SetGateNow(gate, func() time.Time { return clock })
+	clock := newTestClock(time.Now())
+	gate := callsGate(t, b, clock)
 	var ran atomic.Int32
 	w, tx := gateWorker(t, b, &ran, gate)
 
@@ -48,6 +58,7 @@ func TestGate(t *testing.T) {
 	// step 2: empty: the job reserves the next token, due in 60 s, records the payment and is
 	// snoozed for MaxSnooze, still available (River keeps short snoozes available), its attempt
 	// given back.
+	var err error
 	before := time.Now()
 	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
 	after := time.Now()
@@ -71,10 +82,10 @@ func TestGate(t *testing.T) {
 	require.Len(t, p.Limits, 1)
 	require.Equal(t, "calls", p.Limits[0].Name)
 	require.Equal(t, 1, p.Limits[0].Attempt)
-	require.True(t, p.Limits[0].Due.Equal(clock.Add(time.Minute)), "due %s", p.Limits[0].Due)
+	require.True(t, p.Limits[0].Due.Equal(clock.Now().Add(time.Minute)), "due %s", p.Limits[0].Due)
 
 	// step 3: woken before it is due, it snoozes again for the rest, paying nothing.
-	clock = clock.Add(58 * time.Second)
+	clock.Add(58 * time.Second)
 	before = time.Now()
 	res, err = w.WorkJob(ctx, t, tx, job)
 	after = time.Now()
@@ -85,7 +96,7 @@ func TestGate(t *testing.T) {
 	require.Equal(t, -1.0, value(t, b, "calls", ""))
 
 	// step 4: due: it runs without paying again, and its payment is cleared.
-	clock = clock.Add(2 * time.Second)
+	clock.Add(2 * time.Second)
 	res = workAgain(t, w, tx, river.EventKindJobCompleted, res.Job)
 	require.Equal(t, 1, res.Job.Attempt)
 	require.Equal(t, int32(2), ran.Load())
@@ -104,7 +115,7 @@ func TestGate(t *testing.T) {
 	require.Len(t, denied.Limits, 1)
 	retryAt, err := time.Parse(time.RFC3339Nano, denied.Limits[0]["retry_at"].(string))
 	require.NoError(t, err)
-	require.True(t, retryAt.Equal(clock.Add(time.Minute)), "retry_at %s", retryAt)
+	require.True(t, retryAt.Equal(clock.Now().Add(time.Minute)), "retry_at %s", retryAt)
 	due, err := time.Parse(time.RFC3339Nano, denied.Limits[0]["due"].(string))
 	require.NoError(t, err)
 	require.True(t, due.Equal(retryAt), "due %s", due)
@@ -140,8 +151,7 @@ func TestGateRate(t *testing.T) {
 	ctx := context.Background()
 	const n = 50
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}}, maxConns: 16})
-	gate, err := scheduler.NewGate(&scheduler.GateConfig{DB: b.pool, Limiter: b.limiter, Limit: gateCalls})
-	require.NoError(t, err)
+	gate := callsGate(t, b, nil)
 	st := newStarts()
 	client := newClient(t, b.pool, &clientOpts{
 		middleware: []rivertype.Middleware{gate},
@@ -156,7 +166,7 @@ func TestGateRate(t *testing.T) {
 		params[i] = river.InsertManyParams{Args: callArgs{N: i}}
 	}
 	start := time.Now()
-	_, err = client.InsertMany(ctx, params)
+	_, err := client.InsertMany(ctx, params)
 	require.NoError(t, err)
 	startClient(t, client)
 	st.wait(t, n, 30*time.Second)
@@ -295,7 +305,7 @@ func workAgain(t *testing.T, w *rivertest.Worker[callArgs, pgx.Tx], tx pgx.Tx, w
 func twoGates(t *testing.T) (b *testBundle, clock *testClock, w *rivertest.Worker[callArgs, pgx.Tx], tx pgx.Tx,
 	ran *atomic.Int32) {
 	t.Helper()
-	clock, ran = newTestClock(), new(atomic.Int32)
+	clock, ran = newTestClock(t0), new(atomic.Int32)
 	b = setup(t, &setupOpts{
 		limits: map[string]ratelimit.Config{
 			"a": {Rate: 1, Period: time.Minute, MaxReserved: 10},
@@ -416,7 +426,7 @@ func TestGateTwoGatesNested(t *testing.T) {
 func TestGateDenialKeepsJitter(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	clock := newTestClock()
+	clock := newTestClock(t0)
 	// One token per 4.4 s, capacity 1, no reservations: after the first job, one is denied 4.4 s.
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: 4400 * time.Millisecond}}, now: clock.Now})
 	const jitterMax = 2 * time.Second

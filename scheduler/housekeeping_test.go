@@ -135,7 +135,7 @@ func workPrune(t *testing.T, b *testBundle, w *scheduler.PruneWorker) scheduler.
 
 func TestPruneJob(t *testing.T) {
 	t.Parallel()
-	clock := newTestClock()
+	clock := newTestClock(t0)
 	b := setup(t, &setupOpts{limits: pruneLimits, now: clock.Now})
 	ctx := context.Background()
 	take := func(name, key string, n float64) {
@@ -241,7 +241,7 @@ func TestPruneJobNeverChangesADecision(t *testing.T) {
 		{at: time.Hour + time.Second, name: "fw", key: "a", count: 1},
 	}
 	run := func(prune bool) ([]any, int64) {
-		clock := newTestClock()
+		clock := newTestClock(t0)
 		b := setup(t, &setupOpts{limits: pruneLimits, now: clock.Now})
 		ctx := context.Background()
 		w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()})

@@ -31,12 +31,12 @@ import (
 // scheduled from it are due at once.
 var t0 = time.Date(2024, 1, 1, 12, 0, 0, 0, time.UTC)
 
-// testClock is a clock a test moves, starting at t0; its Now may be called from any goroutine.
+// testClock is a clock a test moves; its Now may be called from any goroutine.
 type testClock struct{ ns atomic.Int64 }
 
-func newTestClock() *testClock {
+func newTestClock(start time.Time) *testClock {
 	c := &testClock{}
-	c.ns.Store(t0.UnixNano())
+	c.ns.Store(start.UnixNano())
 	return c
 }
 
