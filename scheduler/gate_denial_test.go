@@ -37,8 +37,8 @@ func TestGateDenialDoesNotOutliveTheLimit(t *testing.T) {
 	var ran atomic.Int32
 	w, tx := gateWorker(t, b, &ran, gate)
 
-	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
-	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied")
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
+	res := work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied")
 
 	cfg.Store(fixed) // the operator fixes the limit
 	clock.Add(time.Minute)
@@ -85,8 +85,8 @@ func TestGateDenialDoesNotOutliveJobRetry(t *testing.T) {
 	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Hour}}})
 	gate := callsGate(t, b, nil)
 	w, tx := gateWorker(t, b, nil, gate)
-	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
-	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied for an hour")
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
+	res := work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil, "denied for an hour")
 	_, err := b.client.JobCancelTx(ctx, tx, res.Job.ID)
 	require.NoError(t, err)
 	_, err = b.limiter.Credit(ctx, b.pool, "calls", "", 1, nil) // the token is back (the Gate decides on the pool)
@@ -156,11 +156,11 @@ func TestGateDenialJitterSurvivesALateAnswer(t *testing.T) {
 	scheduler.SetGateNow(gate, gateNow)
 	w, tx := gateWorker(t, b, nil, gate)
 
-	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token; the next at t0+10s
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token; the next at t0+10s
 	retryAt := t0.Add(10 * time.Second)
 
 	clock.Add(1200 * time.Millisecond) // t0+1.2s: denied until t0+10s, snoozed MaxSnooze
-	res = work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil)
+	res := work(t, w, tx, river.EventKindJobSnoozed, callArgs{N: 2}, nil)
 
 	clock.Add(scheduler.MaxSnooze) // t0+5.7s: asks again; the answer reaches the Gate 1 s after the database read its clock
 	lag.Store(int64(time.Second))

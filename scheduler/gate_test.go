@@ -51,16 +51,15 @@ func TestGate(t *testing.T) {
 	w, tx := gateWorker(t, b, &ran, gate)
 
 	// step 1: the token is there: the job takes it and runs.
-	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil)
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil)
 	require.Equal(t, int32(1), ran.Load())
 	require.Equal(t, 0.0, value(t, b, "calls", ""))
 
 	// step 2: empty: the job reserves the next token, due in 60 s, records the payment and is
 	// snoozed for MaxSnooze, still available (River keeps short snoozes available), its attempt
 	// given back.
-	var err error
 	before := time.Now()
-	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+	res, err := w.Work(ctx, t, tx, callArgs{N: 2}, nil)
 	after := time.Now()
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
@@ -131,7 +130,7 @@ func TestGate(t *testing.T) {
 	st, err := b.limiter.State(ctx, tx, "calls", "", nil)
 	require.NoError(t, err)
 	require.Equal(t, -2.0, st.Value)
-	res = workAgain(t, w, tx, river.EventKindJobCompleted, r.Job)
+	workAgain(t, w, tx, river.EventKindJobCompleted, r.Job)
 	require.Equal(t, int32(3), ran.Load())
 }
 
@@ -235,7 +234,7 @@ func TestGateTwoGatesPayEach(t *testing.T) {
 	require.Equal(t, -1.0, value(t, b, "a", ""))
 
 	clock = clock.Add(time.Minute) // a's token is due
-	res = workAgain(t, w, tx, river.EventKindJobSnoozed, res.Job, "b is empty: the job reserves there and waits")
+	workAgain(t, w, tx, river.EventKindJobSnoozed, res.Job, "b is empty: the job reserves there and waits")
 	require.Equal(t, -1.0, value(t, b, "b", ""))
 	require.Zero(t, ran.Load())
 }
@@ -253,9 +252,9 @@ func TestGateDenialOfAnEndlessWait(t *testing.T) {
 		}})
 	require.NoError(t, err)
 	w, tx := gateWorker(t, b, nil, gate)
-	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
 	before := time.Now()
-	res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
+	res, err := w.Work(ctx, t, tx, callArgs{N: 2}, nil)
 	after := time.Now()
 	require.NoError(t, err)
 	require.Equal(t, river.EventKindJobSnoozed, res.EventKind)
@@ -410,7 +409,7 @@ func TestGateTwoGatesNested(t *testing.T) {
 
 	// An earlier version's payment of a (due now) lets the job past a; b charges.
 	md := fmt.Sprintf(`{%q: {"attempt": 1, "due": %q, "name": "a", "key": ""}}`, scheduler.MetadataKey, clock.Now().Format(time.RFC3339Nano))
-	wr = work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 3}, &river.InsertOpts{Metadata: []byte(md)})
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 3}, &river.InsertOpts{Metadata: []byte(md)})
 	require.Equal(t, int32(3), ran.Load())
 	require.Equal(t, 1.0, valueTx("a"))
 	require.Equal(t, 0.0, valueTx("b"))
@@ -440,13 +439,15 @@ func TestGateDenialKeepsJitter(t *testing.T) {
 	scheduler.SetGateNow(gate, clock.Now)
 	w, tx := gateWorker(t, b, nil, gate)
 
-	res := work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
+	work(t, w, tx, river.EventKindJobCompleted, callArgs{N: 1}, nil) // the one token
 
 	retryAt := t0.Add(4400 * time.Millisecond)
 	job := (*rivertype.JobRow)(nil)
 	for i := 0; ; i++ {
 		require.Less(t, i, 10, "the job never ran")
 		before := time.Now()
+		var res *rivertest.WorkResult
+		var err error
 		if job == nil {
 			res, err = w.Work(ctx, t, tx, callArgs{N: 2}, nil)
 		} else {
