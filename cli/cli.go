@@ -49,7 +49,7 @@
 //	--schema NAME      the schema txlimit's table is in (sets search_path); defaults to the DSN's
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
-//	--timeout D        bound on the whole command; defaults to 5m
+//	--timeout D        bound on the whole command (> 0); defaults to 5m
 //	--yes              migrate down without asking; defaults to false
 //	--create-schema    migrate up creates the schema of --schema when it does not exist; defaults to false
 //	--rate R --period D [--capacity C] [--kind token-bucket|fixed-window] [--shards N]
@@ -293,6 +293,9 @@ func (c *command) run(ctx context.Context, args []string) error {
 	}
 	if len(pos) == 0 {
 		return usagef("no command")
+	}
+	if c.timeout <= 0 {
+		return usagef("--timeout must be > 0, e.g. 30s (got %s)", c.timeout)
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()

@@ -34,3 +34,20 @@ func TestCommandInspectCapacityBelowOne(t *testing.T) {
 		require.Positive(t, in.Value, adhoc)
 	}
 }
+
+// A --timeout of zero or less is a usage error naming the flag (exit 2), not a database failure:
+// it was "connect: context deadline exceeded", exit 1, before any connection was tried.
+func TestCommandTimeoutNotPositive(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	for _, d := range []string{"0", "-1s"} {
+		for _, args := range [][]string{
+			{"inspect", "x", "k", "--rate", "1", "--period", "1s"},
+			{"migrate", "status"},
+		} {
+			r := run(t, dsn, nil, append(args, "--timeout", d)...)
+			require.Equal(t, cli.ExitUsage, r.code, "%v --timeout %s: %s", args, d, r.stderr)
+			require.Contains(t, r.stderr, "--timeout must be > 0")
+		}
+	}
+}
