@@ -49,7 +49,7 @@
 //	--schema NAME      the schema txlimit's table is in (sets search_path); defaults to the DSN's
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
-//	--timeout D        bound on the whole command; defaults to 5m
+//	--timeout D        bound on the whole command (> 0); defaults to 5m
 //	--yes              migrate down without asking; defaults to false
 //	--create-schema    migrate up creates the schema of --schema when it does not exist; defaults to false
 //	--rate R --period D [--capacity C] [--kind token-bucket|fixed-window] [--shards N]
@@ -293,6 +293,9 @@ func (c *command) run(ctx context.Context, args []string) error {
 	}
 	if len(pos) == 0 {
 		return usagef("no command")
+	}
+	if c.timeout <= 0 {
+		return usagef("--timeout must be > 0, e.g. 30s (got %s)", c.timeout)
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
@@ -961,8 +964,10 @@ type InspectJSON struct {
 	LastWrite *time.Time `json:"last_write,omitempty"`
 	// At is the database's clock the state was read at.
 	At time.Time `json:"at"`
-	// NextToken is when a call for one token would be granted: At when it would be now.
-	NextToken time.Time `json:"next_token"`
+	// NextToken is when a call for one token would be granted: At when it would be now. Omitted
+	// (nil) when no call can ever be granted one token at once: a capacity below 1, or, for a
+	// sharded limit, two shards holding less than 1 together.
+	NextToken *time.Time `json:"next_token,omitempty"`
 	// NextTokenExact is false for a sharded limit, whose answer holds for the pair of shards one
 	// Check picked at random.
 	NextTokenExact bool `json:"next_token_exact"`
@@ -986,17 +991,17 @@ func (c *command) inspect(ctx context.Context, name, key string) error {
 	if err != nil {
 		return dbError(err)
 	}
-	chk, err := lim.Check(ctx, pool, name, key, &ratelimit.LimitOpts{Config: adhoc})
-	if err != nil {
-		if errors.Is(err, ratelimit.ErrInvalid) { // one token can never be granted (capacity < 1)
-			return err
-		}
-		return dbError(err)
-	}
 	out := InspectJSON{Name: name, Key: key, Config: cfg.String(), Value: st.Value, Shards: st.Shards,
-		At: st.Time, NextToken: st.Time, NextTokenExact: len(st.Shards) <= 1}
-	if !chk.OK {
-		out.NextToken = chk.RetryAt
+		At: st.Time, NextTokenExact: len(st.Shards) <= 1}
+	chk, err := lim.Check(ctx, pool, name, key, &ratelimit.LimitOpts{Config: adhoc})
+	switch {
+	case errors.Is(err, ratelimit.ErrInvalid): // one token can never be granted at once (capacity < 1): no next token
+	case err != nil:
+		return dbError(err)
+	case chk.OK:
+		out.NextToken = &st.Time
+	default:
+		out.NextToken = &chk.RetryAt
 	}
 	if !st.TS.IsZero() {
 		ts := st.TS
@@ -1014,6 +1019,8 @@ func (c *command) inspect(ctx context.Context, name, key string) error {
 		fmt.Fprintf(&text, "shard %d %g\n", i, v)
 	}
 	switch {
+	case out.NextToken == nil:
+		text.WriteString("next    never: a call for one token exceeds what the limit can grant at once\n")
 	case !out.NextToken.After(out.At):
 		text.WriteString("next    now\n")
 	default:

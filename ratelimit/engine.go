@@ -84,17 +84,20 @@ const queueBit = 1 << 19
 func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer, error) {
 	s := &c.specs[0]
 	lockKey := shardLockBase(s.name, s.key)
+	now, err := l.clock(c.op)
+	if err != nil {
+		return nil, err
+	}
 	var a []byte
-	var err error
 	if s.shards < 2 && !c.dry {
 		a, err = via(on(db), ctx, dbsqlc.DecideOneRowParams{
-			NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0),
+			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0),
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
-			NowUs: l.clock(), Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
+			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
 			Shards: l.candidates(c, s, true), LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
@@ -142,7 +145,10 @@ func unpack(a []byte) (answer, error) {
 // engine first decides those in one UPDATE.
 func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([]answer, error) {
 	var p dbsqlc.DecideParams
-	p.NowUs = l.clock()
+	var err error
+	if p.NowUs, err = l.clock(calls[0].op); err != nil {
+		return nil, err
+	}
 	n := 0
 	for _, c := range calls {
 		n += len(c.specs)

@@ -57,7 +57,9 @@ type LimiterConfig struct {
 
 	// Now, when set, supplies the time every decision is evaluated at instead of the database's
 	// clock (clock_timestamp()). It exists for tests; production should leave it nil so that app
-	// servers with skewed clocks agree. Defaults to nil: the database's clock.
+	// servers with skewed clocks agree. A reading 2^62 µs (about 146,000 years) or more from the
+	// Unix epoch makes the call an *ArgumentError (Arg "LimiterConfig.Now"), nothing written.
+	// Defaults to nil: the database's clock.
 	Now func() time.Time
 }
 
@@ -346,12 +348,19 @@ func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, op
 }
 
 // clock is the instant a statement decides at, as sent to the database: LimiterConfig.Now in
-// microseconds since the Unix epoch, or NULL for the database's own clock (docs/spec.md §2).
-func (l *Limiter) clock() pgtype.Int8 {
+// microseconds since the Unix epoch, or NULL for the database's own clock (docs/spec.md §2). A
+// reading 2^62 µs (about 146,000 years) or more from the epoch is an *ArgumentError: within that,
+// the difference of any two readings, and a reading plus the longest wait (2^61 µs), fit a bigint.
+func (l *Limiter) clock(op string) (pgtype.Int8, error) {
 	if l.now == nil {
-		return pgtype.Int8{}
+		return pgtype.Int8{}, nil
 	}
-	return pgtype.Int8{Int64: l.now().UnixMicro(), Valid: true}
+	now := l.now()
+	if !now.After(time.UnixMicro(-maxTimeMicros)) || !now.Before(time.UnixMicro(maxTimeMicros)) {
+		return pgtype.Int8{}, &ArgumentError{Op: op, Arg: "LimiterConfig.Now", Reason: fmt.Sprintf(
+			"returned %s: it must lie less than 2^62 µs (about 146,000 years) from the Unix epoch", now)}
+	}
+	return pgtype.Int8{Int64: now.UnixMicro(), Valid: true}, nil
 }
 
 // resolve validates name and key and finds the config.

@@ -51,8 +51,12 @@ func (l *Limiter) Prune(ctx context.Context, db Executor, name string, opts *Pru
 		afterShard int32 = -1
 	)
 	for {
+		now, err := l.clock(op)
+		if err != nil {
+			return deleted, err
+		}
 		rows, err := via(q, ctx, dbsqlc.PruneCandidatesParams{
-			NowUs: l.clock(), Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
+			NowUs: now, Name: name, AfterKey: afterKey, AfterShard: afterShard, Shards: int32(s.shards),
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, Batch: int32(batch),
 		}, (*dbsqlc.Queries).PruneCandidates, driver.Executor.PruneCandidates)
 		if err != nil {

@@ -128,6 +128,10 @@ func (e *SetupError) Unwrap() error { return e.Err }
 // alone). A missing txlimit table or function becomes a *SetupError, at the price of one more
 // query on db to read the search_path; anything else is returned as "ratelimit: op: err".
 func dbError(ctx context.Context, db Executor, op string, err error) error {
+	var arg *ArgumentError
+	if errors.As(err, &arg) { // refused before any SQL ran (LimiterConfig.Now): no database error
+		return err
+	}
 	if ce := ctx.Err(); ce != nil && !errors.Is(err, ce) {
 		return fmt.Errorf("ratelimit: %s: %w: %w", op, ce, err)
 	}

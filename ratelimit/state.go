@@ -38,8 +38,12 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 	if err != nil {
 		return State{}, err
 	}
+	now, err := l.clock(op)
+	if err != nil {
+		return State{}, err
+	}
 	rows, err := via(on(db), ctx, dbsqlc.LevelsParams{
-		NowUs: l.clock(), Name: name, Key: key,
+		NowUs: now, Name: name, Key: key,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	}, (*dbsqlc.Queries).Levels, driver.Executor.Levels)
 	if err != nil {
@@ -125,8 +129,12 @@ func (l *Limiter) Credit(ctx context.Context, db Executor, name, key string, cou
 	if err := checkCount(op, count); err != nil {
 		return CreditResult{}, err
 	}
+	now, err := l.clock(op)
+	if err != nil {
+		return CreditResult{}, err
+	}
 	rows, err := via(on(db), ctx, dbsqlc.CreditParams{
-		NowUs: l.clock(), Name: name, Key: key, Shards: int32(s.shards), Count: count,
+		NowUs: now, Name: name, Key: key, Shards: int32(s.shards), Count: count,
 		StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity,
 	}, (*dbsqlc.Queries).Credit, driver.Executor.Credit)
 	if err != nil {

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"time"
 
@@ -28,7 +29,8 @@ type TxOpts struct {
 	// failure up to MaxBackoff, and the actual sleep is drawn uniformly from [0, ceiling]
 	// ("full jitter"). Defaults to 2ms.
 	MinBackoff time.Duration
-	// MaxBackoff caps the backoff ceiling. Defaults to 200ms.
+	// MaxBackoff caps the backoff ceiling, from the first failure on (a MinBackoff above it counts
+	// as MaxBackoff). Defaults to 200ms.
 	MaxBackoff time.Duration
 }
 
@@ -85,7 +87,7 @@ func retryDefaults(o TxOpts) TxOpts {
 // transaction, for the first shard the busy call tried, and tries again at once, up to
 // maxBusyWaits times. obs, when set, counts and logs the retries and the give-up.
 func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try func() error, waiter dbsqlc.DBTX) error {
-	ceiling := o.MinBackoff
+	ceiling := min(o.MinBackoff, o.MaxBackoff) // MaxBackoff caps the ceiling from the first failure on
 	var last error
 	waits := 0
 	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
@@ -109,14 +111,18 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 			break
 		}
 		obs.retry(ctx, attempt, last)
-		t := time.NewTimer(rand.N(ceiling + 1))
+		t := time.NewTimer(fullJitter(ceiling))
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return errors.Join(ctx.Err(), last)
 		case <-t.C:
 		}
-		ceiling = min(2*ceiling, o.MaxBackoff)
+		if ceiling > o.MaxBackoff/2 { // doubled, up to MaxBackoff, without overflowing
+			ceiling = o.MaxBackoff
+		} else {
+			ceiling *= 2
+		}
 	}
 	obs.exhausted(ctx, o.MaxAttempts, last)
 	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
@@ -124,6 +130,15 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 
 // maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without
 // counting the attempt.
+// fullJitter draws a sleep uniformly from [0, ceiling] (from [0, ceiling) when ceiling+1 would
+// overflow).
+func fullJitter(ceiling time.Duration) time.Duration {
+	if ceiling == math.MaxInt64 {
+		return rand.N(ceiling)
+	}
+	return rand.N(ceiling + 1)
+}
+
 const maxBusyWaits = 100
 
 func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx pgx.Tx) error) error {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -228,6 +229,11 @@ func inSavepoint[T any](ctx context.Context, op string, tx pgx.Tx, fn func(sp pg
 	var pgErr *pgconn.PgError
 	if errors.As(err, &refused) && !errors.As(refused.err, &pgErr) && ctx.Err() == nil {
 		return zero, argError(op, "args or insert options", "were refused by River (nothing was reserved)", refused.err)
+	}
+	// Postgres refusing the job's values (a check constraint of river_job, such as a negative
+	// MaxAttempts; a data exception, such as metadata that is not UTF-8) is bad input too.
+	if errors.As(err, &refused) && errors.As(refused.err, &pgErr) && (pgErr.Code == "23514" || strings.HasPrefix(pgErr.Code, "22")) {
+		return zero, argError(op, "args or insert options", "were refused by the database (nothing was reserved)", refused.err)
 	}
 	return zero, err
 }

@@ -36,7 +36,9 @@ type Settlement struct {
 // tokens. When actual is less, the difference is credited back (ratelimit.Limiter.Credit). When it
 // is more, the overrun is charged as a reservation (LimitN with Reserve) that is never denied: the
 // work has been done, so its cost is booked even past MaxReserved, and later reservations wait for
-// it to be repaid. Equal costs write nothing. actual must be finite and >= 0. opts.Config, when
+// it to be repaid. Equal costs write nothing, and so do costs that differ by less than 10^-9
+// tokens (float rounding), the smallest count package ratelimit takes. actual and s.Reserved must
+// be finite, >= 0 and at most 10^15, the largest count it takes. opts.Config, when
 // set, is used instead of the limit registered under the name (pass the same one as to ReserveTx);
 // a nil opts is the registered config; opts.Reserve or opts.AsError is an *ratelimit.ArgumentError.
 // The result says what was charged or credited.
@@ -50,11 +52,11 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 	if l == nil {
 		return SettledLimit{}, argError(op, "limiter", "is nil: pass the *ratelimit.Limiter the tokens were reserved with", nil)
 	}
-	if math.IsNaN(actual) || math.IsInf(actual, 0) || actual < 0 {
-		return SettledLimit{}, argError(op, "actual", fmt.Sprintf("must be finite and >= 0, got %g", actual), nil)
+	if err := checkActual(op, "actual", actual); err != nil {
+		return SettledLimit{}, err
 	}
-	if math.IsNaN(s.Reserved) || math.IsInf(s.Reserved, 0) || s.Reserved < 0 {
-		return SettledLimit{}, argError(op, "Settlement.Reserved", fmt.Sprintf("must be finite and >= 0, got %g", s.Reserved), nil)
+	if err := checkActual(op, "Settlement.Reserved", s.Reserved); err != nil {
+		return SettledLimit{}, err
 	}
 	if opts == nil {
 		opts = &ratelimit.LimitOpts{}
@@ -71,7 +73,7 @@ func (s Settlement) Settle(ctx context.Context, db ratelimit.Executor, l *rateli
 		return SettledLimit{}, fmt.Errorf("scheduler: %s: %w", op, err)
 	}
 	out := SettledLimit{Name: s.Name, Key: s.Key, Reserved: s.Reserved, Actual: actual}
-	switch diff := actual - s.Reserved; {
+	switch diff := settleDiff(actual, s.Reserved); {
 	case diff < 0:
 		res, err := l.Credit(ctx, db, s.Name, s.Key, -diff, opts)
 		if err != nil {
@@ -105,6 +107,32 @@ func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, na
 		err = fmt.Errorf("overrun of %g tokens of %q key %q was denied without a MaxReserved", count, name, key)
 	}
 	return err
+}
+
+// maxActual is the largest actual cost a settlement takes: 10^15 tokens, the most any call of
+// package ratelimit counts.
+const maxActual = 1e15
+
+// minDiff is the smallest difference between the actual cost and the reservation that a
+// settlement charges or credits: 10^-9 tokens, the smallest count package ratelimit takes. A
+// smaller one (float rounding: 0.1 + 0.2 against 0.3) is settled as an exact cost.
+const minDiff = 1e-9
+
+// checkActual validates an actual cost, arg naming it.
+func checkActual(op, arg string, a float64) error {
+	if math.IsNaN(a) || math.IsInf(a, 0) || a < 0 || a > maxActual {
+		return argError(op, arg, fmt.Sprintf("must be finite, >= 0 and at most %g, got %g", float64(maxActual), a), nil)
+	}
+	return nil
+}
+
+// settleDiff is actual - reserved, the tokens to charge (> 0) or credit (< 0), or 0 when they
+// differ by less than minDiff.
+func settleDiff(actual, reserved float64) float64 {
+	if d := actual - reserved; math.Abs(d) >= minDiff {
+		return d
+	}
+	return 0
 }
 
 // SettledLimit is the settlement of one limit: of a job (SettleTx, CancelTx) or of a Settlement
@@ -153,7 +181,8 @@ type JobSettlement struct {
 // after settling, or two processes settling at once cannot credit twice. Call it from the worker,
 // ideally in the transaction that completes the job (river.JobCompleteTx).
 //
-// actual must be finite and >= 0, and tx not nil (nor a nil pointer such as a nil *pgxpool.Tx):
+// actual must be finite, >= 0 and at most 10^15 (a difference from the reservation under 10^-9
+// tokens is settled as none, as by Settlement.Settle), and tx not nil (nor a nil pointer such as a nil *pgxpool.Tx):
 // else the error is an *ratelimit.ArgumentError. A job that does not exist is an error matching
 // rivertype.ErrNotFound; one without a recorded reservation matches ErrNotReserved; a job of
 // ReserveManyTx needs SettleManyTx. The call works in a savepoint of tx: any error leaves tx as it
@@ -173,8 +202,8 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 		return nil, err
 	}
 	for i, a := range actual {
-		if math.IsNaN(a) || math.IsInf(a, 0) || a < 0 {
-			return nil, argError(op, fmt.Sprintf("actual[%d]", i), fmt.Sprintf("must be finite and >= 0, got %g", a), nil)
+		if err := checkActual(op, fmt.Sprintf("actual[%d]", i), a); err != nil {
+			return nil, err
 		}
 	}
 	return inSavepoint(ctx, op, tx, func(sp pgx.Tx) (*JobSettlement, error) {
@@ -212,7 +241,7 @@ func (s *Scheduler) settle(ctx context.Context, op string, tx pgx.Tx, jobID int6
 		out := &JobSettlement{JobID: jobID, Limits: make([]SettledLimit, len(rec.Limits))}
 		amounts := make([]float64, len(rec.Limits))
 		for i, l := range rec.Limits {
-			amounts[i] = l.Count - actual[i]
+			amounts[i] = -settleDiff(actual[i], l.Count)
 			out.Limits[i] = SettledLimit{Name: l.Name, Key: l.Key, Reserved: l.Count, Actual: actual[i], Charged: max(-amounts[i], 0)}
 		}
 		credited, n, err := s.give(ctx, sp, jobID, rec.Limits, amounts)

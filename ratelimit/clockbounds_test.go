@@ -1,0 +1,117 @@
+package ratelimit_test
+
+import (
+	"errors"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+)
+
+// docs/spec.md §2 and §5: an injected clock (LimiterConfig.Now) is bounded like every other input.
+// Every reading less than 2^62 µs (about 146,000 years) from the Unix epoch is decided with
+// bounded arithmetic, in any order (a row written far in the future and then decided far in the
+// past); a reading beyond is an *ArgumentError naming LimiterConfig.Now, before any SQL runs and
+// with nothing written. A reading in the year 250,000 failed with "bigint out of range" (SQLSTATE
+// 22003), and so did a decision at -2^62 µs on a row written at +2^62 µs.
+func TestInjectedClockBounds(t *testing.T) {
+	t.Parallel()
+	clock := &testClock{t: t0}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"tb": {Rate: 1e-9, Period: 100 * 365 * 24 * time.Hour, Capacity: 1, MaxReserved: ratelimit.Unbounded},
+		"fw": {Kind: ratelimit.FixedWindow, Rate: 1e-9, Period: time.Microsecond, MaxReserved: 1e15},
+		"sh": {Rate: 2, Period: time.Second, MaxReserved: 2, Shards: 4},
+	}})
+	names := []string{"fw", "sh", "tb"}
+	reserve := &ratelimit.LimitOpts{Reserve: true}
+	// RetryAt - Time ≤ 2^61 µs
+	bounded := func(r ratelimit.Result) bool {
+		return r.RetryAt.IsZero() || (!r.RetryAt.Before(r.Time) && r.RetryAt.UnixMicro()-r.Time.UnixMicro() <= 1<<61)
+	}
+
+	accepted := []time.Time{
+		time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(9999, 12, 31, 23, 59, 59, 999999000, time.UTC),
+		time.Date(100000, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.UnixMicro(1<<62 - 1),
+		time.UnixMicro(-1<<62 + 1), // decided on rows written at the reading above
+		t0,
+	}
+	for _, now := range accepted {
+		clock.Set(now)
+		for _, name := range names {
+			for _, opts := range []*ratelimit.LimitOpts{nil, reserve} {
+				r, err := b.lim.LimitN(b.ctx, b.pool, name, "k", 1e-9, opts)
+				if err != nil {
+					t.Fatalf("%s: LimitN(%s): %v", now, name, err)
+				}
+				if math.IsNaN(r.Value) || math.IsInf(r.Value, 0) || !bounded(r) {
+					t.Fatalf("%s: LimitN(%s) = %+v", now, name, r)
+				}
+			}
+			if _, err := b.lim.CheckN(b.ctx, b.pool, name, "k", 1e-9, reserve); err != nil {
+				t.Fatalf("%s: CheckN(%s): %v", now, name, err)
+			}
+			if _, err := b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{{Name: name, Key: "k", Count: 1e-9}, {Name: name, Key: "j", Count: 1e-9}}, nil); err != nil {
+				t.Fatalf("%s: LimitMany(%s): %v", now, name, err)
+			}
+			if st, err := b.lim.State(b.ctx, b.pool, name, "k", nil); err != nil || math.IsNaN(st.Value) {
+				t.Fatalf("%s: State(%s) = %v, %v", now, name, st.Value, err)
+			}
+			if _, err := b.lim.Credit(b.ctx, b.pool, name, "k", 1e-9, nil); err != nil {
+				t.Fatalf("%s: Credit(%s): %v", now, name, err)
+			}
+			if _, err := b.lim.Prune(b.ctx, b.pool, name, nil); err != nil {
+				t.Fatalf("%s: Prune(%s): %v", now, name, err)
+			}
+		}
+	}
+
+	for _, name := range names {
+		for _, key := range []string{"k", "j"} {
+			if err := b.lim.Reset(b.ctx, b.pool, name, key); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	refused := []time.Time{
+		time.UnixMicro(1 << 62),
+		time.UnixMicro(-1 << 62),
+		time.Date(250000, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC), // beyond int64 µs: UnixMicro wraps
+		time.Date(-300000, 1, 1, 0, 0, 0, 0, time.UTC),
+	}
+	batcher, err := ratelimit.NewBatcher(b.pool, b.lim, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer batcher.Close()
+	for _, now := range refused {
+		clock.Set(now)
+		calls := map[string]func() error{
+			"LimitN":           func() error { _, err := b.lim.LimitN(b.ctx, b.pool, "tb", "k", 1, reserve); return err },
+			"LimitN (sharded)": func() error { _, err := b.lim.LimitN(b.ctx, b.pool, "sh", "k", 1, nil); return err },
+			"CheckN":           func() error { _, err := b.lim.CheckN(b.ctx, b.pool, "fw", "k", 1e-9, nil); return err },
+			"LimitMany": func() error {
+				_, err := b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{{Name: "tb", Key: "k"}, {Name: "fw", Key: "k", Count: 1e-9}}, nil)
+				return err
+			},
+			"Batcher.LimitN": func() error { _, err := batcher.LimitN(b.ctx, "tb", "k", 1, nil); return err },
+			"State":          func() error { _, err := b.lim.State(b.ctx, b.pool, "tb", "k", nil); return err },
+			"Credit":         func() error { _, err := b.lim.Credit(b.ctx, b.pool, "tb", "k", 1, nil); return err },
+			"Prune":          func() error { _, err := b.lim.Prune(b.ctx, b.pool, "tb", nil); return err },
+		}
+		for what, call := range calls {
+			err := call()
+			var arg *ratelimit.ArgumentError
+			if !errors.As(err, &arg) || arg.Arg != "LimiterConfig.Now" || !errors.Is(err, ratelimit.ErrInvalid) {
+				t.Errorf("%s at %s: got %v, want an *ArgumentError naming LimiterConfig.Now", what, now, err)
+			}
+		}
+		if n := testdb.CountRows(t, b.pool); n != 0 {
+			t.Fatalf("refused calls at %s wrote %d rows", now, n)
+		}
+	}
+}
