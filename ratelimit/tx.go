@@ -128,8 +128,6 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
 }
 
-// maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without
-// counting the attempt.
 // fullJitter draws a sleep uniformly from [0, ceiling] (from [0, ceiling) when ceiling+1 would
 // overflow).
 func fullJitter(ceiling time.Duration) time.Duration {
@@ -139,6 +137,8 @@ func fullJitter(ceiling time.Duration) time.Duration {
 	return rand.N(ceiling + 1)
 }
 
+// maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without
+// counting the attempt.
 const maxBusyWaits = 100
 
 func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
