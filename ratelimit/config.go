@@ -42,13 +42,12 @@ const MaxKeyLen = 1024
 // Bounds on arguments, stated on the fields and calls they bound. They keep every value exact in
 // float8 arithmetic.
 const (
-	// maxAmount bounds Rate, Capacity, MaxReserved and every count: 10^15 tokens, so that sums of
-	// tokens stay exact to well below one token in float8.
-	maxAmount = 1e15
+	// maxAmount bounds Rate, Capacity, MaxReserved and every count (countbound.Max: 10^15).
+	maxAmount = countbound.Max
 
-	// minAmount is the smallest Rate, Capacity, MaxReserved or count accepted (when set): 10^-9
-	// tokens. Smaller values would underflow float8 arithmetic in the database.
-	minAmount = 1e-9
+	// minAmount is the smallest Rate, Capacity, MaxReserved or count accepted, when set
+	// (countbound.Min: 10^-9).
+	minAmount = countbound.Min
 
 	// maxNameLen is the longest limit name accepted, in bytes of UTF-8.
 	maxNameLen = 256

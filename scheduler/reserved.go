@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/txlimit/txlimit/internal/countbound"
 	"github.com/txlimit/txlimit/internal/schedsql"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -82,9 +83,9 @@ func (r *reservation) scheduledAt() time.Time {
 	return at
 }
 
-// largestMaxReserved is the largest finite Config.MaxReserved ratelimit accepts (10^15), which
-// stands for Unbounded in a recorded config.
-const largestMaxReserved = 1e15
+// largestMaxReserved is the largest finite Config.MaxReserved ratelimit accepts (countbound.Max),
+// which stands for Unbounded in a recorded config.
+const largestMaxReserved = countbound.Max
 
 // newReservedLimit records a granted decision of count tokens of (name, key), with its inline
 // config, if any.

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river/rivertype"
 
+	"github.com/txlimit/txlimit/internal/countbound"
 	"github.com/txlimit/txlimit/internal/schedsql"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -109,14 +110,14 @@ func charge(ctx context.Context, db ratelimit.Executor, l *ratelimit.Limiter, na
 	return err
 }
 
-// maxActual is the largest actual cost a settlement takes: 10^15 tokens, the most any call of
-// package ratelimit counts.
-const maxActual = 1e15
+// maxActual is the largest actual cost a settlement takes: the most any call of package ratelimit
+// counts (countbound.Max, 10^15 tokens).
+const maxActual = countbound.Max
 
 // minDiff is the smallest difference between the actual cost and the reservation that a
-// settlement charges or credits: 10^-9 tokens, the smallest count package ratelimit takes. A
-// smaller one (float rounding: 0.1 + 0.2 against 0.3) is settled as an exact cost.
-const minDiff = 1e-9
+// settlement charges or credits: the smallest count package ratelimit takes (countbound.Min,
+// 10^-9 tokens). A smaller one (float rounding: 0.1 + 0.2 against 0.3) is settled as an exact cost.
+const minDiff = countbound.Min
 
 // checkActual validates an actual cost, arg naming it.
 func checkActual(op, arg string, a float64) error {

@@ -3,6 +3,19 @@
 // instead of being denied forever.
 package countbound
 
+// Bounds on every amount of tokens package ratelimit accepts (Rate, Capacity, MaxReserved, a count)
+// and so on what package scheduler books and settles. They keep every value exact in float8
+// arithmetic.
+const (
+	// Max is the largest amount: 10^15 tokens, so that sums of tokens stay exact to well below one
+	// token in float8.
+	Max = 1e15
+
+	// Min is the smallest amount accepted (when set): 10^-9 tokens. Smaller values would underflow
+	// float8 arithmetic in the database.
+	Min = 1e-9
+)
+
 // Check returns the largest count a single call could ever be granted by a limit whose rows (its
 // shards, when sharded) each hold at most per tokens and may owe allow below zero (0 without a
 // reservation): what one row holds, or two together when sharded; and whether count can be
