@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"time"
 
@@ -28,7 +29,8 @@ type TxOpts struct {
 	// failure up to MaxBackoff, and the actual sleep is drawn uniformly from [0, ceiling]
 	// ("full jitter"). Defaults to 2ms.
 	MinBackoff time.Duration
-	// MaxBackoff caps the backoff ceiling. Defaults to 200ms.
+	// MaxBackoff caps the backoff ceiling, the first one included: a MaxBackoff below MinBackoff
+	// makes every ceiling MaxBackoff. Defaults to 200ms, or to MinBackoff when that is larger.
 	MaxBackoff time.Duration
 }
 
@@ -72,20 +74,30 @@ func retryDefaults(o TxOpts) TxOpts {
 		o.MinBackoff = 2 * time.Millisecond
 	}
 	if o.MaxBackoff <= 0 {
-		o.MaxBackoff = 200 * time.Millisecond
+		o.MaxBackoff = max(200*time.Millisecond, o.MinBackoff)
 	}
+	// The sleep is drawn from [0, ceiling], so the ceiling stays below math.MaxInt64.
+	o.MaxBackoff = min(o.MaxBackoff, math.MaxInt64-1)
 	return o
+}
+
+// nextCeiling is the backoff ceiling after ceiling: doubled, at most maxBackoff, never overflowing.
+func nextCeiling(ceiling, maxBackoff time.Duration) time.Duration {
+	if ceiling > maxBackoff/2 {
+		return maxBackoff
+	}
+	return 2 * ceiling
 }
 
 // retrying is the retry loop of InSerializableTx and of the Batcher's batches. It runs try until
 // it returns nil or an error that IsRetryable does not accept, at most o.MaxAttempts times,
-// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff and doubles
+// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff, at most o.MaxBackoff, and doubles
 // up to o.MaxBackoff); when attempts run out it returns a *RetriesExhaustedError naming what gave
 // up. A *BusyError is not a failed attempt when waiter is set: it waits there, outside any
 // transaction, for the first shard the busy call tried, and tries again at once, up to
 // maxBusyWaits times. obs, when set, counts and logs the retries and the give-up.
 func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try func() error, waiter dbsqlc.DBTX) error {
-	ceiling := o.MinBackoff
+	ceiling := min(o.MinBackoff, o.MaxBackoff)
 	var last error
 	waits := 0
 	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
@@ -116,7 +128,7 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 			return errors.Join(ctx.Err(), last)
 		case <-t.C:
 		}
-		ceiling = min(2*ceiling, o.MaxBackoff)
+		ceiling = nextCeiling(ceiling, o.MaxBackoff)
 	}
 	obs.exhausted(ctx, o.MaxAttempts, last)
 	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
