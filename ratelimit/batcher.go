@@ -37,7 +37,9 @@ type BatcherConfig struct {
 	// Retry bounds how a batch whose statement failed with a serialization failure (40001) or a
 	// deadlock (40P01) is run again, whole, after a full-jitter backoff, exactly as InSerializableTx
 	// retries a transaction; when attempts run out the batch's calls fail with a
-	// *RetriesExhaustedError. Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms.
+	// *RetriesExhaustedError. Retry.Limiter, when set, counts the batches run again in its
+	// txlimit.tx.retries and logs them (debug) and a give-up (warn), as for InSerializableTx.
+	// Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms, not counted.
 	Retry TxOpts
 }
 
@@ -78,6 +80,7 @@ type Batcher struct {
 	lanes    []*lane
 	maxBatch int
 	retry    TxOpts
+	retryObs *observer // Retry.Limiter's: counts and logs the batches run again
 	seed     maphash.Seed
 	wg       sync.WaitGroup
 	close    sync.Once
@@ -134,6 +137,9 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 		cfg.MaxBatch = 256
 	}
 	b := &Batcher{pool: pool, lim: lim, maxBatch: cfg.MaxBatch, retry: retryDefaults(cfg.Retry), seed: maphash.MakeSeed()}
+	if cfg.Retry.Limiter != nil {
+		b.retryObs = cfg.Retry.Limiter.obs
+	}
 	b.lanes = make([]*lane, cfg.Lanes)
 	for i := range b.lanes {
 		ln := &lane{}
@@ -383,7 +389,7 @@ func (b *Batcher) decide(batch []*pending) {
 // deadlock, as b.retry bounds (the loop of InSerializableTx).
 func (b *Batcher) decideRetrying(ctx context.Context, calls []*call) ([]outcome, error) {
 	var outs []outcome
-	err := retrying(ctx, b.retry, nil, fmt.Sprintf("batch of %d calls", len(calls)), func() error {
+	err := retrying(ctx, b.retry, b.retryObs, fmt.Sprintf("batch of %d calls", len(calls)), func() error {
 		var err error
 		outs, err = b.decideOnce(ctx, calls)
 		return err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -237,4 +238,67 @@ func holdShards(t *testing.T, b *testBundle, name, key string, n int) []pgx.Tx {
 		txs[i] = tx
 	}
 	return txs
+}
+
+// TestMetricsBatcherRetries: a batch run again after a deadlock is counted in txlimit.tx.retries
+// and logged when BatcherConfig.Retry.Limiter is set, as TxOpts.Limiter says of InSerializableTx,
+// whose retries BatcherConfig.Retry bounds. (Before, the Batcher ignored Retry.Limiter.)
+func TestMetricsBatcherRetries(t *testing.T) {
+	t.Parallel()
+	var logs syncBuilder
+	env, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 5, Period: time.Minute}},
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	ctx, pool := env.ctx, env.pool
+	b, err := ratelimit.NewBatcher(pool, env.lim, &ratelimit.BatcherConfig{Retry: ratelimit.TxOpts{Limiter: env.lim}})
+	require.NoError(t, err)
+	defer b.Close()
+	reqs := []ratelimit.Request{{Name: "a", Key: "d1"}, {Name: "a", Key: "d2"}}
+	_, err = b.LimitMany(ctx, reqs, nil) // both rows exist
+	require.NoError(t, err)
+
+	// A transaction locks d2; the batch locks d1 and waits for d2; the transaction then asks for
+	// d1. Only the batch checks for the deadlock soon (the transaction's deadlock_timeout is
+	// long), so the batch is the victim and runs again.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SET LOCAL deadlock_timeout = '60s'")
+	require.NoError(t, err)
+	testdb.LockRow(t, tx, "a", "d2", 0)
+	pid := tx.Conn().PgConn().PID()
+	many := make(chan error, 1)
+	go func() { _, err := b.LimitMany(ctx, reqs, nil); many <- err }()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
+		return n == 1
+	}, time.Minute, time.Millisecond, "the batch waits for d2")
+	var one int
+	require.NoError(t, tx.QueryRow(ctx, "SELECT 1 FROM txlimit_state WHERE name = 'a' AND key = 'd1' AND shard = 0 FOR UPDATE").Scan(&one))
+	require.NoError(t, tx.Rollback(ctx))
+	require.NoError(t, <-many)
+
+	rm := metrictest.Collect(t, reader)
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.tx.retries"), "the batch ran again once")
+	require.Contains(t, logs.String(), "batch retried")
+}
+
+// syncBuilder is a strings.Builder safe for concurrent writers (a log handler).
+type syncBuilder struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuilder) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuilder) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

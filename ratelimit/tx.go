@@ -18,7 +18,8 @@ type TxBeginner interface {
 	BeginTx(ctx context.Context, txOptions pgx.TxOptions) (pgx.Tx, error)
 }
 
-// TxOpts are the options of InSerializableTx. A nil *TxOpts is the zero value.
+// TxOpts are the options of InSerializableTx, and of a Batcher's retries (BatcherConfig.Retry). A
+// nil *TxOpts is the zero value.
 type TxOpts struct {
 	// Limiter, when set, counts the retries in its metrics (txlimit.tx.retries) and logs them and a
 	// give-up through its Logger. Defaults to nil: not counted, not logged.
@@ -62,7 +63,7 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 		}
 	}
 	waiter, _ := db.(dbsqlc.DBTX) // a pool or a connection: a pgx handle that runs a statement of its own
-	return retrying(ctx, o, obs, "serializable transaction", func() error { return runTx(ctx, db, fn) }, waiter)
+	return retrying(ctx, o, obs, txWhat, func() error { return runTx(ctx, db, fn) }, waiter)
 }
 
 // retryDefaults applies TxOpts' defaults to o.
@@ -114,13 +115,13 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 			}); err != nil {
 				return errors.Join(err, last)
 			}
-			obs.retry(ctx, attempt+1, last) // a rerun, though it costs no attempt
+			obs.retry(ctx, what, attempt+1, last) // a rerun, though it costs no attempt
 			continue
 		}
 		if attempt == o.MaxAttempts {
 			break
 		}
-		obs.retry(ctx, attempt, last)
+		obs.retry(ctx, what, attempt, last)
 		t := time.NewTimer(rand.N(ceiling + 1))
 		select {
 		case <-ctx.Done():
@@ -130,9 +131,12 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 		}
 		ceiling = nextCeiling(ceiling, o.MaxBackoff)
 	}
-	obs.exhausted(ctx, o.MaxAttempts, last)
+	obs.exhausted(ctx, what, o.MaxAttempts, last)
 	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
 }
+
+// txWhat is what InSerializableTx's retry loop retries (RetriesExhaustedError and the logs name it).
+const txWhat = "serializable transaction"
 
 // maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without
 // counting the attempt.
