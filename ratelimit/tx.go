@@ -24,7 +24,9 @@ type TxOpts struct {
 	// Limiter, when set, counts the retries in its metrics (txlimit.tx.retries) and logs them and a
 	// give-up through its Logger. Defaults to nil: not counted, not logged.
 	Limiter *Limiter
-	// MaxAttempts is how many times fn may run. Defaults to 10.
+	// MaxAttempts is how many failed attempts make InSerializableTx give up: fn runs at most
+	// MaxAttempts times, plus once more after each wait for a busy shard, which costs no attempt
+	// (at most 100 such reruns; see InSerializableTx). Defaults to 10.
 	MaxAttempts int
 	// MinBackoff is the backoff ceiling after the first failure; it doubles after each further
 	// failure up to MaxBackoff, and the actual sleep is drawn uniformly from [0, ceiling]
@@ -100,8 +102,9 @@ func nextCeiling(ceiling, maxBackoff time.Duration) time.Duration {
 func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try func() error, waiter dbsqlc.DBTX) error {
 	ceiling := min(o.MinBackoff, o.MaxBackoff)
 	var last error
-	waits := 0
+	waits, runs := 0, 0
 	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
+		runs++
 		last = try()
 		if last == nil || !IsRetryable(last) {
 			return last
@@ -131,8 +134,8 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 		}
 		ceiling = nextCeiling(ceiling, o.MaxBackoff)
 	}
-	obs.exhausted(ctx, what, o.MaxAttempts, last)
-	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
+	obs.exhausted(ctx, what, runs, last)
+	return &RetriesExhaustedError{Attempts: runs, Err: last, what: what}
 }
 
 // txWhat is what InSerializableTx's retry loop retries (RetriesExhaustedError and the logs name it).
