@@ -154,7 +154,7 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 // Limit is Limiter.Limit decided in a batch on the pool. It is shorthand for
 // LimitN(ctx, name, key, 1, opts).
 func (b *Batcher) Limit(ctx context.Context, name, key string, opts *LimitOpts) (Result, error) {
-	return b.LimitN(ctx, name, key, 1, opts)
+	return b.single(ctx, "Limit", name, key, 1, opts, false)
 }
 
 // LimitN is Limiter.LimitN decided in a batch on the pool.
@@ -165,7 +165,7 @@ func (b *Batcher) LimitN(ctx context.Context, name, key string, count float64, o
 // Check is Limiter.Check decided in a batch on the pool. It is shorthand for
 // CheckN(ctx, name, key, 1, opts).
 func (b *Batcher) Check(ctx context.Context, name, key string, opts *LimitOpts) (Result, error) {
-	return b.CheckN(ctx, name, key, 1, opts)
+	return b.single(ctx, "Check", name, key, 1, opts, true)
 }
 
 // CheckN is Limiter.CheckN decided in a batch on the pool: it consumes nothing.

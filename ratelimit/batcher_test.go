@@ -769,3 +769,34 @@ func TestBatcherDeadlineInFailedBatch(t *testing.T) {
 		}
 	}
 }
+
+// A Batcher's errors name the call that was made, as the Limiter's do: Limit and Check, not
+// LimitN and CheckN, the calls they are shorthand for (before, a bad key given to Limit was
+// reported as "ratelimit: LimitN: key ...", and a Limit on a closed Batcher as "LimitN" too).
+func TestBatcherErrorsNameTheCall(t *testing.T) {
+	t.Parallel()
+	env, b, _ := oneLaneBatcher(t)
+	ctx := env.ctx
+	for op, call := range map[string]func(*ratelimit.Batcher) error{
+		"Limit":  func(b *ratelimit.Batcher) error { _, err := b.Limit(ctx, "tb", "bad\x00key", nil); return err },
+		"Check":  func(b *ratelimit.Batcher) error { _, err := b.Check(ctx, "tb", "bad\x00key", nil); return err },
+		"LimitN": func(b *ratelimit.Batcher) error { _, err := b.LimitN(ctx, "tb", "bad\x00key", 1, nil); return err },
+		"CheckN": func(b *ratelimit.Batcher) error { _, err := b.CheckN(ctx, "tb", "bad\x00key", 1, nil); return err },
+	} {
+		var argErr *ratelimit.ArgumentError
+		require.ErrorAs(t, call(b), &argErr, op)
+		require.Equal(t, op, argErr.Op)
+		_, limErr := env.lim.Limit(ctx, env.pool, "tb", "bad\x00key", nil)
+		if op == "Limit" {
+			require.Equal(t, limErr.Error(), argErr.Error(), "the Limiter's error for the same call")
+		}
+	}
+	closed, err := ratelimit.NewBatcher(env.pool, env.lim, nil)
+	require.NoError(t, err)
+	closed.Close()
+	_, err = closed.Limit(ctx, "tb", "k", nil)
+	require.ErrorIs(t, err, ratelimit.ErrBatcherClosed)
+	require.Contains(t, err.Error(), "ratelimit: Limit: ")
+	_, err = closed.Check(ctx, "tb", "k", nil)
+	require.Contains(t, err.Error(), "ratelimit: Check: ")
+}
