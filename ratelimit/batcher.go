@@ -231,13 +231,7 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 		// and the lane's goroutine takes them when this one is done.
 		ln.busy, p.taken = true, true
 		ln.mu.Unlock()
-		b.decide([]*pending{p})
-		ln.mu.Lock()
-		ln.busy = false
-		if len(ln.queue) > 0 || ln.closed {
-			ln.wake.Signal() // only then: waking the lane's goroutine for nothing costs a caller alone
-		}
-		ln.mu.Unlock()
+		b.decideInline(ln, p)
 		return p.outcome(ctx)
 	}
 	ln.queue = append(ln.queue, p)
@@ -267,6 +261,21 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 		}
 	}
 	return p.outcome(ctx)
+}
+
+// decideInline decides p, a batch of one, on its caller's goroutine, and frees ln (busy) after it,
+// also when deciding panics (LimiterConfig.Now, a pool's tracer): the panic goes on to the caller,
+// as on the Limiter, and the lane goes on deciding.
+func (b *Batcher) decideInline(ln *lane, p *pending) {
+	defer func() {
+		ln.mu.Lock()
+		ln.busy = false
+		if len(ln.queue) > 0 || ln.closed {
+			ln.wake.Signal() // only then: waking the lane's goroutine for nothing costs a caller alone
+		}
+		ln.mu.Unlock()
+	}()
+	b.decide([]*pending{p})
 }
 
 // outcome is the decided call's outcome for a caller whose context is ctx: when its batch failed

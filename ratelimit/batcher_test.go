@@ -800,3 +800,35 @@ func TestBatcherErrorsNameTheCall(t *testing.T) {
 	_, err = closed.Check(ctx, "tb", "k", nil)
 	require.Contains(t, err.Error(), "ratelimit: Check: ")
 }
+
+// A panic while a call is decided on its caller's goroutine (a lane that was idle) goes to that
+// caller, as on the Limiter, and leaves the lane working: here LimiterConfig.Now panics once (a
+// pool's tracer could too, and net/http recovers a handler's panic). Before, the lane stayed busy
+// for ever: every later call on it waited until its context ended, and Close never returned.
+func TestBatcherPanicOnTheCallersGoroutineFreesTheLane(t *testing.T) {
+	t.Parallel()
+	var panics atomic.Int64
+	panics.Store(1)
+	env := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{Limits: bLimits, Now: func() time.Time {
+		if panics.Add(-1) == 0 {
+			panic("boom")
+		}
+		return bFrozen()
+	}})
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: 1})
+	require.NoError(t, err)
+	require.PanicsWithValue(t, "boom", func() { _, _ = b.Limit(env.ctx, "tb", "k", nil) })
+
+	ctx, cancel := context.WithTimeout(env.ctx, 10*time.Second)
+	defer cancel()
+	r, err := b.Limit(ctx, "tb", "k", nil)
+	require.NoError(t, err, "the lane still decides")
+	require.True(t, r.OK)
+	closed := make(chan struct{})
+	go func() { b.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return")
+	}
+}
