@@ -25,6 +25,12 @@ const (
 	metricBatchSize        = "txlimit.batch.size"
 )
 
+// durationBuckets are the bucket boundaries of txlimit.decision.duration, in seconds: 100 µs (a
+// refusal on a near database) to 10 s (a call that waited for row locks). The SDK's default
+// boundaries (0, 5, 10, 25, ...) are meant for milliseconds and would put every decision in one
+// bucket. A View of the application's MeterProvider can replace them.
+var durationBuckets = []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
+
 // Outcomes recorded in the txlimit.outcome attribute.
 const (
 	outcomeGranted  = "granted"
@@ -55,7 +61,8 @@ func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
 	o.decisions, errs[0] = m.Int64Counter(metricDecisions, metric.WithUnit("{request}"),
 		metric.WithDescription("Rate limit requests decided, by limit, call and outcome."))
 	o.duration, errs[1] = m.Float64Histogram(metricDecisionDuration, metric.WithUnit("s"),
-		metric.WithDescription("Duration of a rate limit call, by call and outcome."))
+		metric.WithDescription("Duration of a rate limit call, by call and outcome."),
+		metric.WithExplicitBucketBoundaries(durationBuckets...))
 	o.retries, errs[2] = m.Int64Counter(metricTxRetries, metric.WithUnit("{retry}"),
 		metric.WithDescription("Serializable transactions and Batcher batches run again after a serialization failure or deadlock."))
 	o.busyCount, errs[3] = m.Int64Counter(metricBusy, metric.WithUnit("{decision}"),

@@ -302,3 +302,40 @@ func (s *syncBuilder) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// TestMetricsDecisionDurationBuckets: txlimit.decision.duration is in seconds, so its buckets must
+// resolve fractions of a second. With the SDK's default boundaries (0, 5, 10, 25, ... meant for
+// milliseconds) every decision fell in the bucket (0 s, 5 s], and the histogram said nothing about
+// latency: a decision on this machine's database lands in a bucket at or under 1 s.
+func TestMetricsDecisionDurationBuckets(t *testing.T) {
+	t.Parallel()
+	env, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 100, Period: time.Minute}},
+	})
+	for range 5 {
+		_, err := env.lim.Limit(env.ctx, env.pool, "a", "k", nil)
+		require.NoError(t, err)
+	}
+	rm := metrictest.Collect(t, reader)
+	seen := 0
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != "txlimit.decision.duration" {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
+				require.NotEmpty(t, dp.Bounds)
+				require.Less(t, dp.Bounds[0], 0.001, "the first bound resolves a sub-millisecond decision: %v", dp.Bounds)
+				for i, n := range dp.BucketCounts {
+					if n == 0 {
+						continue
+					}
+					seen += int(n)
+					require.Less(t, i, len(dp.Bounds), "decisions above the last bound %v", dp.Bounds)
+					require.LessOrEqual(t, dp.Bounds[i], 1.0, "%d decisions in the bucket up to %v s (bounds %v)", n, dp.Bounds[i], dp.Bounds)
+				}
+			}
+		}
+	}
+	require.Equal(t, 5, seen)
+}
