@@ -94,9 +94,9 @@ func nextCeiling(ceiling, maxBackoff time.Duration) time.Duration {
 
 // retrying is the retry loop of InSerializableTx and of the Batcher's batches. It runs try until
 // it returns nil or an error that IsRetryable does not accept, at most o.MaxAttempts times,
-// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff, at most o.MaxBackoff, and doubles
-// up to o.MaxBackoff); when attempts run out it returns a *RetriesExhaustedError naming what gave
-// up. A *BusyError is not a failed attempt when waiter is set: it waits there, outside any
+// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff, at most
+// o.MaxBackoff, and doubles up to o.MaxBackoff); when attempts run out it returns a
+// *RetriesExhaustedError naming what gave up. A *BusyError is not a failed attempt when waiter is set: it waits there, outside any
 // transaction, for the first shard the busy call tried, and tries again at once, up to
 // maxBusyWaits times. obs, when set, counts and logs the retries and the give-up.
 func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try func() error, waiter dbsqlc.DBTX) error {
