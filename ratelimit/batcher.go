@@ -37,7 +37,9 @@ type BatcherConfig struct {
 	// Retry bounds how a batch whose statement failed with a serialization failure (40001) or a
 	// deadlock (40P01) is run again, whole, after a full-jitter backoff, exactly as InSerializableTx
 	// retries a transaction; when attempts run out the batch's calls fail with a
-	// *RetriesExhaustedError. Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms.
+	// *RetriesExhaustedError. Retry.Limiter, when set, counts the batches run again in its
+	// txlimit.tx.retries and logs them (debug) and a give-up (warn), as for InSerializableTx.
+	// Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms, not counted.
 	Retry TxOpts
 }
 
@@ -78,6 +80,7 @@ type Batcher struct {
 	lanes    []*lane
 	maxBatch int
 	retry    TxOpts
+	retryObs *observer // Retry.Limiter's: counts and logs the batches run again
 	seed     maphash.Seed
 	wg       sync.WaitGroup
 	close    sync.Once
@@ -134,6 +137,9 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 		cfg.MaxBatch = 256
 	}
 	b := &Batcher{pool: pool, lim: lim, maxBatch: cfg.MaxBatch, retry: retryDefaults(cfg.Retry), seed: maphash.MakeSeed()}
+	if cfg.Retry.Limiter != nil {
+		b.retryObs = cfg.Retry.Limiter.obs
+	}
 	b.lanes = make([]*lane, cfg.Lanes)
 	for i := range b.lanes {
 		ln := &lane{}
@@ -148,7 +154,7 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 // Limit is Limiter.Limit decided in a batch on the pool. It is shorthand for
 // LimitN(ctx, name, key, 1, opts).
 func (b *Batcher) Limit(ctx context.Context, name, key string, opts *LimitOpts) (Result, error) {
-	return b.LimitN(ctx, name, key, 1, opts)
+	return b.single(ctx, "Limit", name, key, 1, opts, false)
 }
 
 // LimitN is Limiter.LimitN decided in a batch on the pool.
@@ -159,7 +165,7 @@ func (b *Batcher) LimitN(ctx context.Context, name, key string, count float64, o
 // Check is Limiter.Check decided in a batch on the pool. It is shorthand for
 // CheckN(ctx, name, key, 1, opts).
 func (b *Batcher) Check(ctx context.Context, name, key string, opts *LimitOpts) (Result, error) {
-	return b.CheckN(ctx, name, key, 1, opts)
+	return b.single(ctx, "Check", name, key, 1, opts, true)
 }
 
 // CheckN is Limiter.CheckN decided in a batch on the pool: it consumes nothing.
@@ -225,13 +231,7 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 		// and the lane's goroutine takes them when this one is done.
 		ln.busy, p.taken = true, true
 		ln.mu.Unlock()
-		b.decide([]*pending{p})
-		ln.mu.Lock()
-		ln.busy = false
-		if len(ln.queue) > 0 || ln.closed {
-			ln.wake.Signal() // only then: waking the lane's goroutine for nothing costs a caller alone
-		}
-		ln.mu.Unlock()
+		b.decideInline(ln, p)
 		return p.outcome(ctx)
 	}
 	ln.queue = append(ln.queue, p)
@@ -261,6 +261,21 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 		}
 	}
 	return p.outcome(ctx)
+}
+
+// decideInline decides p, a batch of one, on its caller's goroutine, and frees ln (busy) after it,
+// also when deciding panics (LimiterConfig.Now, a pool's tracer): the panic goes on to the caller,
+// as on the Limiter, and the lane goes on deciding.
+func (b *Batcher) decideInline(ln *lane, p *pending) {
+	defer func() {
+		ln.mu.Lock()
+		ln.busy = false
+		if len(ln.queue) > 0 || ln.closed {
+			ln.wake.Signal() // only then: waking the lane's goroutine for nothing costs a caller alone
+		}
+		ln.mu.Unlock()
+	}()
+	b.decide([]*pending{p})
 }
 
 // outcome is the decided call's outcome for a caller whose context is ctx: when its batch failed
@@ -383,7 +398,7 @@ func (b *Batcher) decide(batch []*pending) {
 // deadlock, as b.retry bounds (the loop of InSerializableTx).
 func (b *Batcher) decideRetrying(ctx context.Context, calls []*call) ([]outcome, error) {
 	var outs []outcome
-	err := retrying(ctx, b.retry, nil, fmt.Sprintf("batch of %d calls", len(calls)), func() error {
+	err := retrying(ctx, b.retry, b.retryObs, fmt.Sprintf("batch of %d calls", len(calls)), func() error {
 		var err error
 		outs, err = b.decideOnce(ctx, calls)
 		return err

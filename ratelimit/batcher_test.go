@@ -769,3 +769,66 @@ func TestBatcherDeadlineInFailedBatch(t *testing.T) {
 		}
 	}
 }
+
+// A Batcher's errors name the call that was made, as the Limiter's do: Limit and Check, not
+// LimitN and CheckN, the calls they are shorthand for (before, a bad key given to Limit was
+// reported as "ratelimit: LimitN: key ...", and a Limit on a closed Batcher as "LimitN" too).
+func TestBatcherErrorsNameTheCall(t *testing.T) {
+	t.Parallel()
+	env, b, _ := oneLaneBatcher(t)
+	ctx := env.ctx
+	for op, call := range map[string]func(*ratelimit.Batcher) error{
+		"Limit":  func(b *ratelimit.Batcher) error { _, err := b.Limit(ctx, "tb", "bad\x00key", nil); return err },
+		"Check":  func(b *ratelimit.Batcher) error { _, err := b.Check(ctx, "tb", "bad\x00key", nil); return err },
+		"LimitN": func(b *ratelimit.Batcher) error { _, err := b.LimitN(ctx, "tb", "bad\x00key", 1, nil); return err },
+		"CheckN": func(b *ratelimit.Batcher) error { _, err := b.CheckN(ctx, "tb", "bad\x00key", 1, nil); return err },
+	} {
+		var argErr *ratelimit.ArgumentError
+		require.ErrorAs(t, call(b), &argErr, op)
+		require.Equal(t, op, argErr.Op)
+		_, limErr := env.lim.Limit(ctx, env.pool, "tb", "bad\x00key", nil)
+		if op == "Limit" {
+			require.Equal(t, limErr.Error(), argErr.Error(), "the Limiter's error for the same call")
+		}
+	}
+	closed, err := ratelimit.NewBatcher(env.pool, env.lim, nil)
+	require.NoError(t, err)
+	closed.Close()
+	_, err = closed.Limit(ctx, "tb", "k", nil)
+	require.ErrorIs(t, err, ratelimit.ErrBatcherClosed)
+	require.Contains(t, err.Error(), "ratelimit: Limit: ")
+	_, err = closed.Check(ctx, "tb", "k", nil)
+	require.Contains(t, err.Error(), "ratelimit: Check: ")
+}
+
+// A panic while a call is decided on its caller's goroutine (a lane that was idle) goes to that
+// caller, as on the Limiter, and leaves the lane working: here LimiterConfig.Now panics once (a
+// pool's tracer could too, and net/http recovers a handler's panic). Before, the lane stayed busy
+// for ever: every later call on it waited until its context ended, and Close never returned.
+func TestBatcherPanicOnTheCallersGoroutineFreesTheLane(t *testing.T) {
+	t.Parallel()
+	var panics atomic.Int64
+	panics.Store(1)
+	env := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{Limits: bLimits, Now: func() time.Time {
+		if panics.Add(-1) == 0 {
+			panic("boom")
+		}
+		return bFrozen()
+	}})
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: 1})
+	require.NoError(t, err)
+	require.PanicsWithValue(t, "boom", func() { _, _ = b.Limit(env.ctx, "tb", "k", nil) })
+
+	ctx, cancel := context.WithTimeout(env.ctx, 10*time.Second)
+	defer cancel()
+	r, err := b.Limit(ctx, "tb", "k", nil)
+	require.NoError(t, err, "the lane still decides")
+	require.True(t, r.OK)
+	closed := make(chan struct{})
+	go func() { b.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return")
+	}
+}

@@ -115,7 +115,8 @@ func IsLimited(err error) bool {
 // RetriesExhaustedError is returned by InSerializableTx, and by a Batcher's calls, when every
 // attempt failed with a serialization failure or deadlock. It wraps the last cause.
 type RetriesExhaustedError struct {
-	// Attempts is how many times the transaction or batch ran.
+	// Attempts is how many times the transaction or batch ran, reruns after a *BusyError's wait
+	// (which cost no attempt of TxOpts.MaxAttempts) included.
 	Attempts int
 	// Err is the last cause.
 	Err error

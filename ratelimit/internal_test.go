@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"math"
 	"slices"
 	"testing"
 	"time"
@@ -111,5 +112,60 @@ func TestRetrying(t *testing.T) {
 				t.Errorf("case %d: %q after %d attempts, want %q after 3", i, ex.Error(), ex.Attempts, want)
 			}
 		}
+	}
+}
+
+// TxOpts.MaxBackoff caps the backoff ceiling, the first one (MinBackoff) included: a MinBackoff of
+// an hour under a MaxBackoff of a millisecond sleeps at most a millisecond between attempts.
+// (Before, the first sleep was drawn from [0, MinBackoff], here up to an hour.)
+func TestRetryingMaxBackoffCapsTheFirstSleep(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	o := retryDefaults(TxOpts{MaxAttempts: 3, MinBackoff: time.Hour, MaxBackoff: time.Millisecond})
+	conflict := &pgconn.PgError{Code: "40001"}
+	n := 0
+	err := retrying(ctx, o, nil, "serializable transaction", func() error { n++; return conflict }, nil)
+	var ex *RetriesExhaustedError
+	if !errors.As(err, &ex) || n != 3 {
+		t.Fatalf("got %v after %d attempts; want a *RetriesExhaustedError after 3 (each sleep at most MaxBackoff)", err, n)
+	}
+}
+
+// A MinBackoff above MaxBackoff's default raises that default to MinBackoff rather than being cut
+// to 200ms; the largest durations neither panic nor overflow the ceiling (before, a MinBackoff of
+// math.MaxInt64 made rand.N panic on the first retry).
+func TestRetryingHugeBackoff(t *testing.T) {
+	t.Parallel()
+	if o := retryDefaults(TxOpts{MinBackoff: time.Second}); o.MaxBackoff != time.Second {
+		t.Errorf("MinBackoff 1s alone: MaxBackoff %v, want 1s", o.MaxBackoff)
+	}
+	if o := retryDefaults(TxOpts{}); o.MinBackoff != 2*time.Millisecond || o.MaxBackoff != 200*time.Millisecond || o.MaxAttempts != 10 {
+		t.Errorf("defaults: %+v", o)
+	}
+	conflict := &pgconn.PgError{Code: "40001"}
+	for _, o := range []TxOpts{
+		{MaxAttempts: 2, MinBackoff: math.MaxInt64},
+		{MaxAttempts: 2, MinBackoff: math.MaxInt64, MaxBackoff: math.MaxInt64},
+		{MaxAttempts: 2, MinBackoff: math.MaxInt64 / 2, MaxBackoff: math.MaxInt64},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					t.Errorf("%+v: panicked: %v", o, p)
+				}
+			}()
+			err := retrying(ctx, retryDefaults(o), nil, "serializable transaction", func() error { return conflict }, nil)
+			if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, conflict) {
+				t.Errorf("%+v: got %v, want the context's error joined with the conflict", o, err)
+			}
+		}()
+		cancel()
+	}
+	// The ceiling saturates instead of doubling past math.MaxInt64.
+	c := time.Duration(math.MaxInt64/2 + 1)
+	if got := nextCeiling(c, math.MaxInt64); got != math.MaxInt64 {
+		t.Errorf("nextCeiling(%v) = %v, want math.MaxInt64", c, got)
 	}
 }

@@ -30,7 +30,8 @@ type LimiterConfig struct {
 
 	// Logger receives the Limiter's logs: a database error of a decision (warn), a serializable
 	// transaction retried (debug) or given up (warn) when InSerializableTx is given this Limiter
-	// in TxOpts.Limiter. Defaults to nil: silent.
+	// in TxOpts.Limiter, and a Batcher's batch retried or given up likewise when it is in
+	// BatcherConfig.Retry.Limiter. Defaults to nil: silent.
 	Logger *slog.Logger
 
 	// MeterProvider provides the meter (named "github.com/txlimit/txlimit/ratelimit", the package's
@@ -44,10 +45,11 @@ type LimiterConfig struct {
 	//     "closed" (a Batcher after Close) or "database"; an invalid call carries no limit name,
 	//     which may be the invalid input).
 	//   - txlimit.decision.duration is the time a call took, in seconds, by call and outcome of
-	//     the call as a whole.
+	//     the call as a whole, in buckets from 100 µs to 10 s (a View can set others).
 	//   - txlimit.tx.retries counts the transactions InSerializableTx ran again after a
 	//     serialization failure or deadlock, a *BusyError's rerun after its wait included (with
-	//     this Limiter in TxOpts.Limiter).
+	//     this Limiter in TxOpts.Limiter), and the batches a Batcher ran again (with this Limiter
+	//     in BatcherConfig.Retry.Limiter).
 	//   - txlimit.busy counts sharded decisions that found every candidate shard taken
 	//     (*BusyError), by limit.
 	//   - txlimit.batch.size is the number of calls a Batcher decided together in one statement.

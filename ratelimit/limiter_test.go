@@ -3,6 +3,7 @@ package ratelimit_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -438,6 +439,24 @@ func TestInSerializableTxExhaustion(t *testing.T) {
 	err = ratelimit.InSerializableTx(context.Background(), pool, nil, func(ctx context.Context, _ pgx.Tx) error { attempts++; return other })
 	require.ErrorIs(t, err, other)
 	require.Equal(t, 1, attempts, "a non-retryable error is returned at once")
+}
+
+// A *BusyError's rerun costs no attempt, but it is a run: when InSerializableTx gives up, Attempts
+// and the message say how many times the transaction ran, waits for busy shards included (before,
+// "gave up after 2 attempts" after 102 runs).
+func TestInSerializableTxExhaustionCountsBusyReruns(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 2})
+	runs := 0
+	busy := &ratelimit.BusyError{Name: "s", Key: "k", Candidates: 2} // no shard is held: each wait ends at once
+	err := ratelimit.InSerializableTx(context.Background(), pool, &ratelimit.TxOpts{MaxAttempts: 2, MinBackoff: time.Microsecond},
+		func(ctx context.Context, _ pgx.Tx) error { runs++; return busy })
+	var ex *ratelimit.RetriesExhaustedError
+	require.ErrorAs(t, err, &ex)
+	require.ErrorIs(t, err, busy)
+	require.Equal(t, 102, runs, "2 attempts and 100 reruns after a busy shard's wait")
+	require.Equal(t, runs, ex.Attempts)
+	require.Contains(t, err.Error(), fmt.Sprintf("gave up after %d attempts", runs))
 }
 
 // A nil db or fn is refused before any transaction begins, and a panicking fn does not leave its

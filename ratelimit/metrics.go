@@ -25,6 +25,12 @@ const (
 	metricBatchSize        = "txlimit.batch.size"
 )
 
+// durationBuckets are the bucket boundaries of txlimit.decision.duration, in seconds: 100 µs (a
+// refusal on a near database) to 10 s (a call that waited for row locks). The SDK's default
+// boundaries (0, 5, 10, 25, ...) are meant for milliseconds and would put every decision in one
+// bucket. A View of the application's MeterProvider can replace them.
+var durationBuckets = []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
+
 // Outcomes recorded in the txlimit.outcome attribute.
 const (
 	outcomeGranted  = "granted"
@@ -55,9 +61,10 @@ func newObserver(mp metric.MeterProvider, log *slog.Logger) *observer {
 	o.decisions, errs[0] = m.Int64Counter(metricDecisions, metric.WithUnit("{request}"),
 		metric.WithDescription("Rate limit requests decided, by limit, call and outcome."))
 	o.duration, errs[1] = m.Float64Histogram(metricDecisionDuration, metric.WithUnit("s"),
-		metric.WithDescription("Duration of a rate limit call, by call and outcome."))
+		metric.WithDescription("Duration of a rate limit call, by call and outcome."),
+		metric.WithExplicitBucketBoundaries(durationBuckets...))
 	o.retries, errs[2] = m.Int64Counter(metricTxRetries, metric.WithUnit("{retry}"),
-		metric.WithDescription("Serializable transactions run again after a serialization failure or deadlock."))
+		metric.WithDescription("Serializable transactions and Batcher batches run again after a serialization failure or deadlock."))
 	o.busyCount, errs[3] = m.Int64Counter(metricBusy, metric.WithUnit("{decision}"),
 		metric.WithDescription("Sharded decisions that found every candidate shard taken, by limit."))
 	o.batchSize, errs[4] = m.Int64Histogram(metricBatchSize, metric.WithUnit("{call}"),
@@ -156,21 +163,30 @@ func (o *observer) busy(ctx context.Context, name string) {
 	o.busyCount.Add(ctx, 1, metric.WithAttributes(attribute.String("txlimit.limit", name)))
 }
 
-// retry records that InSerializableTx runs fn again after attempt failed with err.
-func (o *observer) retry(ctx context.Context, attempt int, err error) {
+// retry records that InSerializableTx runs fn again, or a Batcher its batch (what: txWhat, or
+// "batch of n calls"), after attempt failed with err.
+func (o *observer) retry(ctx context.Context, what string, attempt int, err error) {
 	if o == nil {
 		return
 	}
 	o.retries.Add(ctx, 1)
-	o.log.DebugContext(ctx, "ratelimit: serializable transaction retried", "attempt", attempt, "error", err)
+	if what == txWhat {
+		o.log.DebugContext(ctx, "ratelimit: serializable transaction retried", "attempt", attempt, "error", err)
+	} else {
+		o.log.DebugContext(ctx, "ratelimit: batch retried", "batch", what, "attempt", attempt, "error", err)
+	}
 }
 
-// exhausted logs that InSerializableTx gave up.
-func (o *observer) exhausted(ctx context.Context, attempts int, err error) {
+// exhausted logs that InSerializableTx, or a Batcher's batch, gave up.
+func (o *observer) exhausted(ctx context.Context, what string, attempts int, err error) {
 	if o == nil {
 		return
 	}
-	o.log.WarnContext(ctx, "ratelimit: serializable transaction retries exhausted", "attempts", attempts, "error", err)
+	if what == txWhat {
+		o.log.WarnContext(ctx, "ratelimit: serializable transaction retries exhausted", "attempts", attempts, "error", err)
+	} else {
+		o.log.WarnContext(ctx, "ratelimit: batch retries exhausted", "batch", what, "attempts", attempts, "error", err)
+	}
 }
 
 // batch records that n calls were decided together in one statement. The batching front end calls

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -237,4 +238,104 @@ func holdShards(t *testing.T, b *testBundle, name, key string, n int) []pgx.Tx {
 		txs[i] = tx
 	}
 	return txs
+}
+
+// TestMetricsBatcherRetries: a batch run again after a deadlock is counted in txlimit.tx.retries
+// and logged when BatcherConfig.Retry.Limiter is set, as TxOpts.Limiter says of InSerializableTx,
+// whose retries BatcherConfig.Retry bounds. (Before, the Batcher ignored Retry.Limiter.)
+func TestMetricsBatcherRetries(t *testing.T) {
+	t.Parallel()
+	var logs syncBuilder
+	env, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 5, Period: time.Minute}},
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	ctx, pool := env.ctx, env.pool
+	b, err := ratelimit.NewBatcher(pool, env.lim, &ratelimit.BatcherConfig{Retry: ratelimit.TxOpts{Limiter: env.lim}})
+	require.NoError(t, err)
+	defer b.Close()
+	reqs := []ratelimit.Request{{Name: "a", Key: "d1"}, {Name: "a", Key: "d2"}}
+	_, err = b.LimitMany(ctx, reqs, nil) // both rows exist
+	require.NoError(t, err)
+
+	// A transaction locks d2; the batch locks d1 and waits for d2; the transaction then asks for
+	// d1. Only the batch checks for the deadlock soon (the transaction's deadlock_timeout is
+	// long), so the batch is the victim and runs again.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SET LOCAL deadlock_timeout = '60s'")
+	require.NoError(t, err)
+	testdb.LockRow(t, tx, "a", "d2", 0)
+	pid := tx.Conn().PgConn().PID()
+	many := make(chan error, 1)
+	go func() { _, err := b.LimitMany(ctx, reqs, nil); many <- err }()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
+		return n == 1
+	}, time.Minute, time.Millisecond, "the batch waits for d2")
+	var one int
+	require.NoError(t, tx.QueryRow(ctx, "SELECT 1 FROM txlimit_state WHERE name = 'a' AND key = 'd1' AND shard = 0 FOR UPDATE").Scan(&one))
+	require.NoError(t, tx.Rollback(ctx))
+	require.NoError(t, <-many)
+
+	rm := metrictest.Collect(t, reader)
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.tx.retries"), "the batch ran again once")
+	require.Contains(t, logs.String(), "batch retried")
+}
+
+// syncBuilder is a strings.Builder safe for concurrent writers (a log handler).
+type syncBuilder struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuilder) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuilder) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestMetricsDecisionDurationBuckets: txlimit.decision.duration is in seconds, so its buckets must
+// resolve fractions of a second. With the SDK's default boundaries (0, 5, 10, 25, ... meant for
+// milliseconds) every decision fell in the bucket (0 s, 5 s], and the histogram said nothing about
+// latency: a decision on this machine's database lands in a bucket at or under 1 s.
+func TestMetricsDecisionDurationBuckets(t *testing.T) {
+	t.Parallel()
+	env, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 100, Period: time.Minute}},
+	})
+	for range 5 {
+		_, err := env.lim.Limit(env.ctx, env.pool, "a", "k", nil)
+		require.NoError(t, err)
+	}
+	rm := metrictest.Collect(t, reader)
+	seen := 0
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != "txlimit.decision.duration" {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
+				require.NotEmpty(t, dp.Bounds)
+				require.Less(t, dp.Bounds[0], 0.001, "the first bound resolves a sub-millisecond decision: %v", dp.Bounds)
+				for i, n := range dp.BucketCounts {
+					if n == 0 {
+						continue
+					}
+					seen += int(n)
+					require.Less(t, i, len(dp.Bounds), "decisions above the last bound %v", dp.Bounds)
+					require.LessOrEqual(t, dp.Bounds[i], 1.0, "%d decisions in the bucket up to %v s (bounds %v)", n, dp.Bounds[i], dp.Bounds)
+				}
+			}
+		}
+	}
+	require.Equal(t, 5, seen)
 }

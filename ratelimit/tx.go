@@ -18,19 +18,22 @@ type TxBeginner interface {
 	BeginTx(ctx context.Context, txOptions pgx.TxOptions) (pgx.Tx, error)
 }
 
-// TxOpts are the options of InSerializableTx. A nil *TxOpts is the zero value.
+// TxOpts are the options of InSerializableTx, and of a Batcher's retries (BatcherConfig.Retry). A
+// nil *TxOpts is the zero value.
 type TxOpts struct {
 	// Limiter, when set, counts the retries in its metrics (txlimit.tx.retries) and logs them and a
 	// give-up through its Logger. Defaults to nil: not counted, not logged.
 	Limiter *Limiter
-	// MaxAttempts is how many times fn may run. Defaults to 10.
+	// MaxAttempts is how many failed attempts make InSerializableTx give up: fn runs at most
+	// MaxAttempts times, plus once more after each wait for a busy shard, which costs no attempt
+	// (at most 100 such reruns; see InSerializableTx). Defaults to 10.
 	MaxAttempts int
 	// MinBackoff is the backoff ceiling after the first failure; it doubles after each further
 	// failure up to MaxBackoff, and the actual sleep is drawn uniformly from [0, ceiling]
 	// ("full jitter"). Defaults to 2ms.
 	MinBackoff time.Duration
-	// MaxBackoff caps the backoff ceiling, from the first failure on (a MinBackoff above it counts
-	// as MaxBackoff). Defaults to 200ms.
+	// MaxBackoff caps the backoff ceiling, the first one included: a MaxBackoff below MinBackoff
+	// makes every ceiling MaxBackoff. Defaults to 200ms, or to MinBackoff when that is larger.
 	MaxBackoff time.Duration
 }
 
@@ -62,7 +65,7 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 		}
 	}
 	waiter, _ := db.(dbsqlc.DBTX) // a pool or a connection: a pgx handle that runs a statement of its own
-	return retrying(ctx, o, obs, "serializable transaction", func() error { return runTx(ctx, db, fn) }, waiter)
+	return retrying(ctx, o, obs, txWhat, func() error { return runTx(ctx, db, fn) }, waiter)
 }
 
 // retryDefaults applies TxOpts' defaults to o.
@@ -74,23 +77,34 @@ func retryDefaults(o TxOpts) TxOpts {
 		o.MinBackoff = 2 * time.Millisecond
 	}
 	if o.MaxBackoff <= 0 {
-		o.MaxBackoff = 200 * time.Millisecond
+		o.MaxBackoff = max(200*time.Millisecond, o.MinBackoff)
 	}
+	// The sleep is drawn from [0, ceiling], so the ceiling stays below math.MaxInt64.
+	o.MaxBackoff = min(o.MaxBackoff, math.MaxInt64-1)
 	return o
+}
+
+// nextCeiling is the backoff ceiling after ceiling: doubled, at most maxBackoff, never overflowing.
+func nextCeiling(ceiling, maxBackoff time.Duration) time.Duration {
+	if ceiling > maxBackoff/2 {
+		return maxBackoff
+	}
+	return 2 * ceiling
 }
 
 // retrying is the retry loop of InSerializableTx and of the Batcher's batches. It runs try until
 // it returns nil or an error that IsRetryable does not accept, at most o.MaxAttempts times,
-// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff and doubles
-// up to o.MaxBackoff); when attempts run out it returns a *RetriesExhaustedError naming what gave
-// up. A *BusyError is not a failed attempt when waiter is set: it waits there, outside any
+// sleeping a full-jitter backoff between attempts (the ceiling starts at o.MinBackoff, at most
+// o.MaxBackoff, and doubles up to o.MaxBackoff); when attempts run out it returns a
+// *RetriesExhaustedError naming what gave up. A *BusyError is not a failed attempt when waiter is set: it waits there, outside any
 // transaction, for the first shard the busy call tried, and tries again at once, up to
 // maxBusyWaits times. obs, when set, counts and logs the retries and the give-up.
 func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try func() error, waiter dbsqlc.DBTX) error {
-	ceiling := min(o.MinBackoff, o.MaxBackoff) // MaxBackoff caps the ceiling from the first failure on
+	ceiling := min(o.MinBackoff, o.MaxBackoff)
 	var last error
-	waits := 0
+	waits, runs := 0, 0
 	for attempt := 1; attempt <= o.MaxAttempts; attempt++ {
+		runs++
 		last = try()
 		if last == nil || !IsRetryable(last) {
 			return last
@@ -104,38 +118,28 @@ func retrying(ctx context.Context, o TxOpts, obs *observer, what string, try fun
 			}); err != nil {
 				return errors.Join(err, last)
 			}
-			obs.retry(ctx, attempt+1, last) // a rerun, though it costs no attempt
+			obs.retry(ctx, what, attempt+1, last) // a rerun, though it costs no attempt
 			continue
 		}
 		if attempt == o.MaxAttempts {
 			break
 		}
-		obs.retry(ctx, attempt, last)
-		t := time.NewTimer(fullJitter(ceiling))
+		obs.retry(ctx, what, attempt, last)
+		t := time.NewTimer(rand.N(ceiling + 1))
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return errors.Join(ctx.Err(), last)
 		case <-t.C:
 		}
-		if ceiling > o.MaxBackoff/2 { // doubled, up to MaxBackoff, without overflowing
-			ceiling = o.MaxBackoff
-		} else {
-			ceiling *= 2
-		}
+		ceiling = nextCeiling(ceiling, o.MaxBackoff)
 	}
-	obs.exhausted(ctx, o.MaxAttempts, last)
-	return &RetriesExhaustedError{Attempts: o.MaxAttempts, Err: last, what: what}
+	obs.exhausted(ctx, what, runs, last)
+	return &RetriesExhaustedError{Attempts: runs, Err: last, what: what}
 }
 
-// fullJitter draws a sleep uniformly from [0, ceiling] (from [0, ceiling) when ceiling+1 would
-// overflow).
-func fullJitter(ceiling time.Duration) time.Duration {
-	if ceiling == math.MaxInt64 {
-		return rand.N(ceiling)
-	}
-	return rand.N(ceiling + 1)
-}
+// txWhat is what InSerializableTx's retry loop retries (RetriesExhaustedError and the logs name it).
+const txWhat = "serializable transaction"
 
 // maxBusyWaits bounds how many times InSerializableTx waits for a shard after a *BusyError without
 // counting the attempt.
