@@ -480,6 +480,49 @@ func TestDenialWritesNothing(t *testing.T) {
 	require.False(t, found, "a denied LimitMany created a row")
 }
 
+// docs/spec.md §2: a decision reads the database's clock once, at the start of its statement, before
+// any wait for a row lock (Result.Time). A lone Limit whose row another transaction holds waits for
+// it in DecideOneRow's UPDATE; when the holder's commit leaves the row refusing the call, the
+// statement goes on in txlimit_decide_one_v1, which used to read the clock a second time, after
+// the wait: Time (and the instant the row was evaluated at) then lay after the holder's commit.
+func TestDecisionReadsTheClockOnce(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{"l": {Rate: 1, Period: time.Hour, Capacity: 2}})
+	ctx := b.ctx
+	_, err := b.lim.LimitN(ctx, b.pool, "l", "k", 1, nil) // 1 token left
+	require.NoError(t, err)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	r, err := b.lim.Limit(ctx, holder, "l", "k", nil) // takes it, and holds the row
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	pid := holder.Conn().PgConn().PID()
+
+	// The call reads 1 token (its snapshot grants it), so it waits for the row in its UPDATE.
+	done := make(chan ratelimit.Result, 1)
+	go func() {
+		r, err := b.lim.Limit(ctx, b.pool, "l", "k", nil)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- r
+	}()
+	eventually(t, "the call waits for the row", func() bool {
+		var n int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
+		return n == 1
+	})
+	time.Sleep(200 * time.Millisecond)
+	var released time.Time
+	require.NoError(t, b.pool.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&released))
+	require.NoError(t, holder.Commit(ctx))
+	res := <-done
+	require.False(t, res.OK, "the holder took the last token")
+	require.True(t, res.Time.Before(released), "Time %v was read after the wait (the row was released at %v)", res.Time, released)
+	require.True(t, res.RetryAt.After(released), "RetryAt %v: the row as the holder left it, about an hour ahead", res.RetryAt)
+}
+
 // docs/spec.md §7 (Isolation): under READ COMMITTED, lone calls on the pool that their row grants
 // (leaving it at zero or above) queue on the row's advisory lock, so that of the calls that find
 // their row held by another transaction only the first waits for the row itself; when the holder

@@ -57,7 +57,7 @@ type SetupError struct {
 // argument types, and the SQLSTATE); Postgres's own message stays available through Unwrap. A
 // forgotten migration, on search_path "app":
 //
-//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: relation "txlimit_state" does not exist in search_path "app" (SQLSTATE 42P01; see docs/deploy.md)
+//	ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: function txlimit_clock does not exist in search_path "app" (SQLSTATE 42883; see docs/deploy.md)
 //
 // For package scheduler's problems: "scheduler: <Op>: <Fix> (<Problem>)", then the database's
 // error, if any.

@@ -68,9 +68,10 @@ func TestSetupErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	const (
-		// A Limit on an unsharded limit is a statement on txlimit_state (the first migration); any
-		// other list of one calls txlimit_decide_one_v1 (migration 00003).
-		decideRow = `relation "txlimit_state" does not exist`
+		// A Limit on an unsharded limit is a statement that reads the clock first (txlimit_clock,
+		// migration 00002), then updates txlimit_state; any other list of one calls
+		// txlimit_decide_one_v1 (migration 00003).
+		decideRow = "function txlimit_clock does not exist"
 		decideOne = "function txlimit_decide_one_v1 does not exist"
 		decide    = "function txlimit_decide_v1 does not exist"
 		clock     = "function txlimit_clock does not exist"
@@ -85,7 +86,7 @@ func TestSetupErrors(t *testing.T) {
 		// missing and code are what Postgres did not find, as the message says it, and its SQLSTATE.
 		missing, code string
 	}{
-		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideRow, "42P01"},
+		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "a", "k", nil); return err }, decideRow, "42883"},
 		{"Limit", func(db ratelimit.Executor) error { _, err := lim.Limit(ctx, db, "sharded", "k", nil); return err }, decideOne, "42883"},
 		{"Check", func(db ratelimit.Executor) error { _, err := lim.Check(ctx, db, "a", "k", nil); return err }, decideOne, "42883"},
 		{"LimitMany", func(db ratelimit.Executor) error {
@@ -114,9 +115,9 @@ func TestSetupErrors(t *testing.T) {
 		}
 		defer tx.Rollback(ctx)
 		err = calls[0].call(tx)
-		requireSetupError(t, "in a transaction", err, "Limit", "", "42P01",
+		requireSetupError(t, "in a transaction", err, "Limit", "", "42883",
 			"ratelimit: Limit: run migrations.Up(ctx, pool) at start-up with this search_path (adding migrations.CreateSchema() if its schema does not exist yet), or set search_path to the schema it ran in: "+
-				"relation \"txlimit_state\" does not exist in this connection's search_path (SQLSTATE 42P01; "+
+				"function txlimit_clock does not exist in this connection's search_path (SQLSTATE 42883; "+
 				"the transaction is aborted, so the search_path could not be read: run SHOW search_path on that connection; see docs/deploy.md)")
 	})
 
@@ -125,7 +126,7 @@ func TestSetupErrors(t *testing.T) {
 		testdb.Pool(t, nil) // a migrated schema, which the next pool does not look in
 		other := testdb.NewSchema(t)
 		pool := testdb.PoolOn(t, other+", public")
-		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42P01", missingIn("Limit", decideRow, "42P01", other+", public"))
+		requireSetupError(t, "Limit", calls[0].call(pool), "Limit", other+", public", "42883", missingIn("Limit", decideRow, "42883", other+", public"))
 		requireSetupError(t, "CheckSchema", ratelimit.CheckSchema(ctx, pool), "CheckSchema", other+", public", "42P01",
 			missingIn("CheckSchema", `relation "txlimit_goose_version" does not exist`, "42P01", other+", public"))
 	})

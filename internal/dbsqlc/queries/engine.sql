@@ -13,14 +13,18 @@
 -- isolation level, where a plain statement's plan could scan the table) is decided by
 -- txlimit_decide_one_v1 in the same statement, told that the UPDATE ran. The condition on the
 -- isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
--- UPDATE reads nothing.
-WITH u AS (
+-- UPDATE reads nothing. The clock is read once, in c, for the UPDATE and the fallback alike
+-- (docs/spec.md §2): read again by the fallback, after the UPDATE waited for the row, it would be
+-- a second reading, later than the one the statement started with.
+WITH c AS MATERIALIZED (
+    SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS t
+), u AS (
     UPDATE txlimit_state s
     SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision,
                                                  sqlc.arg('period_us')::bigint, sqlc.arg('step_us')::bigint,
                                                  sqlc.arg('cap')::double precision), 0, sqlc.arg('count')::double precision),
         ts = txlimit_next_ts(s.ts, c.t, sqlc.arg('step_us')::bigint)
-    FROM (SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS t OFFSET 0) c
+    FROM c
     WHERE current_setting('transaction_isolation') = 'read committed'
       AND s.name = sqlc.arg('name')::text AND s.key = sqlc.arg('key')::text AND s.shard = 0
       AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, sqlc.arg('rate')::double precision,
@@ -36,7 +40,7 @@ WITH u AS (
     RETURNING txlimit_pack_v1(true, false, false, s.value, 0, -1, 1, 0, c.t, s.ts) AS answer
 )
 SELECT coalesce((SELECT u.answer FROM u),
-                txlimit_decide_one_v1(sqlc.narg('now_us')::bigint, sqlc.arg('name')::text, sqlc.arg('key')::text,
+                txlimit_decide_one_v1((SELECT c.t FROM c), sqlc.arg('name')::text, sqlc.arg('key')::text,
                                       sqlc.arg('count')::double precision, sqlc.arg('allow')::double precision, false,
                                       sqlc.arg('step_us')::bigint, sqlc.arg('rate')::double precision,
                                       sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision,
