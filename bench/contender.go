@@ -88,6 +88,10 @@ type Def struct {
 	// NotALimit marks a contender that does not enforce the limit (the floor): it runs in the
 	// throughput cells only, never in the over-grant test. Defaults to false.
 	NotALimit bool
+	// OverGrantOnly keeps the contender out of the throughput cells, the picture and the shard
+	// comparison: it runs only in the over-grant test, to show what txlimit prevents. Defaults to
+	// false.
+	OverGrantOnly bool
 	// New builds the contender on env. It returns a *SkipError when it cannot run here (e.g.
 	// Redis is not reachable), which skips it without failing the run.
 	New func(ctx context.Context, env *Env) (Contender, error)

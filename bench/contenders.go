@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -104,7 +106,20 @@ var contenders = []*Def{
 			if _, err := env.Pool.Exec(ctx, naiveCreateTable); err != nil {
 				return nil, fmt.Errorf("naive: create table: %w", err)
 			}
-			return &naiveSerializable{env: env}, nil
+			return &naive{env: env, iso: pgx.Serializable}, nil
+		},
+	},
+	{
+		ID:            "naive-rc",
+		Name:          "naive READ COMMITTED read-modify-write",
+		What:          "As the naive SERIALIZABLE contender, at READ COMMITTED (Postgres's default), so with nothing to retry; run only in the over-grant test: what deciding with a read in Go and a write back grants.",
+		Family:        FamilyPostgres,
+		OverGrantOnly: true,
+		New: func(ctx context.Context, env *Env) (Contender, error) {
+			if _, err := env.Pool.Exec(ctx, naiveCreateTable); err != nil {
+				return nil, fmt.Errorf("naive: create table: %w", err)
+			}
+			return &naive{env: env, iso: pgx.ReadCommitted}, nil
 		},
 	},
 	{

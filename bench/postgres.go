@@ -35,9 +35,14 @@ ON CONFLICT (name, key) DO UPDATE SET tokens = excluded.tokens, ts = excluded.ts
 // naiveMaxAttempts bounds the retries of one decision; then the decision is an error.
 const naiveMaxAttempts = 20
 
-type naiveSerializable struct{ env *Env }
+// naive decides as an application would without txlimit: it reads the bucket, decides in Go and
+// writes it back, in one transaction at iso, retried on 40001/40P01.
+type naive struct {
+	env *Env
+	iso pgx.TxIsoLevel
+}
 
-func (c *naiveSerializable) Decide(ctx context.Context, limit, key string) (Decision, error) {
+func (c *naive) Decide(ctx context.Context, limit, key string) (Decision, error) {
 	l, err := c.env.limitByName(limit)
 	if err != nil {
 		return Decision{}, err
@@ -65,8 +70,8 @@ func (c *naiveSerializable) Decide(ctx context.Context, limit, key string) (Deci
 	}
 }
 
-func (c *naiveSerializable) once(ctx context.Context, l Limit, key string) (Decision, error) {
-	tx, err := c.env.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+func (c *naive) once(ctx context.Context, l Limit, key string) (Decision, error) {
+	tx, err := c.env.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.iso})
 	if err != nil {
 		return Decision{}, err
 	}
@@ -96,7 +101,7 @@ func (c *naiveSerializable) once(ctx context.Context, l Limit, key string) (Deci
 	return d, tx.Commit(ctx)
 }
 
-func (c *naiveSerializable) Close() {}
+func (c *naive) Close() {}
 
 // The floor is not a limiter: one autocommit UPDATE of one existing row per (limit, key), the least
 // a durable decision made in one statement on the pool can cost (a round trip, a row lock, a WAL

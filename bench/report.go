@@ -484,11 +484,24 @@ func errText(n, abandoned int64, first error) string {
 	return fmt.Sprintf("%s (first: %s)", fmtInt(n), msg)
 }
 
-// cellDefs returns the contenders that run in the throughput cells: all but the SweepOnly ones.
+// cellDefs returns the contenders that run in the throughput cells: all but the SweepOnly and
+// OverGrantOnly ones.
 func (rep *Report) cellDefs() []*Def {
 	var out []*Def
 	for _, d := range rep.Defs {
-		if !d.SweepOnly {
+		if !d.SweepOnly && !d.OverGrantOnly {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// overGrantDefs returns the contenders of the over-grant test: the limits (not the floor) that
+// run in the throughput cells, and the OverGrantOnly ones.
+func (rep *Report) overGrantDefs() []*Def {
+	var out []*Def
+	for _, d := range rep.Defs {
+		if !d.SweepOnly && !d.NotALimit {
 			out = append(out, d)
 		}
 	}
