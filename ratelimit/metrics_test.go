@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -245,7 +244,7 @@ func holdShards(t *testing.T, b *testBundle, name, key string, n int) []pgx.Tx {
 // whose retries BatcherConfig.Retry bounds. (Before, the Batcher ignored Retry.Limiter.)
 func TestMetricsBatcherRetries(t *testing.T) {
 	t.Parallel()
-	var logs syncBuilder
+	var logs metrictest.Logs
 	env, reader := meteredBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{"a": {Rate: 5, Period: time.Minute}},
 		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
@@ -285,23 +284,6 @@ func TestMetricsBatcherRetries(t *testing.T) {
 	require.Contains(t, logs.String(), "batch retried")
 }
 
-// syncBuilder is a strings.Builder safe for concurrent writers (a log handler).
-type syncBuilder struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuilder) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuilder) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // TestMetricsDecisionDurationBuckets: txlimit.decision.duration is in seconds, so its buckets must
 // resolve fractions of a second. With the SDK's default boundaries (0, 5, 10, 25, ... meant for

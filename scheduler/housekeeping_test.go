@@ -1,14 +1,12 @@
 package scheduler_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
 	"maps"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -97,19 +95,6 @@ var pruneLimits = map[string]ratelimit.Config{
 	"llm": {Rate: 100, Period: time.Minute, MaxReserved: 300},
 }
 
-// syncBuffer is a log sink safe for the worker's goroutine.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
-
 // workJob runs one job of w with rivertest's worker, in a transaction that commits (or rolls back
 // when rollback is set), and returns the output it recorded.
 func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
@@ -148,7 +133,7 @@ func TestPruneJob(t *testing.T) {
 	take("tb", "b", 10)
 	take("fws", "a", 5)
 	take("llm", "org", 350) // 250 owed: refilled after 3m30s
-	var logs syncBuffer
+	var logs metrictest.Logs
 	w, err := scheduler.NewPruneWorker(b.limiter, b.pool, &scheduler.HousekeepingConfig{
 		PruneBatchSize: 1, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
@@ -321,7 +306,7 @@ func TestStrandedWorker(t *testing.T) {
 		_, err := sched.CancelTx(ctx, tx, ids[3])
 		return err
 	}))
-	var logs syncBuffer
+	var logs metrictest.Logs
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
 		if a.Key == slog.TimeKey {
 			return slog.Attr{}

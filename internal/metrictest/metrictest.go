@@ -1,5 +1,5 @@
-// Package metrictest reads what the packages' tests measure: the value of a counter at one
-// attribute set, from an OpenTelemetry ManualReader.
+// Package metrictest reads what the packages' tests measure and log: the value of a counter at one
+// attribute set, from an OpenTelemetry ManualReader, and what a logger wrote (Logs).
 package metrictest
 
 import (
