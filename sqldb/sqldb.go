@@ -12,6 +12,11 @@
 // Postgres's text form of the array, which any driver passes on; importing this package therefore
 // links lib/pq, which registers the database/sql driver name "postgres". pgx remains the faster
 // path: pass a pgx handle directly where you have one.
+//
+// Behind a transaction pooler (PgBouncer in transaction mode), open the pgx stdlib driver in one of
+// the exec modes docs/deploy.md calls safe (default_query_exec_mode=exec in the URL, say), and
+// lib/pq with binary_parameters=yes: lib/pq's default sends a statement in two round trips, which
+// fails outside a transaction (SQLSTATE 26000) when the pooler hands them to two server connections.
 package sqldb
 
 import (

@@ -1,0 +1,68 @@
+package sqldb_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/driver/drivertest"
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
+	"github.com/txlimit/txlimit/internal/testdb"
+	"github.com/txlimit/txlimit/ratelimit"
+	"github.com/txlimit/txlimit/sqldb"
+)
+
+// TestDriverContractPoolerSafe runs the driver contract, directly on Postgres, in the database/sql
+// configurations docs/deploy.md calls safe behind a transaction pooler: the pgx stdlib driver in
+// each of pgbouncertest.SafeModes, and lib/pq with binary_parameters=yes (make test-pgbouncer runs
+// them through PgBouncer: TestDatabaseSQLThroughPgBouncer).
+func TestDriverContractPoolerSafe(t *testing.T) {
+	t.Parallel()
+	for _, m := range pgbouncertest.SafeModes {
+		t.Run("pgx_"+m.Name, func(t *testing.T) {
+			t.Parallel()
+			drivertest.Run(t, openedHandle(func(t *testing.T, url string) *sql.DB {
+				cfg, err := pgx.ParseConfig(url)
+				require.NoError(t, err)
+				cfg.DefaultQueryExecMode = m.Mode
+				return stdlib.OpenDB(*cfg)
+			}))
+		})
+	}
+	t.Run("postgres_binary_parameters", func(t *testing.T) {
+		t.Parallel()
+		drivertest.Run(t, openedHandle(func(t *testing.T, url string) *sql.DB {
+			db, err := sql.Open("postgres", url+"&binary_parameters=yes")
+			require.NoError(t, err)
+			return db
+		}))
+	})
+}
+
+// openedHandle is sqlHandle with open making the *sql.DB from the URL of the handle's schema.
+func openedHandle(open func(t *testing.T, url string) *sql.DB) drivertest.Open {
+	return func(t *testing.T, migrate bool) drivertest.Handle {
+		t.Helper()
+		_, pool := testdb.SQLDB(t, "pgx", migrate)
+		db := open(t, testdb.SchemaURL(t, pool.Config().ConnConfig.RuntimeParams["search_path"]))
+		db.SetMaxOpenConns(4)
+		t.Cleanup(func() { _ = db.Close() })
+		return drivertest.Handle{
+			DB: sqldb.Wrap(db), Inspect: pool,
+			Begin: func(t *testing.T, serializable bool) (ratelimit.Executor, func() error, func() error) {
+				opts := &sql.TxOptions{}
+				if serializable {
+					opts.Isolation = sql.LevelSerializable
+				}
+				tx, err := db.BeginTx(context.Background(), opts)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = tx.Rollback() })
+				return sqldb.Wrap(tx), tx.Commit, tx.Rollback
+			},
+		}
+	}
+}
