@@ -284,7 +284,6 @@ func TestMetricsBatcherRetries(t *testing.T) {
 	require.Contains(t, logs.String(), "batch retried")
 }
 
-
 // TestMetricsDecisionDurationBuckets: txlimit.decision.duration is in seconds, so its buckets must
 // resolve fractions of a second. With the SDK's default boundaries (0, 5, 10, 25, ... meant for
 // milliseconds) every decision fell in the bucket (0 s, 5 s], and the histogram said nothing about
