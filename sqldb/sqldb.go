@@ -17,6 +17,12 @@
 // the exec modes docs/deploy.md calls safe (default_query_exec_mode=exec in the URL, say), and
 // lib/pq with binary_parameters=yes: lib/pq's default sends a statement in two round trips, which
 // fails outside a transaction (SQLSTATE 26000) when the pooler hands them to two server connections.
+//
+// On a *sql.DB, lib/pq reports a connection lost after a statement was sent as driver.ErrBadConn,
+// on which database/sql runs the statement again on another connection (lib/pq issue 939): a
+// decision whose connection dropped after its commit can then be charged twice (never an
+// over-grant: the tokens are taken, not given). The pgx stdlib driver reports ErrBadConn only for a
+// statement it never sent, and inside a *sql.Tx database/sql retries nothing.
 package sqldb
 
 import (
