@@ -419,13 +419,25 @@ func (b *Batcher) decide(batch []*pending) {
 	outs, err := b.decideRetrying(ctx, calls)
 	for i, p := range batch {
 		if err != nil {
-			p.err = err
+			p.err = callError(err, p.c.op)
 		} else {
 			p.out = outs[i]
 		}
 		p.n = len(batch)
 		close(p.done)
 	}
+}
+
+// callError is a batch's error err as the batch's call of op returns it: an *ArgumentError
+// (LimiterConfig.Now out of bounds, read once for the whole statement) names that call, as the
+// Limiter's would, not the batch's first.
+func callError(err error, op string) error {
+	if arg, ok := err.(*ArgumentError); ok && arg.Op != op {
+		e := *arg
+		e.Op = op
+		return &e
+	}
+	return err
 }
 
 // decideRetrying decides calls, running them again whole after a serialization failure or a
