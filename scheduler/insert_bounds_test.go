@@ -72,4 +72,14 @@ func TestReserveTxScheduledAtYearInUTC(t *testing.T) {
 			return nil
 		}))
 	}
+	// And the other way round: an instant within the years 0 to 9999 in UTC is taken, whatever
+	// its own zone says (here 10000-01-01 03:00 at UTC+5, which is 9999-12-31 22:00 in UTC; it was
+	// refused as "count reserves tokens due only at 10000-01-01T03:00:00+05:00").
+	at := time.Date(10000, 1, 1, 3, 0, 0, 0, time.FixedZone("UTC+5", 5*3600))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		r, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: at}})
+		require.NoError(t, err, "%s", at)
+		require.True(t, r.Job.ScheduledAt.Equal(at), "job scheduled at %s", r.Job.ScheduledAt)
+		return nil
+	}))
 }

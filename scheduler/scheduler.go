@@ -268,7 +268,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
-	if r.ScheduledAt.Year() > 9999 { // ratelimit reserves up to about year 75,000 when unbounded
+	if r.ScheduledAt.UTC().Year() > 9999 { // ratelimit reserves up to about year 75,000 when unbounded
 		return nil, argError(op, "count", fmt.Sprintf("reserves tokens due only at %s, after the year 9999 that the job's metadata "+
 			"(JSON) can hold: reserve less, or schedule the work another way", r.ScheduledAt.Format(time.RFC3339)), nil)
 	}
