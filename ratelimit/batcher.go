@@ -73,6 +73,10 @@ type BatcherConfig struct {
 // of a batch has gone (a batch of one included), the statement is cancelled and they return as
 // soon as pgx has cancelled it; a grant it committed first stands.
 //
+// Panics: a panic while a batch is decided (LimiterConfig.Now, a pool's tracer) reaches every
+// caller of the batch still waiting for it, each panicking with the same value on its own
+// goroutine, as a Limiter's call would; the lane goes on deciding.
+//
 // A Batcher is safe for concurrent use. Close it to stop its goroutines (one per lane).
 type Batcher struct {
 	pool     *pgxpool.Pool
@@ -103,10 +107,14 @@ type pending struct {
 	ctx   context.Context
 	c     *call
 	taken bool          // guarded by the lane's mu: part of a batch being decided
-	done  chan struct{} // closed when out, err and n are set
+	done  chan struct{} // closed when out, err and n are set, or panicked
 	out   outcome
 	err   error
 	n     int
+	// panicked: deciding the batch on the lane's goroutine panicked with panicVal, which the
+	// caller's goroutine panics with in turn.
+	panicked bool
+	panicVal any
 }
 
 // NewBatcher returns a Batcher deciding the limits of lim on pool, with config's lanes and batch
@@ -278,10 +286,36 @@ func (b *Batcher) decideInline(ln *lane, p *pending) {
 	b.decide([]*pending{p})
 }
 
+// decideOnLane decides batch on the lane's goroutine. A panic while deciding it (LimiterConfig.Now,
+// a pool's tracer) cannot be recovered by anyone on this goroutine and would end the process: it
+// goes instead to the batch's callers, each panicking with the same value on its own goroutine (as
+// on the Limiter, and as for a call decided on its caller's goroutine), and the lane goes on. A
+// caller that left before the panic (its context ended) has returned ctx.Err() and never sees it.
+func (b *Batcher) decideOnLane(batch []*pending) {
+	defer func() {
+		v := recover()
+		if v == nil {
+			return
+		}
+		for _, p := range batch {
+			select {
+			case <-p.done: // given its outcome before the panic
+			default:
+				p.panicked, p.panicVal = true, v
+				close(p.done)
+			}
+		}
+	}()
+	b.decide(batch)
+}
+
 // outcome is the decided call's outcome for a caller whose context is ctx: when its batch failed
 // after ctx ended, the caller's own ctx.Err() (the batch's statement was cancelled because its
 // callers, this one among them, had left), else result.
 func (p *pending) outcome(ctx context.Context) (ManyResult, error) {
+	if p.panicked {
+		panic(p.panicVal)
+	}
 	if p.err != nil && ctx.Err() != nil {
 		return ManyResult{}, ctx.Err()
 	}
@@ -337,7 +371,7 @@ func (b *Batcher) run(ln *lane) {
 		}
 		ln.busy = true
 		ln.mu.Unlock()
-		b.decide(batch)
+		b.decideOnLane(batch)
 		ln.mu.Lock()
 		ln.busy = false
 		ln.mu.Unlock()
@@ -385,13 +419,25 @@ func (b *Batcher) decide(batch []*pending) {
 	outs, err := b.decideRetrying(ctx, calls)
 	for i, p := range batch {
 		if err != nil {
-			p.err = err
+			p.err = callError(err, p.c.op)
 		} else {
 			p.out = outs[i]
 		}
 		p.n = len(batch)
 		close(p.done)
 	}
+}
+
+// callError is a batch's error err as the batch's call of op returns it: an *ArgumentError
+// (LimiterConfig.Now out of bounds, read once for the whole statement) names that call, as the
+// Limiter's would, not the batch's first.
+func callError(err error, op string) error {
+	if arg, ok := err.(*ArgumentError); ok && arg.Op != op {
+		e := *arg
+		e.Op = op
+		return &e
+	}
+	return err
 }
 
 // decideRetrying decides calls, running them again whole after a serialization failure or a

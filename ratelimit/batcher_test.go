@@ -832,3 +832,113 @@ func TestBatcherPanicOnTheCallersGoroutineFreesTheLane(t *testing.T) {
 		t.Fatal("Close did not return")
 	}
 }
+
+// A panic while a batch is decided on the lane's own goroutine (LimiterConfig.Now, a pool's
+// tracer) goes to the batch's callers, each on its own goroutine, as on the Limiter and as for a
+// call decided on its caller's goroutine; the lane goes on deciding and Close returns. Before, it
+// was a panic on a goroutine nobody could recover: it ended the process.
+func TestBatcherPanicOnTheLanesGoroutineGoesToTheCallers(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int64
+	release := make(chan struct{})
+	env := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{Limits: bLimits, Now: func() time.Time {
+		switch calls.Add(1) {
+		case 1: // the first call, decided on its caller's goroutine: holds the lane until released
+			<-release
+		case 2: // the batch of the calls queued meanwhile, on the lane's goroutine
+			panic("boom")
+		}
+		return bFrozen()
+	}})
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: 1})
+	require.NoError(t, err)
+	first := bAsync(func() (ratelimit.Result, error) { return b.Limit(env.ctx, "tb", "a", nil) })
+	eventually(t, "the first call reads the clock", func() bool { return calls.Load() == 1 })
+
+	const queued = 3
+	panics := make(chan any, queued)
+	for i := range queued {
+		go func() {
+			defer func() { panics <- recover() }()
+			_, _ = b.Limit(env.ctx, "tb", fmt.Sprint("q", i), nil)
+		}()
+	}
+	time.Sleep(100 * time.Millisecond) // the three queue behind the first
+	close(release)
+	o := <-first
+	require.NoError(t, o.err)
+	for range queued {
+		select {
+		case v := <-panics:
+			require.Equal(t, "boom", v, "each caller of the batch gets the panic")
+		case <-time.After(10 * time.Second):
+			t.Fatal("a caller of the batch that panicked never returned")
+		}
+	}
+
+	ctx, cancel := context.WithTimeout(env.ctx, 10*time.Second)
+	defer cancel()
+	r, err := b.Limit(ctx, "tb", "k", nil)
+	require.NoError(t, err, "the lane still decides")
+	require.True(t, r.OK)
+	closed := make(chan struct{})
+	go func() { b.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return")
+	}
+}
+
+// docs/spec.md §5: an *ArgumentError names the call. A LimiterConfig.Now out of bounds fails a
+// whole batch (the statement reads the clock once), and each caller's error names its own call:
+// before, every caller of the batch got the first call's Op (a CheckMany was told "Limit").
+func TestBatcherClockErrorNamesEachCall(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int64
+	release := make(chan struct{})
+	env := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{Limits: bLimits, Now: func() time.Time {
+		if calls.Add(1) == 1 {
+			<-release // the first call holds the lane while the others queue
+			return bFrozen()
+		}
+		return time.UnixMicro(1 << 62)
+	}})
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: 1})
+	require.NoError(t, err)
+	defer b.Close()
+	first := bAsync(func() (ratelimit.Result, error) { return b.Limit(env.ctx, "tb", "a", nil) })
+	eventually(t, "the first call reads the clock", func() bool { return calls.Load() == 1 })
+
+	ops := []string{"Limit", "CheckN", "LimitMany", "CheckMany"}
+	errs := make([]chan error, len(ops))
+	for i, op := range ops {
+		errs[i] = make(chan error, 1)
+		go func() {
+			var err error
+			switch op {
+			case "Limit":
+				_, err = b.Limit(env.ctx, "tb", "b", nil)
+			case "CheckN":
+				_, err = b.CheckN(env.ctx, "tb", "c", 1, nil)
+			case "LimitMany":
+				_, err = b.LimitMany(env.ctx, []ratelimit.Request{{Name: "tb", Key: "d"}}, nil)
+			case "CheckMany":
+				_, err = b.CheckMany(env.ctx, []ratelimit.Request{{Name: "tb", Key: "e"}}, nil)
+			}
+			errs[i] <- err
+		}()
+		time.Sleep(20 * time.Millisecond) // queued in this order
+	}
+	time.Sleep(100 * time.Millisecond)
+	close(release)
+	require.NoError(t, (<-first).err)
+	for i, op := range ops {
+		err := <-errs[i]
+		var arg *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &arg, op)
+		require.Equal(t, "LimiterConfig.Now", arg.Arg, op)
+		require.Equal(t, op, arg.Op, "%s: %v", op, err)
+	}
+	require.EqualValues(t, 2, calls.Load(), "one batch after the first call")
+}

@@ -47,3 +47,39 @@ func TestReserveTxInsertOptionsRefused(t *testing.T) {
 	require.NoError(t, b.pool.QueryRow(ctx, "SELECT count(*) FROM river_job").Scan(&jobs))
 	require.Zero(t, jobs)
 }
+
+// The years 0 to 9999 that ReserveTx takes in InsertOpts.ScheduledAt are those of the instant in
+// UTC, in which the job's metadata records it (NotBefore): a ScheduledAt of 9999-12-31 23:00 at
+// UTC-5 (10000-01-01 in UTC) or of 0000-01-01 01:00 at UTC+5 (the year -1 in UTC) passed the check,
+// which read the year in the time's own zone, and then failed untyped when the reservation was
+// recorded ("record the reservation: json: ... year outside of range [0,9999]").
+func TestReserveTxScheduledAtYearInUTC(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Hour, MaxReserved: 10})
+	ctx := context.Background()
+	for _, at := range []time.Time{
+		time.Date(9999, 12, 31, 23, 0, 0, 0, time.FixedZone("UTC-5", -5*3600)),
+		time.Date(0, 1, 1, 1, 0, 0, 0, time.FixedZone("UTC+5", 5*3600)),
+	} {
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			_, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: at}})
+			var ae *ratelimit.ArgumentError
+			require.ErrorAs(t, err, &ae, "%s: %v", at, err)
+			require.Equal(t, "ReserveOpts.InsertOpts.ScheduledAt", ae.Arg, "%s: %v", at, err)
+			st, err := b.limiter.State(ctx, tx, "calls", "k", nil)
+			require.NoError(t, err)
+			require.Equal(t, 1.0, st.Value, "%s: nothing reserved", at)
+			return nil
+		}))
+	}
+	// And the other way round: an instant within the years 0 to 9999 in UTC is taken, whatever
+	// its own zone says (here 10000-01-01 03:00 at UTC+5, which is 9999-12-31 22:00 in UTC; it was
+	// refused as "count reserves tokens due only at 10000-01-01T03:00:00+05:00").
+	at := time.Date(10000, 1, 1, 3, 0, 0, 0, time.FixedZone("UTC+5", 5*3600))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		r, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 1, callArgs{}, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: at}})
+		require.NoError(t, err, "%s", at)
+		require.True(t, r.Job.ScheduledAt.Equal(at), "job scheduled at %s", r.Job.ScheduledAt)
+		return nil
+	}))
+}

@@ -161,7 +161,7 @@ type Reservation struct {
 // (a nil pointer in the interface too, such as a nil *pgxpool.Tx), for instance; so is a job that River refuses to insert
 // (arguments it cannot encode, invalid insert options) or whose values Postgres refuses (a
 // negative MaxAttempts, metadata that is not UTF-8), an *ratelimit.ArgumentError wrapping
-// River's or Postgres's error, a ScheduledAt outside the years 0 to 9999, and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
+// River's or Postgres's error, a ScheduledAt outside the years 0 to 9999 (in UTC), and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
 // up to 2^61 µs; the job's JSON metadata holds no later time). The reservation and the job are
 // written in a savepoint of tx (two more round
 // trips: SAVEPOINT and RELEASE), so any failure leaves tx as it was, unless the error says to roll
@@ -268,7 +268,7 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
-	if r.ScheduledAt.Year() > 9999 { // ratelimit reserves up to about year 75,000 when unbounded
+	if r.ScheduledAt.UTC().Year() > 9999 { // ratelimit reserves up to about year 75,000 when unbounded
 		return nil, argError(op, "count", fmt.Sprintf("reserves tokens due only at %s, after the year 9999 that the job's metadata "+
 			"(JSON) can hold: reserve less, or schedule the work another way", r.ScheduledAt.Format(time.RFC3339)), nil)
 	}
@@ -326,9 +326,10 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 		// time replaces it in the insert, so it is kept here, as the earliest the job may run.
 		insertOpts.ScheduledAt = a.InsertOpts().ScheduledAt
 	}
-	if y := insertOpts.ScheduledAt.Year(); y < 0 || y > 9999 {
+	// In UTC, as the metadata records it (NotBefore): the year in the time's own zone may differ.
+	if y := insertOpts.ScheduledAt.UTC().Year(); y < 0 || y > 9999 {
 		return insertOpts, argError(op, "ReserveOpts.InsertOpts.ScheduledAt", fmt.Sprintf("is %s, outside the years 0 to 9999 that "+
-			"the job's metadata (JSON) can hold", insertOpts.ScheduledAt.Format(time.RFC3339)), nil)
+			"the job's metadata (JSON) can hold", insertOpts.ScheduledAt.UTC().Format(time.RFC3339)), nil)
 	}
 	md, err := withPaid(insertOpts.Metadata)
 	if err != nil {
