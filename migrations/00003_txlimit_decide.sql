@@ -575,7 +575,8 @@ BEGIN
                     SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us, p_cap),
                                              0, p_count),
                         ts = txlimit_next_ts(s.ts, t, p_step_us)
-                    WHERE s.ctid = lc
+                    WHERE s.ctid = lc AND s.name = p_name AND s.key = p_key AND s.shard = sh -- a ctid alone
+                      -- names a row only within one table: a partitioned txlimit_state repeats it
                       AND s.value = CASE WHEN sh = a THEN va ELSE vb END AND s.ts = CASE WHEN sh = a THEN ta ELSE tb END
                       AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us,
                                                                               p_step_us, p_cap), 0, p_count), 0, p_allow)

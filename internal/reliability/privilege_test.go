@@ -339,6 +339,9 @@ func TestLeastPrivilege(t *testing.T) {
 		n, err := limiter.Prune(ctx, pool, "brief", nil)
 		return errors.Join(err, want(n >= 1, "pruned %d rows, want >= 1", n))
 	})
+	op("CheckSchema (the start-up check the README's set-up makes)", func() error {
+		return ratelimit.CheckSchema(ctx, pool)
+	})
 	op("InSerializableTx", func() error {
 		return ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
 			_, err := limiter.LimitMany(ctx, tx, []ratelimit.Request{{Name: "api", Key: "user-3"}, {Name: "sharded", Key: "hot"}}, nil)
@@ -433,6 +436,39 @@ func TestLeastPrivilege(t *testing.T) {
 			defer cancel()
 			_ = client.Stop(sctx)
 		}
+	})
+	op("Scheduler.Check (the start-up check the README's set-up makes)", func() error {
+		return sched.Check(ctx, pool, privJobArgs{})
+	})
+	later := &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: time.Now().Add(time.Hour)}}
+	op("CancelTx of a reserved job that has not started", func() error {
+		return inTx(func(tx pgx.Tx) error {
+			r, err := sched.ReserveTx(ctx, tx, "api", "user-6", 1, privJobArgs{Step: "cancelled"}, later)
+			if err != nil {
+				return err
+			}
+			s, err := sched.CancelTx(ctx, tx, r.Job.ID)
+			if err != nil {
+				return err
+			}
+			return want(s.Cancelled && s.Limits[0].Credited > 0, "cancel: %+v", s)
+		})
+	})
+	op("SettleTx of a reserved job", func() error {
+		return inTx(func(tx pgx.Tx) error {
+			r, err := sched.ReserveTx(ctx, tx, "api", "user-7", 2, privJobArgs{Step: "settled"}, later)
+			if err != nil {
+				return err
+			}
+			s, err := sched.SettleTx(ctx, tx, r.Job.ID, 1)
+			if err != nil {
+				return err
+			}
+			if _, err := sched.CancelTx(ctx, tx, r.Job.ID); !errors.Is(err, scheduler.ErrNotCancellable) {
+				return fmt.Errorf("cancel of a settled job: got %v, want ErrNotCancellable", err)
+			}
+			return want(s.Limits[0].Credited > 0, "settle: %+v", s)
+		})
 	})
 	budget := func(reserved float64) scheduler.Settlement {
 		return scheduler.Settlement{Name: "llm", Key: "org", Reserved: reserved}
