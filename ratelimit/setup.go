@@ -24,7 +24,8 @@ var ErrSetup = errors.New("txlimit: not set up")
 // Package ratelimit reports txlimit's schema: a table or function of txlimit that Postgres did not
 // find (SQLSTATE 42P01 or 42883: a forgotten migration, a search_path that does not name the
 // migrated schema, a schema migrated by an older txlimit), or, from CheckSchema, a schema whose
-// migration version is behind this build. Nothing was written. Package scheduler reports River's
+// migration version is behind this build, or which no longer has a function this build calls (a
+// newer txlimit migrated it). Nothing was written. Package scheduler reports River's
 // side (its Problem says what: scheduler.ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked).
 type SetupError struct {
 	// Package is the package whose call found the mistake: "ratelimit" or "scheduler". Defaults to
@@ -33,8 +34,9 @@ type SetupError struct {
 	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check".
 	Op string
 	// Problem is the mistake, when its package names one with a sentinel error (package scheduler's
-	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked). Defaults to nil: txlimit's schema is
-	// missing (Err says what Postgres did not find) or behind (Version and Want).
+	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or, from CheckSchema, the functions a
+	// schema migrated by a newer txlimit no longer has. Defaults to nil: txlimit's schema is missing
+	// (Err says what Postgres did not find) or behind (Version and Want).
 	Problem error
 	// Fix is what to do: for txlimit's schema the call that creates the missing objects, for package
 	// scheduler a sentence. Defaults to "" (read as "migrations.Up").
@@ -146,9 +148,10 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 
 // CheckSchema verifies, in one query, that the schema db's search_path leads to holds txlimit's
 // tables at the migration version this build needs (migrations.Latest(), or later: code keeps
-// working on a schema migrated by a newer txlimit). Call it once at start-up, after migrating: it
-// returns nil, a *SetupError (errors.Is(err, ErrSetup)) naming the fix and the search_path, or the
-// database error.
+// working on a schema migrated by a newer txlimit) and every txlimit function this build calls (a
+// schema migrated two releases ahead may have dropped one: CONTRIBUTING.md). Call it once at
+// start-up, after migrating: it returns nil, a *SetupError (errors.Is(err, ErrSetup)) naming the fix
+// and the search_path, or the database error.
 func CheckSchema(ctx context.Context, db Executor) error {
 	const op = "CheckSchema"
 	if err := checkExecutor(op, db); err != nil {
@@ -160,6 +163,12 @@ func CheckSchema(ctx context.Context, db Executor) error {
 	}
 	if want := migrations.Latest(); row.Version < want {
 		return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
+	}
+	if len(row.Missing) > 0 {
+		return &SetupError{Package: "ratelimit", Op: op, Fix: "deploy a newer build of txlimit", SearchPath: row.SearchPath,
+			Version: row.Version, Want: migrations.Latest(), Problem: fmt.Errorf(
+				"the schema, at migration version %d, has no function %s, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs",
+				row.Version, strings.Join(row.Missing, ", "), migrations.Latest())}
 	}
 	return nil
 }

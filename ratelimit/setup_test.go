@@ -4,6 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -171,6 +176,30 @@ func TestSetupErrors(t *testing.T) {
 		requireSetupError(t, "Reset", err, "Reset", schema, "42883", missingIn("Reset", reset, "42883", schema))
 	})
 
+	// A newer txlimit's migration drops a function's old version a release after its new one
+	// (CONTRIBUTING.md): a build two releases behind then finds its schema "ahead" yet without a
+	// function it calls. CheckSchema says so at start-up, naming the function and the fix (a newer
+	// build), not migrations.Up, which would change nothing.
+	t.Run("schema ahead without a function this build calls", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		if _, err := pool.Exec(ctx, "DROP FUNCTION txlimit_decide_one_v1"); err != nil {
+			t.Fatal(err)
+		}
+		var schema string
+		if err := pool.QueryRow(ctx, "SHOW search_path").Scan(&schema); err != nil {
+			t.Fatal(err)
+		}
+		err := ratelimit.CheckSchema(ctx, pool)
+		want := fmt.Sprintf("ratelimit: CheckSchema: deploy a newer build of txlimit (the schema, at migration version %d, has no function "+
+			"txlimit_decide_one_v1, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs; "+
+			"the connection's search_path is %q)", migrations.Latest(), migrations.Latest(), schema)
+		var se *ratelimit.SetupError
+		if !errors.As(err, &se) || !errors.Is(err, ratelimit.ErrSetup) || err.Error() != want {
+			t.Fatalf("CheckSchema:\n got %v\nwant %s", err, want)
+		}
+	})
+
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {
 		t.Parallel()
 		pool := testdb.Pool(t, nil)
@@ -192,4 +221,44 @@ func TestSetupErrors(t *testing.T) {
 			t.Errorf("Limit in an aborted transaction: %v; want a plain database error", err)
 		}
 	})
+}
+
+// TestSchemaVersionListsEveryFunctionCalled: the list of functions CheckSchema looks for
+// (SchemaVersion in internal/dbsqlc/queries/setup.sql) names every txlimit function the library's
+// statements call, and nothing else.
+func TestSchemaVersionListsEveryFunctionCalled(t *testing.T) {
+	t.Parallel()
+	files, err := filepath.Glob("../internal/dbsqlc/queries/*.sql")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no queries: %v", err)
+	}
+	call := regexp.MustCompile(`\btxlimit_[a-z0-9_]+\(`)
+	list := regexp.MustCompile(`'\{(txlimit_[a-z0-9_,]+)\}'::text\[\]`)
+	called := map[string]bool{}
+	var listed []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(strings.TrimSpace(line), "--") {
+				continue
+			}
+			for _, m := range call.FindAllString(line, -1) {
+				called[strings.TrimSuffix(m, "(")] = true
+			}
+			if m := list.FindStringSubmatch(line); m != nil {
+				listed = strings.Split(m[1], ",")
+			}
+		}
+	}
+	want := make([]string, 0, len(called))
+	for name := range called {
+		want = append(want, name)
+	}
+	sort.Strings(want)
+	if !slices.Equal(listed, want) {
+		t.Errorf("SchemaVersion looks for\n%v\nthe statements call\n%v", listed, want)
+	}
 }

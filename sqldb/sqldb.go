@@ -172,7 +172,7 @@ func (e *executor) SchemaVersion(ctx context.Context) (dbsqlc.SchemaVersionRow, 
 	if err != nil {
 		return dbsqlc.SchemaVersionRow{}, pgError(err)
 	}
-	return dbsqlc.SchemaVersionRow{Version: r.Version, SearchPath: r.SearchPath}, nil
+	return dbsqlc.SchemaVersionRow{Version: r.Version, SearchPath: r.SearchPath, Missing: r.Missing}, nil
 }
 
 // pgError makes an error of lib/pq (*pq.Error) also match *pgconn.PgError under errors.As, with

@@ -11,7 +11,11 @@ import (
 
 const schemaVersion = `-- name: SchemaVersion :one
 SELECT coalesce(max(v.version_id), 0)::bigint AS version,
-       current_setting('search_path')::text AS search_path
+       current_setting('search_path')::text AS search_path,
+       (SELECT coalesce(array_agg(f.name ORDER BY f.i), '{}')
+        FROM unnest('{txlimit_clock,txlimit_credit_v1,txlimit_decide_one_v1,txlimit_decide_v1,txlimit_granted,txlimit_left,txlimit_level,txlimit_levels_v1,txlimit_next_ts,txlimit_pack_v1,txlimit_prunable,txlimit_reset_v1,txlimit_retry_at}'::text[])
+             WITH ORDINALITY AS f(name, i)
+        WHERE to_regproc(f.name) IS NULL)::text[] AS missing
 FROM txlimit_goose_version v
 WHERE v.is_applied
 `
@@ -19,14 +23,20 @@ WHERE v.is_applied
 type SchemaVersionRow struct {
 	Version    int64
 	SearchPath string
+	Missing    []string
 }
 
 // SchemaVersion is the highest txlimit migration applied in the schema the search_path finds
-// txlimit_goose_version in (0 when none), and the search_path itself.
+// txlimit_goose_version in (0 when none), the search_path itself, and which of the functions this
+// build's statements call the search_path does not find (missing, in the order listed: empty when
+// none). The list names every txlimit function the statements of this directory call;
+// TestSchemaVersionListsEveryFunctionCalled keeps it so. A schema migrated by a newer txlimit may
+// have dropped a function an older build calls (CONTRIBUTING.md: a function's old version is
+// dropped a release after its new one).
 func (q *Queries) SchemaVersion(ctx context.Context, db DBTX) (SchemaVersionRow, error) {
 	row := db.QueryRow(ctx, schemaVersion)
 	var i SchemaVersionRow
-	err := row.Scan(&i.Version, &i.SearchPath)
+	err := row.Scan(&i.Version, &i.SearchPath, &i.Missing)
 	return i, err
 }
 
