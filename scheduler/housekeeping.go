@@ -109,8 +109,9 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 //     JobCancel; a unique conflict discarded by River's scheduler: refund them with SettleTx and 0
 //     used). Such a job holds its tokens until it runs, settles or is cancelled; one that nothing
 //     starts (its queue is one no River client works, or the workers are stopped) holds them for
-//     good. The check marks each (job metadata "txlimit_stranded", {"at", "state"}) so that it is
-//     counted once until it is stranded anew (in another state), counts them by queue (txlimit.scheduler.stranded),
+//     good. The check marks each (job metadata "txlimit_stranded", {"at", "scheduled_at",
+//     "state"}) so that it is counted once until it is stranded anew (in another state, or at
+//     another scheduled time), counts them by queue (txlimit.scheduler.stranded),
 //     logs a warning per queue with the fix, and records what it found as the job's output. At
 //     most 1000 jobs are marked per run; the next runs find the rest.
 //

@@ -28,8 +28,9 @@ const meterName = "github.com/txlimit/txlimit/scheduler"
 const metricStranded = "txlimit.scheduler.stranded"
 
 // strandedKey is the key of job metadata under which the stranded check records when it found the
-// job stranded, and the job's state then ({"at": time, "state": "waiting", "pending",
-// "cancelled" or "discarded"}), so that each stranding is counted once.
+// job stranded, and the job's scheduled time and state then ({"at": time, "scheduled_at": time,
+// "state": "waiting", "pending", "cancelled" or "discarded"}), so that each stranding is counted
+// once.
 const strandedKey = "txlimit_stranded"
 
 // strandedArgs are the arguments of the stranded check's job (Housekeeping): none.

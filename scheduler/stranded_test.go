@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"testing"
 	"time"
@@ -105,4 +106,53 @@ func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 	require.InDelta(t, before+10, value(t, b, "calls", "k"), 0.5)
 	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
 	require.Equal(t, int64(0), out.Total, "%+v", out)
+}
+
+// TestStrandedWorkerReportsAJobStrandedAgain: a job found stranded, then run again (a client came
+// back), that failed and was put back to wait in a queue no client works any more, is stranded a
+// second time. The check marked it for good the first time and never reported it again.
+func TestStrandedWorkerReportsAJobStrandedAgain(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	id := reserveOne(t, b, b.sched, nil)
+
+	at := time.Now().Add(time.Hour)
+	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()}, func() time.Time { return at })
+	require.NoError(t, err)
+	out := workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	require.Equal(t, int64(1), out.Total, "%+v", out)
+	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	require.Equal(t, int64(0), out.Total, "counted once while it stays stranded: %+v", out)
+
+	// A client comes back and works the job, which fails: River puts it back to retry (available
+	// when the retry is due within its scheduler's 5 s, else retryable).
+	failed := make(chan struct{}, 1)
+	worker := newClient(t, b.pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(1)},
+		work: func(context.Context, *river.Job[callArgs]) error {
+			failed <- struct{}{}
+			return errors.New("the model is down")
+		},
+	})
+	require.NoError(t, worker.Start(ctx))
+	select {
+	case <-failed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the job did not run")
+	}
+	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, worker.Stop(stopCtx))
+	job := jobRow(t, b, id)
+	require.Contains(t, []rivertype.JobState{rivertype.JobStateAvailable, rivertype.JobStateRetryable}, job.State, "put back to retry")
+	require.Equal(t, 1, job.Attempt)
+
+	// Nothing works its queue any more: an hour past its retry it is stranded again.
+	at = job.ScheduledAt.Add(time.Hour)
+	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	require.Equal(t, int64(1), out.Total, "stranded a second time: %+v", out)
+	require.True(t, out.Queues[0].FirstScheduledAt.Equal(job.ScheduledAt), "%+v", out)
+	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	require.Equal(t, int64(0), out.Total, "and counted once again: %+v", out)
 }

@@ -96,8 +96,9 @@ SELECT q.name FROM river_queue q ORDER BY q.name;
 --     its time;
 --   - "cancelled" or "discarded": finalized by River before any attempt started (River's own
 --     JobCancel, a unique conflict River's scheduler discarded), as long ago, with no refund.
--- A job is returned again only when it is stranded anew, in another of these states; a mark of
--- an earlier version (only "at") stands for "waiting". So each stranding is counted once, by whichever check finds it first;
+-- A job is returned again only when it is stranded anew: in another of these states, or at
+-- another scheduled_at (River retried it); a mark of an earlier version (only "at") stands for
+-- "waiting" at any time. So each stranding is counted once, by whichever check finds it first;
 -- jobs locked by a worker that is starting them are skipped.
 WITH found AS (
     SELECT j.id, r.state
@@ -112,7 +113,8 @@ WITH found AS (
         OR (j.state IN ('cancelled', 'discarded') AND j.attempted_at IS NULL
             AND coalesce(j.finalized_at, j.scheduled_at) < coalesce(sqlc.narg('now')::timestamptz, now()) - sqlc.arg('after_us')::bigint * interval '1 microsecond'))
       AND NOT (j.metadata ? 'txlimit_stranded'
-               AND coalesce(j.metadata #>> '{txlimit_stranded,state}', 'waiting') = r.state)
+               AND coalesce(j.metadata #>> '{txlimit_stranded,state}', 'waiting') = r.state
+               AND coalesce((j.metadata #>> '{txlimit_stranded,scheduled_at}')::timestamptz = j.scheduled_at, true))
     ORDER BY j.id
     LIMIT 1000
     FOR UPDATE OF j SKIP LOCKED
@@ -120,7 +122,7 @@ WITH found AS (
 UPDATE river_job j
 SET metadata = jsonb_set(j.metadata, '{txlimit_stranded}',
                          jsonb_build_object('at', coalesce(sqlc.narg('now')::timestamptz, now()),
-                                            'state', f.state), true)
+                                            'scheduled_at', j.scheduled_at, 'state', f.state), true)
 FROM found f
 WHERE j.id = f.id
 RETURNING j.id, j.queue, j.scheduled_at, f.state::text AS state,
