@@ -156,3 +156,38 @@ func TestStrandedWorkerReportsAJobStrandedAgain(t *testing.T) {
 	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
 	require.Equal(t, int64(0), out.Total, "and counted once again: %+v", out)
 }
+
+// TestCancelTxOfAJobRiverCancelledNamesTheRefund: CancelTx of a reserved job that River's own
+// JobCancel cancelled before it started (no refund) said "job N was already cancelled", as if the
+// refund had been given, to the operator the docs send to CancelTx. It is still refused (nothing
+// written), and the error now says the reservation was not refunded and how to refund it.
+func TestCancelTxOfAJobRiverCancelledNamesTheRefund(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	id := reserveOne(t, b, b.sched, nil)
+	_, err := b.client.JobCancel(ctx, id)
+	require.NoError(t, err)
+	err = inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, id); return err })
+	var nc *scheduler.NotCancellableError
+	require.ErrorAs(t, err, &nc)
+	require.True(t, nc.Cancelled())
+	require.False(t, nc.Settled)
+	require.Contains(t, err.Error(), "SettleTx", "the error names the refund: %v", err)
+
+	// A unique conflict River's scheduler discarded never ran: it said "already ran".
+	discarded := reserveOne(t, b, b.sched, nil)
+	_, err = b.pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(),
+		metadata = metadata || '{"unique_key_conflict": "scheduler_discarded"}' WHERE id = $1`, discarded)
+	require.NoError(t, err)
+	err = inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, discarded); return err })
+	require.ErrorAs(t, err, &nc)
+	require.False(t, nc.Started, "it never started")
+	require.Contains(t, err.Error(), "discarded by River before it started", "%v", err)
+
+	// Once refunded (or cancelled by CancelTx), "already cancelled" is the whole story.
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 0); return err }))
+	err = inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, id); return err })
+	require.ErrorAs(t, err, &nc)
+	require.NotContains(t, err.Error(), "SettleTx", "%v", err)
+}
