@@ -33,7 +33,9 @@ type NotCancellableError struct {
 	JobID int64
 	// State is the job's River state.
 	State rivertype.JobState
-	// Started reports that an attempt of the job has started (it is running, or ran).
+	// Started reports that an attempt of the job has started (it is running, or ran). A job River
+	// cancelled or discarded before it started (River's own JobCancel, a unique conflict) has not:
+	// unless Settled, its reservation was not refunded, and SettleTx with 0 used refunds it.
 	Started bool
 	// Settled reports that the job's reservation was settled already (SettleTx), so there is
 	// nothing left to refund.
@@ -42,6 +44,9 @@ type NotCancellableError struct {
 
 func (e *NotCancellableError) Error() string {
 	switch {
+	case !e.Started && !e.Settled && (e.State == rivertype.JobStateCancelled || e.State == rivertype.JobStateDiscarded):
+		return fmt.Sprintf("scheduler: job %d was %s by River before it started, without a refund of its reservation: "+
+			"refund it with Scheduler.SettleTx(ctx, tx, %d, 0)", e.JobID, e.State, e.JobID)
 	case e.Settled && e.State != rivertype.JobStateCancelled:
 		return fmt.Sprintf("scheduler: job %d was settled already (state %s)", e.JobID, e.State)
 	case e.State == rivertype.JobStateCancelled:
@@ -114,7 +119,8 @@ func (s *Scheduler) CancelTx(ctx context.Context, tx pgx.Tx, jobID int64) (*JobS
 		case state == rivertype.JobStateRunning || job.Attempted:
 			return nil, &NotCancellableError{JobID: jobID, State: state, Started: true}
 		case state != rivertype.JobStateAvailable && state != rivertype.JobStateScheduled && state != rivertype.JobStatePending:
-			return nil, &NotCancellableError{JobID: jobID, State: state, Started: state != rivertype.JobStateCancelled, Settled: job.Settled}
+			// Not attempted (above): finalized by River before it started, unless completed.
+			return nil, &NotCancellableError{JobID: jobID, State: state, Started: state == rivertype.JobStateCompleted, Settled: job.Settled}
 		case job.Settled:
 			return nil, &NotCancellableError{JobID: jobID, State: state, Settled: true}
 		}

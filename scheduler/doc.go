@@ -37,7 +37,8 @@
 //
 // Housekeeping registers two River periodic jobs (HousekeepingConfig): one runs Limiter.PruneAll
 // every hour, the other finds, every minute, the reserved jobs that have not started 5 minutes past
-// their time (a reserved job holds its tokens until it runs, settles or is cancelled), counts each
+// their time, or that River cancelled or discarded before they started without their refund (a
+// reserved job holds its tokens until it runs, settles or is cancelled), counts each
 // once (the OpenTelemetry counter txlimit.scheduler.stranded) and logs a warning per queue with the
 // fix.
 //

@@ -20,7 +20,8 @@ type HousekeepingConfig struct {
 
 	// MeterProvider provides the meter (named "github.com/txlimit/txlimit/scheduler", the package's
 	// path) of the counter txlimit.scheduler.stranded: the reserved jobs the stranded check found not
-	// started more than StrandedAfter past their time, each once, by queue (attribute txlimit.queue).
+	// started more than StrandedAfter past their time, or ended by River before they started without
+	// their refund, each stranding once, by queue (attribute txlimit.queue).
 	// An increase means tokens reserved for work that is not running: alert on it. Defaults to nil:
 	// the global one, otel.GetMeterProvider() (a no-op until the application sets one with
 	// otel.SetMeterProvider).
@@ -102,11 +103,15 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 //     transaction), records the rows deleted per limit and their total as the job's output
 //     ({"deleted": {...}, "total": n}) and logs them.
 //   - The stranded check (kind and ID "txlimit_stranded", every StrandedInterval) finds, in one
-//     statement through db, the reserved jobs (ReserveTx, ReserveManyTx) that have not started
-//     StrandedAfter past their time. Such a job holds its tokens until it runs, settles or is
-//     cancelled; one that nothing starts (its queue is one no River client works, or the workers
-//     are stopped) holds them for good. The check marks each (job metadata "txlimit_stranded",
-//     {"at": time}) so that it is counted once, counts them by queue (txlimit.scheduler.stranded),
+//     statement through db, the reserved jobs (ReserveTx, ReserveManyTx) not settled that have not
+//     started StrandedAfter past their time (waiting to run, or pending), or that River cancelled
+//     or discarded before they started, StrandedAfter ago, without the refund (River's own
+//     JobCancel; a unique conflict discarded by River's scheduler: refund them with SettleTx and 0
+//     used). Such a job holds its tokens until it runs, settles or is cancelled; one that nothing
+//     starts (its queue is one no River client works, or the workers are stopped) holds them for
+//     good. The check marks each (job metadata "txlimit_stranded", {"at", "scheduled_at",
+//     "state"}) so that it is counted once until it is stranded anew (in another state, or at
+//     another scheduled time), counts them by queue (txlimit.scheduler.stranded),
 //     logs a warning per queue with the fix, and records what it found as the job's output. At
 //     most 1000 jobs are marked per run; the next runs find the rest.
 //

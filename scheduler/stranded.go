@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
@@ -26,7 +28,9 @@ const meterName = "github.com/txlimit/txlimit/scheduler"
 const metricStranded = "txlimit.scheduler.stranded"
 
 // strandedKey is the key of job metadata under which the stranded check records when it found the
-// job stranded ({"at": time}), so that each job is counted once.
+// job stranded, and the job's scheduled time and state then ({"at": time, "scheduled_at": time,
+// "state": "waiting", "pending", "cancelled" or "discarded"}), so that each stranding is counted
+// once.
 const strandedKey = "txlimit_stranded"
 
 // strandedArgs are the arguments of the stranded check's job (Housekeeping): none.
@@ -48,6 +52,12 @@ type strandedQueue struct {
 	// Worked reports whether River's queue table lists the queue, i.e. some River client works it
 	// (then its workers are stopped, paused or behind); false means none does.
 	Worked bool `json:"worked"`
+	// State is empty for jobs waiting to run (available, scheduled or retryable); else "pending"
+	// for jobs that River starts only once something makes them available, or "cancelled" or
+	// "discarded" for jobs River finalized before they started without their refund (River's own
+	// JobCancel, a unique conflict discarded by River's scheduler): refund those with
+	// Scheduler.SettleTx and 0 used.
+	State string `json:"state,omitempty"`
 }
 
 // strandedOutput is what a stranded check reports: recorded as the job's output
@@ -103,33 +113,62 @@ func (w *strandedWorker) check(ctx context.Context) (strandedOutput, error) {
 	if err != nil {
 		return strandedOutput{}, err
 	}
-	byQueue := map[string]*strandedQueue{}
+	type group struct{ queue, state string }
+	byGroup := map[group]*strandedQueue{}
 	out := strandedOutput{Queues: []strandedQueue{}}
-	for _, r := range rows { // in ID order: the first of a queue is its oldest reservation
-		q := byQueue[r.Queue]
+	for _, r := range rows { // in ID order: the first of a group is its oldest reservation
+		state := r.State
+		if state == strandedWaiting {
+			state = ""
+		}
+		q := byGroup[group{r.Queue, state}]
 		if q == nil {
-			q = &strandedQueue{Queue: r.Queue, FirstJobID: r.ID, FirstScheduledAt: r.ScheduledAt.Time.UTC(), Worked: r.Worked}
-			byQueue[r.Queue] = q
+			q = &strandedQueue{Queue: r.Queue, FirstJobID: r.ID, FirstScheduledAt: r.ScheduledAt.Time.UTC(), Worked: r.Worked, State: state}
+			byGroup[group{r.Queue, state}] = q
 		}
 		q.Jobs++
 		out.Total++
 	}
-	for _, q := range byQueue {
+	for _, q := range byGroup {
 		out.Queues = append(out.Queues, *q)
 	}
-	slices.SortFunc(out.Queues, func(a, b strandedQueue) int { return strings.Compare(a.Queue, b.Queue) })
+	slices.SortFunc(out.Queues, func(a, b strandedQueue) int {
+		return cmp.Or(strings.Compare(a.Queue, b.Queue), strings.Compare(a.State, b.State))
+	})
 	for _, q := range out.Queues {
 		w.stranded.Add(ctx, q.Jobs, w.meter.Attrs(q.Queue, func() []attribute.KeyValue {
 			return []attribute.KeyValue{attribute.String("txlimit.queue", q.Queue)}
 		}).Add...)
-		fix := fmt.Sprintf("no River client works queue %q: add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens "+
-			"(a job that had started when its client stopped may have done its work: settle it with Scheduler.SettleTx instead)", q.Queue)
-		if q.Worked {
-			fix = fmt.Sprintf("River's clients work queue %q but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind", q.Queue)
+		attrs := []any{slog.String("queue", q.Queue), slog.Int64("jobs", q.Jobs), slog.Int64("first_job_id", q.FirstJobID),
+			slog.Time("first_scheduled_at", q.FirstScheduledAt), slog.Bool("worked", q.Worked)}
+		if q.State != "" {
+			attrs = append(attrs, slog.String("state", q.State))
 		}
-		w.cfg.Logger.WarnContext(ctx, "txlimit: reserved jobs stranded",
-			slog.String("queue", q.Queue), slog.Int64("jobs", q.Jobs), slog.Int64("first_job_id", q.FirstJobID),
-			slog.Time("first_scheduled_at", q.FirstScheduledAt), slog.Bool("worked", q.Worked), slog.String("fix", fix))
+		w.cfg.Logger.WarnContext(ctx, "txlimit: reserved jobs stranded", append(attrs, slog.String("fix", strandedFix(q)))...)
 	}
 	return out, nil
+}
+
+// strandedWaiting is the state MarkStranded gives jobs waiting to run (available, scheduled,
+// retryable); strandedQueue.State leaves it empty.
+const strandedWaiting = "waiting"
+
+// strandedFix is what the stranded check's warning about q tells the operator to do.
+func strandedFix(q strandedQueue) string {
+	const refund = "refund each with Scheduler.SettleTx(ctx, tx, jobID, 0) (CancelTx refuses a finalized job) before River's job cleaner deletes it"
+	switch {
+	case q.State == string(rivertype.JobStateCancelled):
+		return "River cancelled these jobs before they started (River's own JobCancel, e.g. River UI's Cancel, not Scheduler.CancelTx), " +
+			"so their reservations were not refunded: " + refund
+	case q.State == string(rivertype.JobStateDiscarded):
+		return "River discarded these jobs before they started (a unique conflict when River's scheduler promoted them), " +
+			"so their reservations were not refunded: " + refund
+	case q.State == string(rivertype.JobStatePending):
+		return "these jobs are pending: River starts a pending job only once something makes it available; " +
+			"make them available, or cancel them with Scheduler.CancelTx to refund their tokens"
+	case q.Worked:
+		return fmt.Sprintf("River's clients work queue %q but did not start these jobs: see whether its clients are stopped, the queue paused (QueuePause) or its workers behind", q.Queue)
+	}
+	return fmt.Sprintf("no River client works queue %q: add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens "+
+		"(a job that had started when its client stopped may have done its work: settle it with Scheduler.SettleTx instead)", q.Queue)
 }

@@ -65,6 +65,7 @@ type RiverJob struct {
 	Attempt     int16
 	AttemptedAt pgtype.Timestamptz
 	ScheduledAt pgtype.Timestamptz
+	FinalizedAt pgtype.Timestamptz
 	Queue       string
 	Metadata    []byte
 }

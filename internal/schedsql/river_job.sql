@@ -11,6 +11,7 @@ CREATE TABLE river_job (
     attempt      smallint NOT NULL,
     attempted_at timestamptz,
     scheduled_at timestamptz NOT NULL,
+    finalized_at timestamptz,
     queue        text NOT NULL,
     metadata     jsonb NOT NULL
 );

@@ -83,23 +83,31 @@ func (q *Queries) LockJob(ctx context.Context, db DBTX, id int64) (LockJobRow, e
 
 const markStranded = `-- name: MarkStranded :many
 WITH found AS (
-    SELECT j.id
+    SELECT j.id, r.state
     FROM river_job j
-    WHERE j.state IN ('available', 'scheduled', 'retryable')
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN j.state IN ('available', 'scheduled', 'retryable') THEN 'waiting' ELSE j.state::text END AS state
+    ) r
+    WHERE j.metadata ? 'txlimit_reserved'
       AND NOT (j.metadata ? 'txlimit_settled')
-      AND j.scheduled_at < coalesce($1::timestamptz, now()) - $2::bigint * interval '1 microsecond'
-      AND j.metadata ? 'txlimit_reserved'
-      AND NOT (j.metadata ? 'txlimit_stranded')
+      AND ((j.state IN ('available', 'scheduled', 'retryable', 'pending')
+            AND j.scheduled_at < coalesce($1::timestamptz, now()) - $2::bigint * interval '1 microsecond')
+        OR (j.state IN ('cancelled', 'discarded') AND j.attempted_at IS NULL
+            AND coalesce(j.finalized_at, j.scheduled_at) < coalesce($1::timestamptz, now()) - $2::bigint * interval '1 microsecond'))
+      AND NOT (j.metadata ? 'txlimit_stranded'
+               AND coalesce(j.metadata #>> '{txlimit_stranded,state}', 'waiting') = r.state
+               AND coalesce((j.metadata #>> '{txlimit_stranded,scheduled_at}')::timestamptz = j.scheduled_at, true))
     ORDER BY j.id
     LIMIT 1000
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF j SKIP LOCKED
 )
 UPDATE river_job j
 SET metadata = jsonb_set(j.metadata, '{txlimit_stranded}',
-                         jsonb_build_object('at', coalesce($1::timestamptz, now())), true)
+                         jsonb_build_object('at', coalesce($1::timestamptz, now()),
+                                            'scheduled_at', j.scheduled_at, 'state', f.state), true)
 FROM found f
 WHERE j.id = f.id
-RETURNING j.id, j.queue, j.scheduled_at,
+RETURNING j.id, j.queue, j.scheduled_at, f.state::text AS state,
           (EXISTS (SELECT 1 FROM river_queue q WHERE q.name = j.queue))::boolean AS worked
 `
 
@@ -112,16 +120,26 @@ type MarkStrandedRow struct {
 	ID          int64
 	Queue       string
 	ScheduledAt pgtype.Timestamptz
+	State       string
 	Worked      bool
 }
 
-// MarkStranded marks (metadata key txlimit_stranded, the time it ran) at most 1000 reserved jobs
-// not settled and waiting to run (available, scheduled, or retryable: never started, or put back
-// by River after a stopped client or a failed attempt) though they were due more than after_us
-// microseconds before now (the database's clock unless given), in ID order, and returns them with
-// whether River's queue table lists their queue. A marked job is not returned again, so each is
-// counted once, by whichever check finds it first; jobs locked by a worker that is starting them
-// are skipped.
+// MarkStranded marks (metadata key txlimit_stranded: when it ran, and the job's scheduled_at and
+// state, as below) at most 1000 reserved jobs not settled whose reservation neither runs nor comes
+// back, in ID order, and returns them with that state and whether River's queue table lists their
+// queue. Such a job is one of:
+//   - "waiting": available, scheduled or retryable (never started, or put back by River after a
+//     stopped client or a failed attempt) though due more than after_us microseconds before now
+//     (the database's clock unless given);
+//   - "pending": pending (River starts it only once something makes it available) as long past
+//     its time;
+//   - "cancelled" or "discarded": finalized by River before any attempt started (River's own
+//     JobCancel, a unique conflict River's scheduler discarded), as long ago, with no refund.
+//
+// A job is returned again only when it is stranded anew: in another of these states, or at
+// another scheduled_at (River retried it); a mark of an earlier version (only "at") stands for
+// "waiting" at any time. So each stranding is counted once, by whichever check finds it first;
+// jobs locked by a worker that is starting them are skipped.
 func (q *Queries) MarkStranded(ctx context.Context, db DBTX, arg MarkStrandedParams) ([]MarkStrandedRow, error) {
 	rows, err := db.Query(ctx, markStranded, arg.Now, arg.AfterUs)
 	if err != nil {
@@ -135,6 +153,7 @@ func (q *Queries) MarkStranded(ctx context.Context, db DBTX, arg MarkStrandedPar
 			&i.ID,
 			&i.Queue,
 			&i.ScheduledAt,
+			&i.State,
 			&i.Worked,
 		); err != nil {
 			return nil, err
