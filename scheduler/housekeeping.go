@@ -116,7 +116,8 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 //     most 1000 jobs are marked per run; the next runs find the rest.
 //
 // River's leader alone inserts periodic jobs, and each is unique per interval, so a cluster of
-// clients runs each once per interval. A failed run is an error, retried by River like any job's.
+// clients runs each once per interval. Give every client that may be elected leader these jobs:
+// while a leader without them leads, neither check runs, and nothing says so. A failed run is an error, retried by River like any job's.
 // A nil workers, limiter or db, or an invalid config, is an *ratelimit.ArgumentError.
 //
 //	jobs, err := scheduler.Housekeeping(workers, limiter, pool, nil)
