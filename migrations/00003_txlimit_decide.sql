@@ -267,8 +267,10 @@ $$;
 -- rows as written, and nothing else is read. Otherwise a fast request not written is decided on its
 -- row as read now (the plan) when the rule refuses it there, and the arrays, indexed by the place
 -- in the list, say for each request decided so: not todo; q_w, written; q_va, q_ta, its row as
--- written or as read (a missing row: NULL); q_ok, granted. e is the last row read, which the
--- UPDATE may hold. It runs under txlimit_decide_v1's planner settings.
+-- written or as read (a missing row: NULL); q_ok, granted. e is the last row the UPDATE may hold:
+-- one it wrote, or one the read found (a row missing there, another transaction creating it, the
+-- UPDATE did not lock, so the steps after it may wait for it). It runs under txlimit_decide_v1's
+-- planner settings.
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_alone(t bigint, p_fast boolean[], p_row_a integer[], p_count double precision[],
                               p_allow double precision[], p_step_us bigint[], p_rate double precision[],
@@ -301,9 +303,11 @@ BEGIN
     IF all_written THEN
         RETURN;
     END IF;
-    SELECT array_agg(x.i), array_agg(x.w), array_agg(x.v), array_agg(x.ts), array_agg(x.decided), max(x.r)
+    SELECT array_agg(x.i), array_agg(x.w), array_agg(x.v), array_agg(x.ts), array_agg(x.decided),
+           max(x.r) FILTER (WHERE x.found)
     INTO f_i, f_w, f_v, f_ts, f_dec, e
     FROM (SELECT v.i::integer AS i, w.p IS NOT NULL AS w, coalesce(f_v[w.p], r.value) AS v,
+                 w.p IS NOT NULL OR r.value IS NOT NULL AS found,
                  coalesce(f_ts[w.p], r.ts) AS ts,
                  w.p IS NOT NULL OR NOT txlimit_granted(1, txlimit_left(0, 1, txlimit_level(r.value, r.ts, t,
                      p_rate[v.i], p_period_us[v.i], p_step_us[v.i], p_cap[v.i]), 0, p_count[v.i]), 0, p_allow[v.i])

@@ -24,7 +24,9 @@ type BatcherConfig struct {
 	// of its smallest (name, key): with more than one lane it can meet a batch of another lane on
 	// one of its other rows, and a request whose row sorts before one its batch already holds is
 	// then refused with RetryAt = Time (retry at once: an under-grant, never an over-grant, as
-	// docs/spec.md §7 says of lists). With one lane this cannot happen. More lanes decide more
+	// docs/spec.md §7 says of lists). With one lane this cannot happen; with any number, a call
+	// on a key that another transaction is creating (not yet committed) and that sorts before a
+	// key alone in its batch whose row the batch has locked is refused so too. More lanes decide more
 	// distinct keys in parallel, on
 	// more database cores, and one lane's round trip and commit overlap another's; fewer lanes give
 	// every key bigger batches, which cost the database less per decision. Defaults to 1 (see

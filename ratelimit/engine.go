@@ -141,8 +141,9 @@ func unpack(a []byte) (answer, error) {
 
 // decideList decides any list: one request per element of each array, its candidate rows given by
 // their numbers in the global lock order. A request is marked fast when it is a call of one
-// request alone on its row (no other request of the list uses that row) and not a Check: the
-// engine first decides those in one UPDATE.
+// request alone on its row (no other request of the list uses that row), not a Check, and its row
+// sorts before every row the other requests may lock: the engine first decides those in one
+// UPDATE.
 func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([]answer, error) {
 	var p dbsqlc.DecideParams
 	var err error
@@ -223,6 +224,23 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 		} else {
 			p.RowB[i] = 0
 		}
+	}
+	// The engine's one UPDATE of the fast requests' rows locks them before any other row of the
+	// list, and a row that sorts before one the call may hold is only tried, never waited for. So
+	// a request stays fast only when its row sorts before every row another request may lock (a
+	// request that is not fast and not a Check): else that row, held meanwhile by a transaction,
+	// would refuse its requests to retry at once where each call alone waits and is granted.
+	first := int32(m + 1)
+	for i := range p.Fast {
+		if !p.Fast[i] && !p.Dry[i] {
+			first = min(first, p.RowA[i])
+			if p.RowB[i] > 0 {
+				first = min(first, p.RowB[i])
+			}
+		}
+	}
+	for i := range p.Fast {
+		p.Fast[i] = p.Fast[i] && p.RowA[i] < first
 	}
 
 	answers, err := via(on(db), ctx, p, (*dbsqlc.Queries).Decide, driver.Executor.Decide)
