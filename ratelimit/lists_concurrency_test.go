@@ -133,14 +133,8 @@ func TestListsConcurrentLedger(t *testing.T) {
 				var err error
 				onBatcher := false
 				switch w % 3 {
-				case 0:
-					m, err = b.lim.LimitMany(b.ctx, b.pool, reqs, nil)
-				case 1:
-					err = pgx.BeginFunc(b.ctx, b.pool, func(tx pgx.Tx) error {
-						var err error
-						m, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
-						return err
-					})
+				case 0, 1:
+					m, err = limitManyOnPool(b, w%3 == 1, reqs)
 				case 2:
 					onBatcher = true
 					if len(reqs) == 1 && rng.IntN(2) == 0 {
@@ -402,14 +396,8 @@ func TestListsConcurrentWithCreditsAndNewRows(t *testing.T) {
 					var m ratelimit.ManyResult
 					var err error
 					switch w % 3 {
-					case 0:
-						m, err = b.lim.LimitMany(b.ctx, b.pool, reqs, nil)
-					case 1:
-						err = pgx.BeginFunc(b.ctx, b.pool, func(tx pgx.Tx) error {
-							var err error
-							m, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
-							return err
-						})
+					case 0, 1:
+						m, err = limitManyOnPool(b, w%3 == 1, reqs)
 					default:
 						m, err = bat.LimitMany(b.ctx, reqs, nil)
 					}
@@ -488,4 +476,19 @@ func TestListsOppositeOrdersOnNewRows(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+// limitManyOnPool makes LimitMany(reqs) on b's pool: in a transaction of its own when inTx, else
+// as one statement.
+func limitManyOnPool(b *testBundle, inTx bool, reqs []ratelimit.Request) (ratelimit.ManyResult, error) {
+	if !inTx {
+		return b.lim.LimitMany(b.ctx, b.pool, reqs, nil)
+	}
+	var m ratelimit.ManyResult
+	err := pgx.BeginFunc(b.ctx, b.pool, func(tx pgx.Tx) error {
+		var err error
+		m, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
+		return err
+	})
+	return m, err
 }

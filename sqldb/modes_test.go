@@ -1,7 +1,6 @@
 package sqldb_test
 
 import (
-	"context"
 	"database/sql"
 	"testing"
 
@@ -12,8 +11,6 @@ import (
 	"github.com/txlimit/txlimit/internal/driver/drivertest"
 	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/internal/testdb"
-	"github.com/txlimit/txlimit/ratelimit"
-	"github.com/txlimit/txlimit/sqldb"
 )
 
 // TestDriverContractPoolerSafe runs the driver contract, directly on Postgres, in the database/sql
@@ -51,18 +48,6 @@ func openedHandle(open func(t *testing.T, url string) *sql.DB) drivertest.Open {
 		db := open(t, testdb.SchemaURL(t, pool.Config().ConnConfig.RuntimeParams["search_path"]))
 		db.SetMaxOpenConns(4)
 		t.Cleanup(func() { _ = db.Close() })
-		return drivertest.Handle{
-			DB: sqldb.Wrap(db), Inspect: pool,
-			Begin: func(t *testing.T, serializable bool) (ratelimit.Executor, func() error, func() error) {
-				opts := &sql.TxOptions{}
-				if serializable {
-					opts.Isolation = sql.LevelSerializable
-				}
-				tx, err := db.BeginTx(context.Background(), opts)
-				require.NoError(t, err)
-				t.Cleanup(func() { _ = tx.Rollback() })
-				return sqldb.Wrap(tx), tx.Commit, tx.Rollback
-			},
-		}
+		return handleOf(db, pool)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/driver/drivertest"
@@ -13,25 +14,30 @@ import (
 	"github.com/txlimit/txlimit/sqldb"
 )
 
+// handleOf is the contract suite's handle of db (Inspect: pool, on the same schema).
+func handleOf(db *sql.DB, pool *pgxpool.Pool) drivertest.Handle {
+	return drivertest.Handle{
+		DB: sqldb.Wrap(db), Inspect: pool,
+		Begin: func(t *testing.T, serializable bool) (ratelimit.Executor, func() error, func() error) {
+			opts := &sql.TxOptions{}
+			if serializable {
+				opts.Isolation = sql.LevelSerializable
+			}
+			tx, err := db.BeginTx(context.Background(), opts)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = tx.Rollback() })
+			return sqldb.Wrap(tx), tx.Commit, tx.Rollback
+		},
+	}
+}
+
 // sqlHandle opens the contract's handle on database/sql with driver ("pgx": pgx's stdlib,
 // "postgres": lib/pq): calls on the *sql.DB, and a caller's *sql.Tx.
 func sqlHandle(driver string) drivertest.Open {
 	return func(t *testing.T, migrate bool) drivertest.Handle {
 		t.Helper()
 		db, pool := testdb.SQLDB(t, driver, migrate)
-		return drivertest.Handle{
-			DB: sqldb.Wrap(db), Inspect: pool,
-			Begin: func(t *testing.T, serializable bool) (ratelimit.Executor, func() error, func() error) {
-				opts := &sql.TxOptions{}
-				if serializable {
-					opts.Isolation = sql.LevelSerializable
-				}
-				tx, err := db.BeginTx(context.Background(), opts)
-				require.NoError(t, err)
-				t.Cleanup(func() { _ = tx.Rollback() })
-				return sqldb.Wrap(tx), tx.Commit, tx.Rollback
-			},
-		}
+		return handleOf(db, pool)
 	}
 }
 
