@@ -95,6 +95,13 @@ var pruneLimits = map[string]ratelimit.Config{
 	"llm": {Rate: 100, Period: time.Minute, MaxReserved: 300},
 }
 
+// runStranded runs one stranded check with w (as workJob, rolled back when rollback is set) and
+// returns what it found.
+func runStranded(t *testing.T, b *testBundle, w river.Worker[scheduler.StrandedArgs], rollback bool) scheduler.StrandedOutput {
+	t.Helper()
+	return workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, rollback)
+}
+
 // workJob runs one job of w with rivertest's worker, in a transaction that commits (or rolls back
 // when rollback is set), and returns the output it recorded.
 func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
@@ -322,7 +329,7 @@ func TestStrandedWorker(t *testing.T) {
 	check := func(at time.Time) scheduler.StrandedOutput {
 		t.Helper()
 		now = at
-		return workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
+		return runStranded(t, b, w, true)
 	}
 	orphanFix := `"no River client works queue \"orphan\": add it to river.Config.Queues of a client, or cancel the jobs with Scheduler.CancelTx to refund their tokens ` +
 		`(a job that had started when its client stopped may have done its work: settle it with Scheduler.SettleTx instead)"`
@@ -427,10 +434,10 @@ func TestStrandedWorkerFindsAnInterruptedJob(t *testing.T) {
 	later := func() time.Time { return time.Now().Add(25 * time.Hour) }
 	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()}, later)
 	require.NoError(t, err)
-	out := workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
+	out := runStranded(t, b, w, true)
 	require.Equal(t, int64(1), out.Total, "%+v", out)
 
 	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 5); return err }))
-	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, true)
+	out = runStranded(t, b, w, true)
 	require.Equal(t, int64(0), out.Total, "a settled job is not stranded: %+v", out)
 }

@@ -47,14 +47,14 @@ func TestStrandedWorkerFindsAPendingJob(t *testing.T) {
 	later := func() time.Time { return time.Now().Add(time.Hour) }
 	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, later)
 	require.NoError(t, err)
-	out := workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out := runStranded(t, b, w, false)
 	require.Equal(t, int64(1), out.Total, "%+v", out)
 	require.Len(t, out.Queues, 1)
 	require.Equal(t, id, out.Queues[0].FirstJobID)
 	require.Equal(t, string(rivertype.JobStatePending), out.Queues[0].State)
 	require.Contains(t, logs.String(), "pending", "the fix names what keeps the job from running")
 
-	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out = runStranded(t, b, w, false)
 	require.Equal(t, int64(0), out.Total, "counted once: %+v", out)
 }
 
@@ -89,7 +89,7 @@ func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 	later := func() time.Time { return time.Now().Add(time.Hour) }
 	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, later)
 	require.NoError(t, err)
-	out := workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out := runStranded(t, b, w, false)
 	require.Equal(t, int64(2), out.Total, "%+v", out)
 	byState := map[string]int64{}
 	for _, sq := range out.Queues {
@@ -104,7 +104,7 @@ func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 0); return err }))
 	}
 	require.InDelta(t, before+10, value(t, b, "calls", "k"), 0.5)
-	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out = runStranded(t, b, w, false)
 	require.Equal(t, int64(0), out.Total, "%+v", out)
 }
 
@@ -120,9 +120,9 @@ func TestStrandedWorkerReportsAJobStrandedAgain(t *testing.T) {
 	at := time.Now().Add(time.Hour)
 	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()}, func() time.Time { return at })
 	require.NoError(t, err)
-	out := workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out := runStranded(t, b, w, false)
 	require.Equal(t, int64(1), out.Total, "%+v", out)
-	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out = runStranded(t, b, w, false)
 	require.Equal(t, int64(0), out.Total, "counted once while it stays stranded: %+v", out)
 
 	// A client comes back and works the job, which fails: River puts it back to retry (available
@@ -150,10 +150,10 @@ func TestStrandedWorkerReportsAJobStrandedAgain(t *testing.T) {
 
 	// Nothing works its queue any more: an hour past its retry it is stranded again.
 	at = job.ScheduledAt.Add(time.Hour)
-	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out = runStranded(t, b, w, false)
 	require.Equal(t, int64(1), out.Total, "stranded a second time: %+v", out)
 	require.True(t, out.Queues[0].FirstScheduledAt.Equal(job.ScheduledAt), "%+v", out)
-	out = workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, false)
+	out = runStranded(t, b, w, false)
 	require.Equal(t, int64(0), out.Total, "and counted once again: %+v", out)
 }
 
