@@ -27,6 +27,10 @@
 # part of the planning in every figure. Needs valgrind and the Postgres 15 server binaries
 # (Debian: postgresql-15, valgrind); runs as the postgres user in a throwaway data dir.
 #
+# KEEP=DIR keeps callgrind's output of each session there (out.MODE.N), for
+# `callgrind_annotate --inclusive=yes DIR/out.one-shard.N` (where a statement's instructions go);
+# MODES="a b" counts only those modes.
+#
 # VARIANTS=DIR also counts each DIR/NAME.prep with DIR/NAME.stmt, net of DecideOneRow's harness:
 # NAME.prep holds what runs before the statements (for example CREATE OR REPLACE FUNCTION of a
 # changed body, then a PREPARE d(…) AS …, one statement per line), NAME.stmt the EXECUTE d(…) line,
@@ -106,6 +110,7 @@ count() { # count MODE STATEMENTS: the session's instructions
 	chmod 644 "$in"
 	as_pg "valgrind --tool=callgrind --callgrind-out-file=$tmp/out.$mode.$n $bin/postgres --single -D $tmp/data -c fsync=off postgres <$in >$tmp/single.$mode.$n.log 2>&1"
 	if grep -q ERROR "$tmp/single.$mode.$n.log"; then grep -m1 ERROR "$tmp/single.$mode.$n.log" >&2; exit 1; fi
+	if [[ -n ${KEEP:-} ]]; then mkdir -p "$KEEP" && cp "$tmp/out.$mode.$n" "$KEEP/"; fi
 	callgrind_annotate "$tmp/out.$mode.$n" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
 }
 per() { # per MODE STATEMENTS: instructions per statement
@@ -118,7 +123,7 @@ h1=$(per harness1 "$N")
 h12=$(per harness12 "$N")
 h13=$(per harness13 "$N")
 printf '%-14s %10s %10s\n' statement instructions net
-for mode in floor decide-one one-deny one-shard one-shard-ser list-grant list-deny list-debts list-mixed; do
+for mode in ${MODES:-floor decide-one one-deny one-shard one-shard-ser list-grant list-deny list-debts list-mixed}; do
 	n=$N h=$h12
 	[[ $mode == floor ]] && h=$h1
 	[[ $mode == one-shard* ]] && h=$h13
