@@ -102,6 +102,15 @@ func runStranded(t *testing.T, b *testBundle, w river.Worker[scheduler.StrandedA
 	return workJob[scheduler.StrandedArgs, scheduler.StrandedOutput](t, b, w, scheduler.StrandedArgs{}, rollback)
 }
 
+// requireStranded runs one stranded check as runStranded does, requires it to count want jobs
+// (why says why that many), and returns what it found.
+func requireStranded(t *testing.T, b *testBundle, w river.Worker[scheduler.StrandedArgs], rollback bool, want int64, why string) scheduler.StrandedOutput {
+	t.Helper()
+	out := runStranded(t, b, w, rollback)
+	require.Equal(t, want, out.Total, "%s: %+v", why, out)
+	return out
+}
+
 // workJob runs one job of w with rivertest's worker, in a transaction that commits (or rolls back
 // when rollback is set), and returns the output it recorded.
 func workJob[A river.JobArgs, O any](t *testing.T, b *testBundle, w river.Worker[A], args A, rollback bool) O {
@@ -395,49 +404,23 @@ func TestStrandedWorker(t *testing.T) {
 // leaves it alone.
 func TestStrandedWorkerFindsAnInterruptedJob(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
-	started := make(chan int64, 1)
-	worker := newClient(t, b.pool, &clientOpts{
-		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(1)},
-		work: func(ctx context.Context, job *river.Job[callArgs]) error {
-			started <- job.ID
-			<-ctx.Done() // a long call, cut short by the client stopping
-			return ctx.Err()
-		},
+	b := reservedCalls(t)
+	id := reserveOne(t, b, b.sched, nil)
+	ran := workOnce(t, b, true, func(ctx context.Context, _ *river.Job[callArgs]) error {
+		<-ctx.Done() // a long call, cut short by the client stopping
+		return ctx.Err()
 	})
-	require.NoError(t, worker.Start(ctx))
-	var id int64
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-		r, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 5, callArgs{}, nil)
-		if err == nil {
-			id = r.Job.ID
-		}
-		return err
-	}))
-	select {
-	case got := <-started:
-		require.Equal(t, id, got)
-	case <-time.After(10 * time.Second):
-		t.Fatal("the job did not start")
-	}
-	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	require.NoError(t, worker.StopAndCancel(stopCtx))
+	require.Equal(t, id, ran)
 	job := jobRow(t, b, id)
 	require.NotNil(t, job.AttemptedAt, "the job started")
 	require.InDelta(t, 5.0, 10-value(t, b, "calls", "k"), 0.5, "its 5 tokens stay reserved")
-	err := inTx(t, b.pool, true, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, id); return err })
+	err := b.cancelTx(t, id, true)
 	var notCancellable *scheduler.NotCancellableError
 	require.ErrorAs(t, err, &notCancellable, "a job that started may have done its work")
 
-	later := func() time.Time { return time.Now().Add(25 * time.Hour) }
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()}, later)
-	require.NoError(t, err)
-	out := runStranded(t, b, w, true)
-	require.Equal(t, int64(1), out.Total, "%+v", out)
+	w, _ := strandedWorker(t, b, func() time.Time { return time.Now().Add(25 * time.Hour) })
+	requireStranded(t, b, w, true, 1, "an interrupted job no client works is stranded")
 
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 5); return err }))
-	out = runStranded(t, b, w, true)
-	require.Equal(t, int64(0), out.Total, "a settled job is not stranded: %+v", out)
+	require.NoError(t, b.settleTx(t, id, 5))
+	requireStranded(t, b, w, true, 0, "a settled job is not stranded")
 }

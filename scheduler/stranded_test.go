@@ -17,6 +17,77 @@ import (
 	"github.com/txlimit/txlimit/scheduler"
 )
 
+// reservedCalls is setup with one limit, "calls", of 10 a minute that lets 100 be reserved, on
+// the database's clock.
+func reservedCalls(t *testing.T) *testBundle {
+	t.Helper()
+	return setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+}
+
+// strandedWorker returns a stranded check on the clock now whose log lines are kept in the
+// returned sink.
+func strandedWorker(t *testing.T, b *testBundle, now func() time.Time) (*scheduler.StrandedWorker, *metrictest.Logs) {
+	t.Helper()
+	logs := &metrictest.Logs{}
+	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: slog.New(slog.NewTextHandler(logs, nil))}, now)
+	require.NoError(t, err)
+	return w, logs
+}
+
+// discardAsRiversScheduler finalizes job id as River's scheduler does a unique conflict it
+// promotes (Config.AllowImprecise): discarded, never started.
+func discardAsRiversScheduler(t *testing.T, b *testBundle, id int64) {
+	t.Helper()
+	_, err := b.pool.Exec(context.Background(), `UPDATE river_job SET state = 'discarded', finalized_at = now(),
+		metadata = metadata || '{"unique_key_conflict": "scheduler_discarded"}' WHERE id = $1`, id)
+	require.NoError(t, err)
+}
+
+// cancelTx runs CancelTx of job id in a transaction of its own, committed unless rollback.
+func (b *testBundle) cancelTx(t *testing.T, id int64, rollback bool) error {
+	t.Helper()
+	return inTx(t, b.pool, rollback, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(context.Background(), tx, id); return err })
+}
+
+// settleTx runs SettleTx of job id with used tokens in a committed transaction of its own.
+func (b *testBundle) settleTx(t *testing.T, id int64, used float64) error {
+	t.Helper()
+	return inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(context.Background(), tx, id, used); return err })
+}
+
+// workOnce starts a client working the default queue with work, waits (10 s at the most) for
+// work's first call, and stops the client, with StopAndCancel when cancel (a call cut short) and
+// with Stop otherwise. It returns the ID of the job of that first call.
+func workOnce(t *testing.T, b *testBundle, cancel bool, work func(context.Context, *river.Job[callArgs]) error) int64 {
+	t.Helper()
+	ran := make(chan int64, 1)
+	client := newClient(t, b.pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(1)},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			select {
+			case ran <- job.ID:
+			default:
+			}
+			return work(ctx, job)
+		},
+	})
+	require.NoError(t, client.Start(context.Background()))
+	var id int64
+	select {
+	case id = <-ran:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no job ran")
+	}
+	stopCtx, stopped := context.WithTimeout(context.Background(), 10*time.Second)
+	defer stopped()
+	stop := client.Stop
+	if cancel {
+		stop = client.StopAndCancel
+	}
+	require.NoError(t, stop(stopCtx))
+	return id
+}
+
 // reserveOne reserves 5 tokens of "calls" for key k with a job of opts, commits, and returns the
 // job's ID.
 func reserveOne(t *testing.T, b *testBundle, sched *scheduler.Scheduler, opts *scheduler.ReserveOpts) int64 {
@@ -39,23 +110,18 @@ func reserveOne(t *testing.T, b *testBundle, sched *scheduler.Scheduler, opts *s
 // available, scheduled and retryable jobs only).
 func TestStrandedWorkerFindsAPendingJob(t *testing.T) {
 	t.Parallel()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	b := reservedCalls(t)
 	id := reserveOne(t, b, b.sched, &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Pending: true}})
 	require.Equal(t, rivertype.JobStatePending, jobRow(t, b, id).State)
 
-	var logs metrictest.Logs
-	later := func() time.Time { return time.Now().Add(time.Hour) }
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, later)
-	require.NoError(t, err)
-	out := runStranded(t, b, w, false)
-	require.Equal(t, int64(1), out.Total, "%+v", out)
+	w, logs := strandedWorker(t, b, func() time.Time { return time.Now().Add(time.Hour) })
+	out := requireStranded(t, b, w, false, 1, "a pending job long past its time")
 	require.Len(t, out.Queues, 1)
 	require.Equal(t, id, out.Queues[0].FirstJobID)
 	require.Equal(t, string(rivertype.JobStatePending), out.Queues[0].State)
 	require.Contains(t, logs.String(), "pending", "the fix names what keeps the job from running")
 
-	out = runStranded(t, b, w, false)
-	require.Equal(t, int64(0), out.Total, "counted once: %+v", out)
+	requireStranded(t, b, w, false, 0, "counted once")
 }
 
 // TestStrandedWorkerFindsJobsRiverEndedUnrefunded: a reserved job that River finalized before it
@@ -67,7 +133,7 @@ func TestStrandedWorkerFindsAPendingJob(t *testing.T) {
 func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	b := reservedCalls(t)
 	q := &scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{Queue: "q1"}}
 	cancelled := reserveOne(t, b, b.sched, q)
 	discarded := reserveOne(t, b, b.sched, q)
@@ -76,21 +142,14 @@ func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 
 	_, err := b.client.JobCancel(ctx, cancelled) // River's own cancel: no refund
 	require.NoError(t, err)
-	// What River's scheduler does to a unique conflict it promotes (Config.AllowImprecise).
-	_, err = b.pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(),
-		metadata = metadata || '{"unique_key_conflict": "scheduler_discarded"}' WHERE id = $1`, discarded)
-	require.NoError(t, err)
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, refunded); return err }))
+	discardAsRiversScheduler(t, b, discarded)
+	require.NoError(t, b.cancelTx(t, refunded, false))
 	_, err = b.pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(), attempt = 1, attempted_at = now() WHERE id = $1`, started)
 	require.NoError(t, err)
 	before := value(t, b, "calls", "k")
 
-	var logs metrictest.Logs
-	later := func() time.Time { return time.Now().Add(time.Hour) }
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, later)
-	require.NoError(t, err)
-	out := runStranded(t, b, w, false)
-	require.Equal(t, int64(2), out.Total, "%+v", out)
+	w, logs := strandedWorker(t, b, func() time.Time { return time.Now().Add(time.Hour) })
+	out := requireStranded(t, b, w, false, 2, "the cancelled and the discarded job")
 	byState := map[string]int64{}
 	for _, sq := range out.Queues {
 		require.Equal(t, "q1", sq.Queue)
@@ -101,11 +160,10 @@ func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 
 	// The refund the fix names works, once, and the check then has nothing more to say.
 	for _, id := range []int64{cancelled, discarded} {
-		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 0); return err }))
+		require.NoError(t, b.settleTx(t, id, 0))
 	}
 	require.InDelta(t, before+10, value(t, b, "calls", "k"), 0.5)
-	out = runStranded(t, b, w, false)
-	require.Equal(t, int64(0), out.Total, "%+v", out)
+	requireStranded(t, b, w, false, 0, "refunded, nothing more to say")
 }
 
 // TestStrandedWorkerReportsAJobStrandedAgain: a job found stranded, then run again (a client came
@@ -113,48 +171,27 @@ func TestStrandedWorkerFindsJobsRiverEndedUnrefunded(t *testing.T) {
 // second time. The check marked it for good the first time and never reported it again.
 func TestStrandedWorkerReportsAJobStrandedAgain(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	b := reservedCalls(t)
 	id := reserveOne(t, b, b.sched, nil)
 
 	at := time.Now().Add(time.Hour)
-	w, err := scheduler.NewStrandedWorker(b.pool, &scheduler.HousekeepingConfig{Logger: quietLogger()}, func() time.Time { return at })
-	require.NoError(t, err)
-	out := runStranded(t, b, w, false)
-	require.Equal(t, int64(1), out.Total, "%+v", out)
-	out = runStranded(t, b, w, false)
-	require.Equal(t, int64(0), out.Total, "counted once while it stays stranded: %+v", out)
+	w, _ := strandedWorker(t, b, func() time.Time { return at })
+	requireStranded(t, b, w, false, 1, "stranded")
+	requireStranded(t, b, w, false, 0, "counted once while it stays stranded")
 
 	// A client comes back and works the job, which fails: River puts it back to retry (available
 	// when the retry is due within its scheduler's 5 s, else retryable).
-	failed := make(chan struct{}, 1)
-	worker := newClient(t, b.pool, &clientOpts{
-		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(1)},
-		work: func(context.Context, *river.Job[callArgs]) error {
-			failed <- struct{}{}
-			return errors.New("the model is down")
-		},
-	})
-	require.NoError(t, worker.Start(ctx))
-	select {
-	case <-failed:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the job did not run")
-	}
-	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	require.NoError(t, worker.Stop(stopCtx))
+	ran := workOnce(t, b, false, func(context.Context, *river.Job[callArgs]) error { return errors.New("the model is down") })
+	require.Equal(t, id, ran)
 	job := jobRow(t, b, id)
 	require.Contains(t, []rivertype.JobState{rivertype.JobStateAvailable, rivertype.JobStateRetryable}, job.State, "put back to retry")
 	require.Equal(t, 1, job.Attempt)
 
 	// Nothing works its queue any more: an hour past its retry it is stranded again.
 	at = job.ScheduledAt.Add(time.Hour)
-	out = runStranded(t, b, w, false)
-	require.Equal(t, int64(1), out.Total, "stranded a second time: %+v", out)
+	out := requireStranded(t, b, w, false, 1, "stranded a second time")
 	require.True(t, out.Queues[0].FirstScheduledAt.Equal(job.ScheduledAt), "%+v", out)
-	out = runStranded(t, b, w, false)
-	require.Equal(t, int64(0), out.Total, "and counted once again: %+v", out)
+	requireStranded(t, b, w, false, 0, "and counted once again")
 }
 
 // TestCancelTxOfAJobRiverCancelledNamesTheRefund: CancelTx of a reserved job that River's own
@@ -164,11 +201,11 @@ func TestStrandedWorkerReportsAJobStrandedAgain(t *testing.T) {
 func TestCancelTxOfAJobRiverCancelledNamesTheRefund(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 100}}})
+	b := reservedCalls(t)
 	id := reserveOne(t, b, b.sched, nil)
 	_, err := b.client.JobCancel(ctx, id)
 	require.NoError(t, err)
-	err = inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, id); return err })
+	err = b.cancelTx(t, id, false)
 	var nc *scheduler.NotCancellableError
 	require.ErrorAs(t, err, &nc)
 	require.True(t, nc.Cancelled())
@@ -177,17 +214,15 @@ func TestCancelTxOfAJobRiverCancelledNamesTheRefund(t *testing.T) {
 
 	// A unique conflict River's scheduler discarded never ran: it said "already ran".
 	discarded := reserveOne(t, b, b.sched, nil)
-	_, err = b.pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(),
-		metadata = metadata || '{"unique_key_conflict": "scheduler_discarded"}' WHERE id = $1`, discarded)
-	require.NoError(t, err)
-	err = inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, discarded); return err })
+	discardAsRiversScheduler(t, b, discarded)
+	err = b.cancelTx(t, discarded, false)
 	require.ErrorAs(t, err, &nc)
 	require.False(t, nc.Started, "it never started")
 	require.Contains(t, err.Error(), "discarded by River before it started", "%v", err)
 
 	// Once refunded (or cancelled by CancelTx), "already cancelled" is the whole story.
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.SettleTx(ctx, tx, id, 0); return err }))
-	err = inTx(t, b.pool, false, func(tx pgx.Tx) error { _, err := b.sched.CancelTx(ctx, tx, id); return err })
+	require.NoError(t, b.settleTx(t, id, 0))
+	err = b.cancelTx(t, id, false)
 	require.ErrorAs(t, err, &nc)
 	require.NotContains(t, err.Error(), "SettleTx", "%v", err)
 }
