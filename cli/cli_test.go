@@ -321,6 +321,16 @@ func migrated(t *testing.T, dsn string) (schema string, args []string) {
 	return schema, []string{"--schema", schema}
 }
 
+// migratedPool is migrated with a pool on the schema, closed when the test ends.
+func migratedPool(t *testing.T, dsn string) (pool *pgxpool.Pool, schema string, args []string) {
+	t.Helper()
+	schema, args = migrated(t, dsn)
+	pool, err := pgxpool.New(context.Background(), testdb.SchemaURL(t, schema))
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool, schema, args
+}
+
 // TestCommandNamesAndPrune: names lists every name in the table, configured or not; prune without
 // NAME refuses, before deleting anything, when the table holds a name it has no config for (rows
 // an httplimit policy wrote, say), and prunes every name once each has one (issue 31, item 5).
@@ -328,10 +338,7 @@ func TestCommandNamesAndPrune(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	dsn := testdb.DSN(t)
-	schema, s := migrated(t, dsn)
-	pool, err := pgxpool.New(ctx, testdb.SchemaURL(t, schema))
-	require.NoError(t, err)
-	defer pool.Close()
+	pool, _, s := migratedPool(t, dsn)
 
 	// The application decides "fast" and, through its middleware, "perIP"; the operator's config
 	// file knows only "fast".
@@ -410,10 +417,7 @@ func TestCommandMigrateDownAsks(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	dsn := testdb.DSN(t)
-	schema, s := migrated(t, dsn)
-	pool, err := pgxpool.New(ctx, testdb.SchemaURL(t, schema))
-	require.NoError(t, err)
-	defer pool.Close()
+	pool, schema, s := migratedPool(t, dsn)
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{"century": century}})
 	require.NoError(t, err)
 	_, err = lim.Limit(ctx, pool, "century", "user-42", nil)
@@ -493,4 +497,46 @@ func devNull(t *testing.T) *os.File {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = f.Close() })
 	return f
+}
+
+// inspect shows the state of every limit ratelimit accepts, including one that can never grant a
+// whole token at once (a capacity below 1, or two of 1024 shards holding less than 1 together):
+// it reports that no single token is ever due, instead of failing with exit 3 and "Check: count 1
+// exceeds the capacity", a call and an argument the user never gave.
+func TestCommandInspectCapacityBelowOne(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	_, s := migrated(t, dsn)
+	for _, adhoc := range [][]string{
+		{"--rate", "0.5", "--period", "1s"},
+		{"--rate", "100", "--period", "1s", "--shards", "1024"},
+	} {
+		r := run(t, dsn, nil, append(append(append([]string{}, s...), "inspect", "bytes", "u1"), adhoc...)...)
+		require.Equal(t, cli.ExitOK, r.code, "%v: %s", adhoc, r.stderr)
+		require.Contains(t, r.stdout, "next    never", adhoc)
+
+		r = run(t, dsn, nil, append(append(append([]string{}, s...), "--json", "inspect", "bytes", "u1"), adhoc...)...)
+		require.Equal(t, cli.ExitOK, r.code, "%v: %s", adhoc, r.stderr)
+		var in cli.InspectJSON
+		require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
+		require.Nil(t, in.NextToken, adhoc)
+		require.Positive(t, in.Value, adhoc)
+	}
+}
+
+// A --timeout of zero or less is a usage error naming the flag (exit 2), not a database failure:
+// it was "connect: context deadline exceeded", exit 1, before any connection was tried.
+func TestCommandTimeoutNotPositive(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	for _, d := range []string{"0", "-1s"} {
+		for _, args := range [][]string{
+			{"inspect", "x", "k", "--rate", "1", "--period", "1s"},
+			{"migrate", "status"},
+		} {
+			r := run(t, dsn, nil, append(args, "--timeout", d)...)
+			require.Equal(t, cli.ExitUsage, r.code, "%v --timeout %s: %s", args, d, r.stderr)
+			require.Contains(t, r.stderr, "--timeout must be > 0")
+		}
+	}
 }

@@ -14,14 +14,14 @@ import (
 // An application embeds the command with its own limits, so that an operator lists, inspects,
 // resets and prunes them under the definitions the application runs with.
 func ExampleRun() {
-	ctx := context.Background()
-	pool, done := testdb.ForExample()
-	defer done()
 	// In an application, the same map it gives ratelimit.LimiterConfig.Limits.
 	limits := map[string]ratelimit.Config{
 		"sendMessage": {Rate: 10, Period: time.Minute, Capacity: 3},
 		"invite":      {Rate: 5, Period: 24 * time.Hour},
 	}
+	ctx := context.Background()
+	pool, done := testdb.ForExample()
+	defer done()
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: limits})
 	if err != nil {
 		panic(err)

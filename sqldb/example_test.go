@@ -17,20 +17,19 @@ import (
 // An application on database/sql (sqlx, GORM, ent, bun...) passes its *sql.Tx through Wrap: the
 // invitation and the token it costs commit together, or neither does.
 func ExampleWrap() {
-	ctx := context.Background()
-	pool, done := testdb.ForExample()
-	defer done()
-	// In an application: db, err := sql.Open("pgx", dsn) with the pgx stdlib driver, or
-	// sql.Open("postgres", dsn) with lib/pq. Here, a *sql.DB over the example's pool.
-	var db *sql.DB = stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
 		"invite": {Rate: 2, Period: 24 * time.Hour},
 	}})
 	if err != nil {
 		panic(err)
 	}
+	// In an application: db, err := sql.Open("pgx", dsn) with the pgx stdlib driver, or
+	// sql.Open("postgres", dsn) with lib/pq. Here, a *sql.DB over the example's pool.
+	pool, done := testdb.ForExample()
+	defer done()
+	var db *sql.DB = stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	ctx := context.Background()
 
 	errLater := errors.New("the invitation failed; rolled back")
 	invite := func(userID string, fail bool) error {
