@@ -24,6 +24,13 @@ type CompletionArgs struct {
 
 func (CompletionArgs) Kind() string { return "completion" }
 
+// RequestArgs is a job whose reservation ReserveTx recorded in its metadata.
+type RequestArgs struct {
+	N int `json:"n"`
+}
+
+func (RequestArgs) Kind() string { return "request" }
+
 // Requests reserve their estimated LLM tokens from a 10,000 tokens/minute budget and are scheduled
 // for when the budget allows, in the transaction that accepts them.
 func Example_reserveAndSchedule() {
@@ -89,13 +96,6 @@ func Example_reserveAndSchedule() {
 	// 20000 tokens: rejected, more than 20000 would be owed; nothing reserved, no job
 	// budget -13000, 3 jobs
 }
-
-// RequestArgs is a job whose reservation ReserveTx recorded in its metadata.
-type RequestArgs struct {
-	N int `json:"n"`
-}
-
-func (RequestArgs) Kind() string { return "request" }
 
 // A cancelled job gives back what it reserved, a job that used less than it reserved gives back the
 // rest, exactly once, and either pulls the jobs waiting behind it forward.
