@@ -117,54 +117,46 @@ func (l *listLedger) check(t *testing.T, b *testBundle) {
 // one pick, which another list drained before the lock, while the other pick would serve.)
 func TestListsConcurrentLedger(t *testing.T) {
 	t.Parallel()
-	b := frozenBundle(t, 12)
-	bat, err := ratelimit.NewBatcher(b.pool, b.lim, &ratelimit.BatcherConfig{Lanes: 2})
-	require.NoError(t, err)
-	defer bat.Close()
+	b, bat := frozenBatcher(t, 12, 2)
 	led := &listLedger{charged: map[listTarget]float64{}}
 	batLed := &listLedger{charged: map[listTarget]float64{}}
-	var wg sync.WaitGroup
-	for w := range 12 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 7))
-			for i := 0; i < 150; i++ {
-				reqs := randomList(rng)
-				var m ratelimit.ManyResult
-				var err error
-				onBatcher := false
-				switch w % 3 {
-				case 0, 1:
-					m, err = limitManyOnPool(b, w%3 == 1, reqs)
-				case 2:
-					onBatcher = true
-					if len(reqs) == 1 && rng.IntN(2) == 0 {
-						var r ratelimit.Result
-						r, err = bat.LimitN(b.ctx, reqs[0].Name, reqs[0].Key, reqs[0].Count, &ratelimit.LimitOpts{Reserve: reqs[0].Reserve})
-						m = ratelimit.ManyResult{OK: r.OK, RetryAt: r.RetryAt, Results: []ratelimit.Result{r}, Time: r.Time}
-					} else {
-						m, err = bat.LimitMany(b.ctx, reqs, nil)
-					}
-				}
-				if err != nil {
-					t.Errorf("worker %d call %d: %v", w, i, err)
-					return
-				}
-				if onBatcher {
-					batLed.record(t, reqs, m)
-					led.mu.Lock()
-					if m.OK {
-						for _, r := range reqs {
-							led.charged[listTarget{r.Name, r.Key}] += r.Count
-						}
-					}
-					led.mu.Unlock()
+	inParallel(12, 7, func(w int, rng *rand.Rand) {
+		for i := 0; i < 150; i++ {
+			reqs := randomList(rng)
+			var m ratelimit.ManyResult
+			var err error
+			onBatcher := false
+			switch w % 3 {
+			case 0, 1:
+				m, err = limitManyOnPool(b, w%3 == 1, reqs)
+			case 2:
+				onBatcher = true
+				if len(reqs) == 1 && rng.IntN(2) == 0 {
+					var r ratelimit.Result
+					r, err = bat.LimitN(b.ctx, reqs[0].Name, reqs[0].Key, reqs[0].Count, &ratelimit.LimitOpts{Reserve: reqs[0].Reserve})
+					m = ratelimit.ManyResult{OK: r.OK, RetryAt: r.RetryAt, Results: []ratelimit.Result{r}, Time: r.Time}
 				} else {
-					led.record(t, reqs, m)
+					m, err = bat.LimitMany(b.ctx, reqs, nil)
 				}
 			}
-		})
-	}
-	wg.Wait()
+			if err != nil {
+				t.Errorf("worker %d call %d: %v", w, i, err)
+				return
+			}
+			if onBatcher {
+				batLed.record(t, reqs, m)
+				led.mu.Lock()
+				if m.OK {
+					for _, r := range reqs {
+						led.charged[listTarget{r.Name, r.Key}] += r.Count
+					}
+				}
+				led.mu.Unlock()
+			} else {
+				led.record(t, reqs, m)
+			}
+		}
+	})
 	led.check(t, b)
 	t.Logf("batcher: %d granted, %d denied (%d to retry at once)", batLed.grants, batLed.denials, batLed.now)
 }
@@ -176,6 +168,26 @@ func frozenBundle(t *testing.T, conns int32) *testBundle {
 	b := newBundle(t, &testdb.Options{MaxConns: conns}, &ratelimit.LimiterConfig{Limits: listLimits, Now: clock.Now})
 	b.clock = clock
 	return b
+}
+
+// inParallel runs workers goroutines, each given its number w and a generator of its own (seeded
+// with w and stream), and waits for them all.
+func inParallel(workers int, stream uint64, work func(w int, rng *rand.Rand)) {
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() { work(w, rand.New(rand.NewPCG(uint64(w), stream))) })
+	}
+	wg.Wait()
+}
+
+// frozenBatcher is frozenBundle with a Batcher of lanes lanes on it, closed when the test ends.
+func frozenBatcher(t *testing.T, conns int32, lanes int) (*testBundle, *ratelimit.Batcher) {
+	t.Helper()
+	b := frozenBundle(t, conns)
+	bat, err := ratelimit.NewBatcher(b.pool, b.lim, &ratelimit.BatcherConfig{Lanes: lanes})
+	require.NoError(t, err)
+	t.Cleanup(bat.Close)
+	return b, bat
 }
 
 // isCode reports whether err carries SQLSTATE code.
@@ -193,38 +205,33 @@ func TestListsSerializableNoDeadlock(t *testing.T) {
 	led := &listLedger{charged: map[listTarget]float64{}}
 	var mu sync.Mutex
 	serial, other := 0, []error{}
-	var wg sync.WaitGroup
-	for w := range 12 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 11))
-			for i := 0; i < 100; i++ {
-				reqs := randomList(rng)
-				for {
-					var m ratelimit.ManyResult
-					err := pgx.BeginTxFunc(b.ctx, b.pool, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
-						var err error
-						m, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
-						return err
-					})
-					if err == nil {
-						led.record(t, reqs, m)
-						break
-					}
-					mu.Lock()
-					var busy *ratelimit.BusyError
-					if isCode(err, "40001") || errors.As(err, &busy) {
-						serial++
-						mu.Unlock()
-						continue
-					}
-					other = append(other, fmt.Errorf("worker %d list %d: %w", w, i, err))
-					mu.Unlock()
+	inParallel(12, 11, func(w int, rng *rand.Rand) {
+		for i := 0; i < 100; i++ {
+			reqs := randomList(rng)
+			for {
+				var m ratelimit.ManyResult
+				err := pgx.BeginTxFunc(b.ctx, b.pool, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
+					var err error
+					m, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
+					return err
+				})
+				if err == nil {
+					led.record(t, reqs, m)
 					break
 				}
+				mu.Lock()
+				var busy *ratelimit.BusyError
+				if isCode(err, "40001") || errors.As(err, &busy) {
+					serial++
+					mu.Unlock()
+					continue
+				}
+				other = append(other, fmt.Errorf("worker %d list %d: %w", w, i, err))
+				mu.Unlock()
+				break
 			}
-		})
-	}
-	wg.Wait()
+		}
+	})
 	t.Logf("%d serialization failures retried", serial)
 	require.Empty(t, other)
 	led.check(t, b)
@@ -355,10 +362,7 @@ func TestListsMatchModelAnyGroupOrder(t *testing.T) {
 // is retried at once, and must not be refused so again and again.
 func TestListsConcurrentWithCreditsAndNewRows(t *testing.T) {
 	t.Parallel()
-	b := frozenBundle(t, 14)
-	bat, err := ratelimit.NewBatcher(b.pool, b.lim, &ratelimit.BatcherConfig{Lanes: 3})
-	require.NoError(t, err)
-	defer bat.Close()
+	b, bat := frozenBatcher(t, 14, 3)
 	var targets []listTarget
 	for i := range 8 {
 		for _, n := range []string{"u", "s", "s2", "w"} {
@@ -369,69 +373,64 @@ func TestListsConcurrentWithCreditsAndNewRows(t *testing.T) {
 	charged := map[listTarget]float64{}
 	granted, denied, atOnce, maxRun := 0, 0, 0, 0
 	stop := time.Now().Add(2 * time.Second)
-	var wg sync.WaitGroup
-	for w := range 14 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 13))
-			for time.Now().Before(stop) {
-				if w == 13 { // the creditor
-					tg := targets[rng.IntN(len(targets))]
-					c, err := b.lim.Credit(b.ctx, b.pool, tg.name, tg.key, float64(1+rng.IntN(3)), nil)
-					if err != nil {
-						t.Errorf("credit: %v", err)
-						return
-					}
-					mu.Lock()
-					charged[tg] -= c.Credited
-					mu.Unlock()
-					continue
+	inParallel(14, 13, func(w int, rng *rand.Rand) {
+		for time.Now().Before(stop) {
+			if w == 13 { // the creditor
+				tg := targets[rng.IntN(len(targets))]
+				c, err := b.lim.Credit(b.ctx, b.pool, tg.name, tg.key, float64(1+rng.IntN(3)), nil)
+				if err != nil {
+					t.Errorf("credit: %v", err)
+					return
 				}
-				n := 1 + rng.IntN(4)
-				perm := rng.Perm(len(targets))[:n]
-				reqs := make([]ratelimit.Request, n)
-				for i, j := range perm {
-					reqs[i] = ratelimit.Request{Name: targets[j].name, Key: targets[j].key, Count: float64(1 + rng.IntN(3))}
+				mu.Lock()
+				charged[tg] -= c.Credited
+				mu.Unlock()
+				continue
+			}
+			n := 1 + rng.IntN(4)
+			perm := rng.Perm(len(targets))[:n]
+			reqs := make([]ratelimit.Request, n)
+			for i, j := range perm {
+				reqs[i] = ratelimit.Request{Name: targets[j].name, Key: targets[j].key, Count: float64(1 + rng.IntN(3))}
+			}
+			for run := 1; ; run++ {
+				var m ratelimit.ManyResult
+				var err error
+				switch w % 3 {
+				case 0, 1:
+					m, err = limitManyOnPool(b, w%3 == 1, reqs)
+				default:
+					m, err = bat.LimitMany(b.ctx, reqs, nil)
 				}
-				for run := 1; ; run++ {
-					var m ratelimit.ManyResult
-					var err error
-					switch w % 3 {
-					case 0, 1:
-						m, err = limitManyOnPool(b, w%3 == 1, reqs)
-					default:
-						m, err = bat.LimitMany(b.ctx, reqs, nil)
+				if err != nil {
+					t.Errorf("worker %d: %v", w, err)
+					return
+				}
+				mu.Lock()
+				if m.OK {
+					granted++
+					for _, r := range reqs {
+						charged[listTarget{r.Name, r.Key}] += r.Count
 					}
-					if err != nil {
-						t.Errorf("worker %d: %v", w, err)
-						return
-					}
-					mu.Lock()
-					if m.OK {
-						granted++
-						for _, r := range reqs {
-							charged[listTarget{r.Name, r.Key}] += r.Count
-						}
-					} else {
-						denied++
-					}
-					again := !m.OK && m.RetryAt.Equal(m.Time)
-					if again {
-						atOnce++
-						maxRun = max(maxRun, run)
-					}
-					mu.Unlock()
-					if !again {
-						break
-					}
-					if run > 100 {
-						t.Errorf("worker %d: refused to retry at once %d times in a row: %+v", w, run, m)
-						return
-					}
+				} else {
+					denied++
+				}
+				again := !m.OK && m.RetryAt.Equal(m.Time)
+				if again {
+					atOnce++
+					maxRun = max(maxRun, run)
+				}
+				mu.Unlock()
+				if !again {
+					break
+				}
+				if run > 100 {
+					t.Errorf("worker %d: refused to retry at once %d times in a row: %+v", w, run, m)
+					return
 				}
 			}
-		})
-	}
-	wg.Wait()
+		}
+	})
 	t.Logf("%d granted, %d denied, %d to retry at once (at most %d in a row)", granted, denied, atOnce, maxRun)
 	for _, tg := range targets {
 		st, err := b.lim.State(b.ctx, b.pool, tg.name, tg.key, nil)
@@ -447,35 +446,30 @@ func TestListsConcurrentWithCreditsAndNewRows(t *testing.T) {
 func TestListsOppositeOrdersOnNewRows(t *testing.T) {
 	t.Parallel()
 	b := frozenBundle(t, 8)
-	var wg sync.WaitGroup
-	for w := range 8 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 17))
-			for i := range 200 {
-				key := fmt.Sprintf("k%d", i/4) // two rounds on each key: created, then existing
-				reqs := []ratelimit.Request{{Name: "u", Key: key}, {Name: "s", Key: key}, {Name: "s2", Key: key}, {Name: "w", Key: key}}
-				rng.Shuffle(len(reqs), func(i, j int) { reqs[i], reqs[j] = reqs[j], reqs[i] })
-				if w%2 == 1 {
-					slices.Reverse(reqs)
-				}
-				err := pgx.BeginFunc(b.ctx, b.pool, func(tx pgx.Tx) error {
-					var err error
-					if w%4 == 3 { // a lone call: one row, or two shards
-						_, err = b.lim.LimitN(b.ctx, tx, reqs[0].Name, reqs[0].Key, float64(1+rng.IntN(2)), nil)
-					} else {
-						_, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
-					}
-					time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond)
-					return err
-				})
-				if err != nil {
-					t.Errorf("worker %d list %d: %v", w, i, err)
-					return
-				}
+	inParallel(8, 17, func(w int, rng *rand.Rand) {
+		for i := range 200 {
+			key := fmt.Sprintf("k%d", i/4) // two rounds on each key: created, then existing
+			reqs := []ratelimit.Request{{Name: "u", Key: key}, {Name: "s", Key: key}, {Name: "s2", Key: key}, {Name: "w", Key: key}}
+			rng.Shuffle(len(reqs), func(i, j int) { reqs[i], reqs[j] = reqs[j], reqs[i] })
+			if w%2 == 1 {
+				slices.Reverse(reqs)
 			}
-		})
-	}
-	wg.Wait()
+			err := pgx.BeginFunc(b.ctx, b.pool, func(tx pgx.Tx) error {
+				var err error
+				if w%4 == 3 { // a lone call: one row, or two shards
+					_, err = b.lim.LimitN(b.ctx, tx, reqs[0].Name, reqs[0].Key, float64(1+rng.IntN(2)), nil)
+				} else {
+					_, err = b.lim.LimitMany(b.ctx, tx, reqs, nil)
+				}
+				time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond)
+				return err
+			})
+			if err != nil {
+				t.Errorf("worker %d list %d: %v", w, i, err)
+				return
+			}
+		}
+	})
 }
 
 // limitManyOnPool makes LimitMany(reqs) on b's pool: in a transaction of its own when inTx, else

@@ -30,15 +30,29 @@ type contention struct {
 	base int64 // ShardLockBase("s", "k")
 }
 
-func newContention(t *testing.T, cfg ratelimit.Config, a, b int) *contention {
+// newContention returns a contention on cfg as the only limit, "s", whose picks for key "k" are
+// shards 0 and 1, and stores the shards' values, all stamped t0.
+func newContention(t *testing.T, cfg ratelimit.Config, values map[int]float64) *contention {
 	t.Helper()
 	bundle := newBundle(t, &testdb.Options{MaxConns: 4}, &ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{"s": cfg}, Now: func() time.Time { return t0 },
 	})
-	ratelimit.SetShardPicker(bundle.lim, func(int) (int, int) { return a, b })
+	ratelimit.SetShardPicker(bundle.lim, func(int) (int, int) { return 0, 1 })
 	m, err := modelResolve("s", "k", &cfg)
 	require.NoError(t, err)
-	return &contention{t: t, ctx: bundle.ctx, b: bundle, cfg: cfg, lim: m, base: ratelimit.ShardLockBase("s", "k")}
+	c := &contention{t: t, ctx: bundle.ctx, b: bundle, cfg: cfg, lim: m, base: ratelimit.ShardLockBase("s", "k")}
+	c.rows(values)
+	return c
+}
+
+// candidatesTaken is newContention on three shards of 5 (15/s) that may be reserved down to -15,
+// with the steering locks of the shards held taken by another transaction, and the model of the
+// rows stored.
+func candidatesTaken(t *testing.T, values map[int]float64, held ...int) (*contention, *model) {
+	t.Helper()
+	c := newContention(t, ratelimit.Config{Rate: 15, Period: time.Second, Shards: 3, MaxReserved: 15}, values)
+	c.holdSteering(held...)
+	return c, c.model()
 }
 
 // rows stores the shards' values, all stamped t0.
@@ -100,10 +114,7 @@ func (c *contention) holdSteering(shards ...int) pgx.Tx {
 // have charged shard 0.
 func TestModelSteersPastATakenCandidate(t *testing.T) {
 	t.Parallel()
-	c := newContention(t, ratelimit.Config{Rate: 15, Period: time.Second, Shards: 3, MaxReserved: 15}, 0, 1)
-	c.rows(map[int]float64{1: 1, 2: 4})
-	c.holdSteering(0)
-	md := c.model()
+	c, md := candidatesTaken(t, map[int]float64{1: 1, 2: 4}, 0)
 	want := md.decide(t0.UnixMicro(), []modelReq{{lim: c.lim, count: 3, a: 1, b: 2}}, false).Results[0]
 	got, err := c.b.lim.LimitN(c.ctx, c.b.pool, "s", "k", 3, nil)
 	require.NoError(t, err)
@@ -117,10 +128,7 @@ func TestModelSteersPastATakenCandidate(t *testing.T) {
 // picks and decides as the model does on them; the transaction's lock_timeout is left as it was.
 func TestModelSteeringWaitTimesOutThenDecidesOnThePicks(t *testing.T) {
 	t.Parallel()
-	c := newContention(t, ratelimit.Config{Rate: 15, Period: time.Second, Shards: 3, MaxReserved: 15}, 0, 1)
-	c.rows(map[int]float64{0: 4, 1: 2})
-	c.holdSteering(0, 1, 2)
-	md := c.model()
+	c, md := candidatesTaken(t, map[int]float64{0: 4, 1: 2}, 0, 1, 2)
 	want := md.decide(t0.UnixMicro(), []modelReq{{lim: c.lim, count: 3, a: 0, b: 1}}, false).Results[0]
 	x, err := c.b.pool.Begin(c.ctx)
 	require.NoError(t, err)
@@ -142,10 +150,7 @@ func TestModelSteeringWaitTimesOutThenDecidesOnThePicks(t *testing.T) {
 // Every candidate taken under SERIALIZABLE: a *BusyError at once, and nothing written.
 func TestModelEveryCandidateTakenUnderSnapshotIsBusy(t *testing.T) {
 	t.Parallel()
-	c := newContention(t, ratelimit.Config{Rate: 15, Period: time.Second, Shards: 3, MaxReserved: 15}, 0, 1)
-	c.rows(map[int]float64{0: 4, 1: 2})
-	c.holdSteering(0, 1, 2)
-	md := c.model()
+	c, md := candidatesTaken(t, map[int]float64{0: 4, 1: 2}, 0, 1, 2)
 	x, err := c.b.pool.BeginTx(c.ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	require.NoError(t, err)
 	defer func() { _ = x.Rollback(c.ctx) }()
@@ -163,8 +168,7 @@ func TestModelEveryCandidateTakenUnderSnapshotIsBusy(t *testing.T) {
 // arithmetic on that charge: Value 1 + 5, Shards [1].
 func TestModelHeldPickChargesTheOther(t *testing.T) {
 	t.Parallel()
-	c := newContention(t, ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 10}, 0, 1)
-	c.rows(map[int]float64{0: 5, 1: 4})
+	c := newContention(t, ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 10}, map[int]float64{0: 5, 1: 4})
 	y, err := c.b.pool.Begin(c.ctx)
 	require.NoError(t, err)
 	defer func() { _ = y.Rollback(c.ctx) }()
