@@ -250,10 +250,13 @@ func run(ctx context.Context) error {
 		time.Sleep(time.Until(tl.start.Add(time.Duration(i) * arrival)))
 		if i == giveUpAt {
 			if id, ok := jobIDs[giveUp]; ok {
-				if err := cancel(ctx, pool, client, sched, limiter, tl, giveUp, id, estimates[giveUp]); err != nil {
+				cancelled, err := cancel(ctx, pool, client, sched, limiter, tl, giveUp, id, estimates[giveUp])
+				if err != nil {
 					return err
 				}
-				accepted--
+				if cancelled { // else its call has run or runs: it is waited for like the others
+					accepted--
+				}
 			}
 		}
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -294,14 +297,22 @@ func run(ctx context.Context) error {
 	return tl.summary(len(estimates), accepted, st.Value)
 }
 
-// cancel cancels the job of request i, whose user gave up, and refunds its tokens, unless it has
-// started already.
+// cancel cancels the job of request i, whose user gave up, and refunds its tokens, unless its call
+// has started already (then nothing is refunded: the call runs and settles). It reports whether the
+// job was cancelled.
 func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx], sched *scheduler.Scheduler,
-	limiter *ratelimit.Limiter, tl *timeline, i int, jobID int64, estimate float64) error {
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	limiter *ratelimit.Limiter, tl *timeline, i int, jobID int64, estimate float64) (cancelled bool, err error) {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if *noPull { // the way without CancelTx: cancel, then settle for 0 (no pull-forward)
-			if _, err := client.JobCancelTx(ctx, tx, jobID); err != nil {
+			job, err := client.JobCancelTx(ctx, tx, jobID)
+			if err != nil {
 				return err
+			}
+			// River leaves a finished job as it is and only asks a running one to stop, without an
+			// error: either has made its call, so nothing is refunded.
+			if job.State != rivertype.JobStateCancelled || job.AttemptedAt != nil {
+				tl.event("request %2d  gives up, too late: job %d is %s", i, jobID, job.State)
+				return nil
 			}
 			budget := scheduler.Settlement{Name: limitName, Key: org, Reserved: estimate}
 			res, err := budget.Settle(ctx, tx, limiter, 0, nil)
@@ -309,6 +320,7 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 				return err
 			}
 			tl.cancelled(i, res.Credited, 0)
+			cancelled = true
 			return nil
 		}
 		res, err := sched.CancelTx(ctx, tx, jobID)
@@ -321,8 +333,10 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 			return err
 		}
 		tl.cancelled(i, res.Limits[0].Credited, res.PulledForward)
+		cancelled = true
 		return nil
 	})
+	return cancelled && err == nil, err
 }
 
 // jobs says how many waiting jobs.
