@@ -187,23 +187,11 @@ func run(ctx context.Context) error {
 		return err
 	}
 	tl := &timeline{start: time.Now(), scheduled: map[int]time.Time{}}
-	workers := river.NewWorkers()
 	worker := &completionWorker{pool: pool, limiter: limiter, tl: tl}
-	river.AddWorker(workers, worker)
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
-		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
-		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
-		Workers: workers,
-	})
+	client, sched, err := newClient(pool, limiter, worker)
 	if err != nil {
 		return err
 	}
-	sched, err := scheduler.New(client, limiter, nil)
-	if err != nil {
-		return err
-	}
-	worker.sched = sched
 	// The start-up check: River's tables are there and the client has PreciseHook.
 	if err := sched.Check(ctx, pool, CompletionArgs{}); err != nil {
 		return err
@@ -295,6 +283,28 @@ func run(ctx context.Context) error {
 	}
 	tl.budget(st.Value)
 	return tl.summary(len(estimates), accepted, st.Value)
+}
+
+// newClient returns the River client that inserts and works the model calls, and the Scheduler
+// that reserves their tokens through it; worker gets the Scheduler it settles with.
+func newClient(pool *pgxpool.Pool, limiter *ratelimit.Limiter, worker *completionWorker) (*river.Client[pgx.Tx], *scheduler.Scheduler, error) {
+	workers := river.NewWorkers()
+	river.AddWorker(workers, worker)
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
+		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+		Workers: workers,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	sched, err := scheduler.New(client, limiter, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	worker.sched = sched
+	return client, sched, nil
 }
 
 // cancel cancels the job of request i, whose user gave up, and refunds its tokens, unless its call
