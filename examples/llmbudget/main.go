@@ -186,7 +186,7 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	tl := &timeline{start: time.Now(), scheduled: map[int]time.Time{}}
+	tl := newTimeline()
 	worker := &completionWorker{pool: pool, limiter: limiter, tl: tl}
 	client, sched, err := newClient(pool, limiter, worker)
 	if err != nil {
@@ -286,15 +286,24 @@ func run(ctx context.Context) error {
 }
 
 // newClient returns the River client that inserts and works the model calls, and the Scheduler
-// that reserves their tokens through it; worker gets the Scheduler it settles with.
+// that reserves their tokens through it; worker gets the Scheduler it settles with. The client
+// also runs txlimit's housekeeping: the hourly prune, and the stranded check, which logs a warning
+// (to slog.Default) for reserved calls that nothing starts, e.g. after a process died before its
+// calls ran, so that no reservation is held silently. (It first runs a minute after start-up,
+// after this demo.)
 func newClient(pool *pgxpool.Pool, limiter *ratelimit.Limiter, worker *completionWorker) (*river.Client[pgx.Tx], *scheduler.Scheduler, error) {
 	workers := river.NewWorkers()
 	river.AddWorker(workers, worker)
+	housekeeping, err := scheduler.Housekeeping(workers, limiter, pool, nil)
+	if err != nil {
+		return nil, nil, err
+	}
 	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
-		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
-		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
-		Workers: workers,
+		Hooks:        []rivertype.Hook{&scheduler.PreciseHook{}},
+		Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
+		PeriodicJobs: housekeeping,
+		Queues:       map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+		Workers:      workers,
 	})
 	if err != nil {
 		return nil, nil, err
@@ -378,6 +387,9 @@ type timeline struct {
 	used       float64
 	lateMax    time.Duration
 }
+
+// newTimeline returns a timeline that starts now.
+func newTimeline() *timeline { return &timeline{start: time.Now(), scheduled: map[int]time.Time{}} }
 
 type call struct {
 	request            int

@@ -2,15 +2,11 @@ package main
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -30,20 +26,8 @@ func TestCancelTooLate(t *testing.T) {
 			*noPull = mode
 			t.Cleanup(func() { *noPull = false })
 			ctx := context.Background()
-			pool := testdb.Pool(t, nil)
-			require.NoError(t, scheduler.Migrate(ctx, pool, nil))
-			limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-				limitName: {Rate: tpm, Period: minute, MaxReserved: maxOwed},
-			}})
-			require.NoError(t, err)
-			client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
-				Hooks:  []rivertype.Hook{&scheduler.PreciseHook{}},
-				Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-			})
-			require.NoError(t, err)
-			sched, err := scheduler.New(client, limiter, nil)
-			require.NoError(t, err)
-			tl := &timeline{start: time.Now(), scheduled: map[int]time.Time{}}
+			pool, limiter, client, sched := setup(t)
+			tl := newTimeline()
 
 			// Request 0 takes 1000 of the budget; its call runs, uses 1000 and completes.
 			var id int64
@@ -77,4 +61,28 @@ func TestCancelTooLate(t *testing.T) {
 			require.InDelta(t, before.Value+refill, after.Value, 1e-6, "the budget got tokens back for a call that ran")
 		})
 	}
+}
+
+// TestClientReportsStrandedReservations: the client of the example, which an application may copy,
+// runs the stranded check (scheduler.Housekeeping), so that a reservation whose job nothing starts
+// (a process that died before its calls ran, a queue no client works) is reported, not silent.
+func TestClientReportsStrandedReservations(t *testing.T) {
+	_, _, client, _ := setup(t)
+	require.True(t, client.PeriodicJobs().RemoveByID("txlimit_stranded"), "the client has no stranded check")
+	require.True(t, client.PeriodicJobs().RemoveByID("txlimit_prune"), "the client has no prune job")
+}
+
+// setup returns a pool on a fresh schema with txlimit's and River's tables, the example's limiter,
+// and its River client and Scheduler (newClient), not started.
+func setup(t *testing.T) (*pgxpool.Pool, *ratelimit.Limiter, *river.Client[pgx.Tx], *scheduler.Scheduler) {
+	t.Helper()
+	pool := testdb.Pool(t, nil)
+	require.NoError(t, scheduler.Migrate(context.Background(), pool, nil))
+	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		limitName: {Rate: tpm, Period: minute, MaxReserved: maxOwed},
+	}})
+	require.NoError(t, err)
+	client, sched, err := newClient(pool, limiter, &completionWorker{pool: pool, limiter: limiter, tl: newTimeline()})
+	require.NoError(t, err)
+	return pool, limiter, client, sched
 }
