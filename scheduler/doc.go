@@ -48,9 +48,12 @@
 // River client needs PreciseHook among its Hooks, and the reserved jobs a queue that River's
 // clients work, configured with PreciseQueue. ReserveTx refuses a job headed for a queue no client
 // works (ErrQueueNotWorked; Config.Queues says how it knows), before anything is reserved.
-// Scheduler.Check verifies all three at start-up and returns a *SetupError naming the fix. Give
-// the reserved jobs' args an InsertOpts method that names their queue, so that no call can forget
-// it and Check verifies it:
+// Scheduler.Check verifies at start-up that River's tables are there, that the hook is registered
+// and that the queue is worked, and returns a *SetupError naming the fix. No check sees the queue's
+// poll interval (River lets no other package read a client's queue config): a queue left at
+// River's default FetchPollInterval (1 s) starts reserved jobs up to about a second late, and
+// nothing reports it. Give the reserved jobs' args an InsertOpts method that names their queue, so
+// that no call can forget it and Check verifies it:
 //
 //	func (CompletionArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{Queue: "llm"} }
 //

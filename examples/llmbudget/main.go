@@ -186,24 +186,12 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	tl := &timeline{start: time.Now(), scheduled: map[int]time.Time{}}
-	workers := river.NewWorkers()
+	tl := newTimeline()
 	worker := &completionWorker{pool: pool, limiter: limiter, tl: tl}
-	river.AddWorker(workers, worker)
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
-		Hooks:   []rivertype.Hook{&scheduler.PreciseHook{}},
-		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Queues:  map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
-		Workers: workers,
-	})
+	client, sched, err := newClient(pool, limiter, worker)
 	if err != nil {
 		return err
 	}
-	sched, err := scheduler.New(client, limiter, nil)
-	if err != nil {
-		return err
-	}
-	worker.sched = sched
 	// The start-up check: River's tables are there and the client has PreciseHook.
 	if err := sched.Check(ctx, pool, CompletionArgs{}); err != nil {
 		return err
@@ -250,10 +238,13 @@ func run(ctx context.Context) error {
 		time.Sleep(time.Until(tl.start.Add(time.Duration(i) * arrival)))
 		if i == giveUpAt {
 			if id, ok := jobIDs[giveUp]; ok {
-				if err := cancel(ctx, pool, client, sched, limiter, tl, giveUp, id, estimates[giveUp]); err != nil {
+				cancelled, err := cancel(ctx, pool, client, sched, limiter, tl, giveUp, id, estimates[giveUp])
+				if err != nil {
 					return err
 				}
-				accepted--
+				if cancelled { // else its call has run or runs: it is waited for like the others
+					accepted--
+				}
 			}
 		}
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -294,14 +285,53 @@ func run(ctx context.Context) error {
 	return tl.summary(len(estimates), accepted, st.Value)
 }
 
-// cancel cancels the job of request i, whose user gave up, and refunds its tokens, unless it has
-// started already.
+// newClient returns the River client that inserts and works the model calls, and the Scheduler
+// that reserves their tokens through it; worker gets the Scheduler it settles with. The client
+// also runs txlimit's housekeeping: the hourly prune, and the stranded check, which logs a warning
+// (to slog.Default) for reserved calls that nothing starts, e.g. after a process died before its
+// calls ran, so that no reservation is held silently. (It first runs a minute after start-up,
+// after this demo.)
+func newClient(pool *pgxpool.Pool, limiter *ratelimit.Limiter, worker *completionWorker) (*river.Client[pgx.Tx], *scheduler.Scheduler, error) {
+	workers := river.NewWorkers()
+	river.AddWorker(workers, worker)
+	housekeeping, err := scheduler.Housekeeping(workers, limiter, pool, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+		Hooks:        []rivertype.Hook{&scheduler.PreciseHook{}},
+		Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
+		PeriodicJobs: housekeeping,
+		Queues:       map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(10)},
+		Workers:      workers,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	sched, err := scheduler.New(client, limiter, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	worker.sched = sched
+	return client, sched, nil
+}
+
+// cancel cancels the job of request i, whose user gave up, and refunds its tokens, unless its call
+// has started already (then nothing is refunded: the call runs and settles). It reports whether the
+// job was cancelled.
 func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx], sched *scheduler.Scheduler,
-	limiter *ratelimit.Limiter, tl *timeline, i int, jobID int64, estimate float64) error {
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	limiter *ratelimit.Limiter, tl *timeline, i int, jobID int64, estimate float64) (cancelled bool, err error) {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if *noPull { // the way without CancelTx: cancel, then settle for 0 (no pull-forward)
-			if _, err := client.JobCancelTx(ctx, tx, jobID); err != nil {
+			job, err := client.JobCancelTx(ctx, tx, jobID)
+			if err != nil {
 				return err
+			}
+			// River leaves a finished job as it is and only asks a running one to stop, without an
+			// error: either has made its call, so nothing is refunded.
+			if job.State != rivertype.JobStateCancelled || job.AttemptedAt != nil {
+				tl.event("request %2d  gives up, too late: job %d is %s", i, jobID, job.State)
+				return nil
 			}
 			budget := scheduler.Settlement{Name: limitName, Key: org, Reserved: estimate}
 			res, err := budget.Settle(ctx, tx, limiter, 0, nil)
@@ -309,6 +339,7 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 				return err
 			}
 			tl.cancelled(i, res.Credited, 0)
+			cancelled = true
 			return nil
 		}
 		res, err := sched.CancelTx(ctx, tx, jobID)
@@ -321,8 +352,10 @@ func cancel(ctx context.Context, pool *pgxpool.Pool, client *river.Client[pgx.Tx
 			return err
 		}
 		tl.cancelled(i, res.Limits[0].Credited, res.PulledForward)
+		cancelled = true
 		return nil
 	})
+	return cancelled && err == nil, err
 }
 
 // jobs says how many waiting jobs.
@@ -354,6 +387,9 @@ type timeline struct {
 	used       float64
 	lateMax    time.Duration
 }
+
+// newTimeline returns a timeline that starts now.
+func newTimeline() *timeline { return &timeline{start: time.Now(), scheduled: map[int]time.Time{}} }
 
 type call struct {
 	request            int
