@@ -142,16 +142,22 @@ func Example_cancelAndSettle() {
 
 	inTx(func(tx pgx.Tx) error {
 		res, err := sched.CancelTx(ctx, tx, ids[1])
+		if err != nil {
+			return err
+		}
 		fmt.Printf("cancel job 1: refunded %.0f, %d waiting job pulled forward\n", res.Limits[0].Credited, res.PulledForward)
-		return err
+		return nil
 	})
 	fmt.Println("job 2 due in", at(ids[2]))
 
 	for range 2 { // settled twice: the second changes nothing
 		inTx(func(tx pgx.Tx) error {
 			res, err := sched.SettleTx(ctx, tx, ids[0], 7000)
+			if err != nil {
+				return err
+			}
 			fmt.Printf("settle job 0: used 7000 of 10000, credited %.0f, repeated %t\n", res.Limits[0].Credited, res.Repeated)
-			return err
+			return nil
 		})
 	}
 	fmt.Println("job 2 due in", at(ids[2]))
