@@ -9,6 +9,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/txlimit/txlimit/internal/dbsqlc"
 	"github.com/txlimit/txlimit/internal/driver"
 )
@@ -96,6 +98,13 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
+		if _, pool := db.(*pgxpool.Pool); pool && s.shards >= 2 && !c.dry {
+			leave, err := l.admission.enter(ctx, s.name, s.key, s.shards)
+			if err != nil {
+				return nil, err
+			}
+			defer leave()
+		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,

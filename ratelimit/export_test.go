@@ -1,10 +1,27 @@
 package ratelimit
 
-import "context"
+import (
+	"context"
+	"time"
+)
 
 // SetShardPicker replaces how l picks the two candidate shards of a sharded limit (n >= 2), so
 // tests can choose them. It must return two distinct shards in [0, n).
 func SetShardPicker(l *Limiter, pick func(n int) (a, b int)) { l.pick = pick }
+
+// SetAdmissionWait sets how long l's lone calls on a pool wait in the process for a free slot of
+// a sharded key (admission.go) before going on without one.
+func SetAdmissionWait(l *Limiter, d time.Duration) { l.admission.wait = d }
+
+// Admitted returns how many of l's calls on (name, key) hold or wait for an admission slot.
+func Admitted(l *Limiter, name, key string) int {
+	l.admission.mu.Lock()
+	defer l.admission.mu.Unlock()
+	if e := l.admission.keys[admissionKey{name, key}]; e != nil {
+		return e.users
+	}
+	return 0
+}
 
 // ListCall is one call of a list decided by DecideList: a group of requests, all or nothing.
 type ListCall struct {

@@ -77,6 +77,9 @@ type Limiter struct {
 	// pick chooses two distinct shards of n (n >= 2). Tests replace it.
 	pick func(n int) (int, int)
 	obs  *observer // metrics and logs (metrics.go)
+	// admission admits the lone calls on a pool of one sharded key at most Shards at a time
+	// (admission.go).
+	admission admission
 }
 
 // New returns a Limiter for the named limits. It returns a *ConfigError naming the first invalid

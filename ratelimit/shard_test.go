@@ -859,6 +859,71 @@ func TestShardSkipsALockedPick(t *testing.T) {
 	require.Error(t, err, "with both picks held the call must wait")
 }
 
+// docs/sharding.md, "Throughput": a Limiter admits the lone calls it runs on a pool for one key
+// of a sharded limit Shards at a time; the others wait in the process, not on a backend, for at
+// most 100 ms (a minute here), then go on without a slot, and a caller whose context ends while it
+// waits gets the context's error. Both rows of a 2-shard key held by another transaction: two
+// calls wait in Postgres, one per shard, and a third waits in the process until its context is
+// cancelled; once the bound is short, a third call goes on to Postgres without a slot.
+func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
+	app := fmt.Sprintf("txlimit-admission-%d", time.Now().UnixNano())
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6, RuntimeParams: map[string]string{"application_name": app}})
+	waiting := func() (n int) { // the pool's backends waiting for a lock
+		require.NoError(t, e.pool.QueryRow(e.ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND wait_event_type = 'Lock'`, app).Scan(&n))
+		return n
+	}
+	e.set(shardT0, [2]int{0, 1})
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created, each left at 0.5
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
+	limit := func(ctx context.Context) <-chan bOutcome {
+		return bAsync(func() (ratelimit.Result, error) { return e.lim.Limit(ctx, e.pool, "s", "k", nil) })
+	}
+	holdBoth := func() pgx.Tx {
+		holder, err := e.pool.Begin(e.ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = holder.Rollback(e.ctx) })
+		testdb.LockRow(t, holder, "s", "k", 0)
+		testdb.LockRow(t, holder, "s", "k", 1)
+		return holder
+	}
+
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	holder := holdBoth()
+	first, second := limit(e.ctx), limit(e.ctx)
+	eventually(t, "two calls wait in Postgres", func() bool { return waiting() == 2 })
+	gone, cancel := context.WithCancel(e.ctx)
+	third := limit(gone)
+	eventually(t, "a third call waits for a slot", func() bool { return ratelimit.Admitted(e.lim, "s", "k") == 3 })
+	time.Sleep(300 * time.Millisecond) // time to reach Postgres, were it let through
+	require.Equal(t, 2, waiting(), "the third call waits in the process")
+	cancel()
+	out := <-third
+	require.ErrorIs(t, out.err, context.Canceled)
+	require.NoError(t, holder.Rollback(e.ctx))
+	a, b := <-first, <-second
+	require.NoError(t, a.err)
+	require.NoError(t, b.err)
+	require.True(t, a.res.OK && b.res.OK)
+	require.ElementsMatch(t, []int{0, 1}, append(slices.Clone(a.res.Shards), b.res.Shards...), "steered one call per shard")
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"), "every slot given back")
+
+	// A short bound: the third call waits for a slot 1 ms, then for the rows in Postgres.
+	ratelimit.SetAdmissionWait(e.lim, time.Millisecond)
+	holder = holdBoth()
+	calls := []<-chan bOutcome{limit(e.ctx), limit(e.ctx), limit(e.ctx)}
+	eventually(t, "three calls wait in Postgres", func() bool { return waiting() == 3 })
+	require.NoError(t, holder.Rollback(e.ctx))
+	for _, c := range calls {
+		require.NoError(t, (<-c).err)
+	}
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
 // A call that waited for the pick it charges, and found that pick refusing once it held it (the
 // holder emptied it), holds that row without having written it. It then only tries its other
 // pick when that sorts before the held one, so that two calls never wait on each other's shards
