@@ -75,7 +75,7 @@ $$;
 -- advisory lock (p_lock_key XOR the table's OID shifted left 20 bits XOR the shard: tried, waited
 -- for only as below, held until the transaction ends) this transaction gets and, under REPEATABLE READ or
 -- SERIALIZABLE (p_snapshot), whose row is not stale (locking it from this snapshot could only
--- fail). When every candidate is taken, under READ COMMITTED the answer is -1: go on with the
+-- fail; this transaction's own writes and locks never make it stale). When every candidate is taken, under READ COMMITTED the answer is -1: go on with the
 -- first; there a call whose plan grants and whose transaction has no transaction ID yet (it holds
 -- no row lock: a call on the pool, say) first waits, a bounded time, for that candidate's advisory
 -- lock (txlimit_await_shard) and plans again, so that it reads the shard as its holder left it
@@ -89,19 +89,24 @@ RETURNS integer
 LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    snap pg_snapshot; xr bigint; xm bigint;
+    snap pg_snapshot; xr bigint; xm bigint; xn bigint; own bigint;
     lock_key bigint := p_lock_key # ('txlimit_state'::regclass::oid::bigint << 20);
 BEGIN
     IF p_snapshot THEN
         snap := pg_current_snapshot();
         xr := pg_snapshot_xmax(snap)::text::bigint;
+        own := pg_current_xact_id_if_assigned()::text::bigint % 4294967296; -- as xmax shows it
     END IF;
     FOR j IN 1 .. cardinality(p_shards) LOOP
         CONTINUE WHEN NOT pg_try_advisory_xact_lock(lock_key # p_shards[j]::bigint);
         IF p_snapshot THEN
-            SELECT s.xmax::text::bigint INTO xm
+            SELECT s.xmax::text::bigint, s.xmin::text::bigint INTO xm, xn
             FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = p_shards[j];
-            CONTINUE WHEN txlimit_stale(xm, xr, snap);
+            -- Not stale when the xmax is this transaction's own (it holds the row: a Credit, a
+            -- charge before), nor when the version read is its own write (a version this snapshot
+            -- sees whose xmin it cannot see is this transaction's, a savepoint's included).
+            CONTINUE WHEN txlimit_stale(xm, xr, snap) AND xm IS DISTINCT FROM own
+                          AND NOT txlimit_stale(xn, xr, snap);
         END IF;
         RETURN j;
     END LOOP;

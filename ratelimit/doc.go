@@ -83,7 +83,8 @@
 // row locks alone. Under REPEATABLE READ and
 // SERIALIZABLE a candidate is also passed over when it is stale: when a transaction that the
 // caller's snapshot cannot see has changed or locked its row, since locking it from that snapshot
-// could only fail; the candidate stays taken by the caller's transaction until it ends (an
+// could only fail (the caller's own transaction's writes and locks, a savepoint's included, never
+// make a row stale: its later calls on the key use the shards it charged); the candidate stays taken by the caller's transaction until it ends (an
 // advisory lock taken in a transaction cannot be let go before). When every candidate is taken
 // (or stale), under READ COMMITTED the call goes on with its first candidate: when its plan grants
 // and its transaction holds no row lock (it has written and locked nothing: a call on the pool,

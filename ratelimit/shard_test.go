@@ -1444,3 +1444,59 @@ func TestShardSteeringWaitIgnoresALongerLockTimeout(t *testing.T) {
 	require.True(t, a1.res.OK)
 	require.True(t, a2.res.OK)
 }
+
+// A transaction's own writes and locks never make a shard stale for its later calls: locking a row
+// this transaction already holds cannot fail. Under REPEATABLE READ and SERIALIZABLE a row that
+// the transaction charged (locked, then updated, so that its xmax is the transaction's own lock)
+// or that its Credit held was read as changed by a transaction its snapshot cannot see, and
+// passed over: the third Limit on a key of 2 shards, or a Limit after a Credit of the key, was a
+// *BusyError every time, so InSerializableTx retried it until its attempts ran out. Each call
+// here charges the first pick, which alone holds the count, as TestShardChoiceUnderSerializable
+// says; the same holds inside a savepoint.
+func TestShardOwnWritesAreNotStale(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2), "q": shardCfg(4)}) // each shard holds 2
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		// Every row exists before the transaction (a charge of 3 combines two shards), full again at t20.
+		for _, c := range []struct {
+			name string
+			pick [2]int
+		}{{"s", [2]int{0, 1}}, {"q", [2]int{0, 1}}, {"q", [2]int{2, 3}}} {
+			e.set(shardT0, c.pick)
+			_, err := e.lim.LimitN(e.ctx, e.pool, c.name, string(iso), 3, nil)
+			require.NoError(t, err)
+		}
+		e.set(shardAt(20), [2]int{0, 1})
+		require.NoError(t, pgx.BeginTxFunc(e.ctx, e.pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
+			for i, want := range []float64{1.5, 1, 0.5} {
+				r, err := e.lim.LimitN(e.ctx, tx, "s", string(iso), 0.5, nil)
+				require.NoError(t, err, "%s: call %d on the key this transaction charged", iso, i)
+				require.Equal(t, []int{0}, r.Shards, "%s: call %d", iso, i)
+				require.Equal(t, want, r.Value, "%s: call %d", iso, i)
+			}
+			c, err := e.lim.Credit(e.ctx, tx, "q", string(iso), 1, nil) // holds every row of the key
+			require.NoError(t, err)
+			require.Equal(t, 0.0, c.Credited, "every shard is full")
+			r, err := e.lim.LimitN(e.ctx, tx, "q", string(iso), 1, nil)
+			require.NoError(t, err, "%s: Limit after a Credit of the key", iso)
+			require.Equal(t, []int{0}, r.Shards, iso)
+			// A savepoint's writes are the transaction's own too: the second call finds shard 1
+			// of "s" written, and locked, by the savepoint.
+			e.set(shardAt(20), [2]int{1, 0})
+			return pgx.BeginFunc(e.ctx, tx, func(sp pgx.Tx) error {
+				for i := range 2 {
+					r, err := e.lim.LimitN(e.ctx, sp, "s", string(iso), 0.5, nil)
+					require.NoError(t, err, "%s: call %d in a savepoint", iso, i)
+					require.Equal(t, []int{1}, r.Shards, "%s: call %d in a savepoint", iso, i)
+				}
+				return nil
+			})
+		}))
+		st, err := e.lim.State(e.ctx, e.pool, "s", string(iso), nil)
+		require.NoError(t, err)
+		require.Equal(t, []float64{0.5, 1}, st.Shards, iso)
+		st, err = e.lim.State(e.ctx, e.pool, "q", string(iso), nil)
+		require.NoError(t, err)
+		require.Equal(t, []float64{1, 2, 2, 2}, st.Shards, iso)
+	}
+}
