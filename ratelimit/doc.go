@@ -104,7 +104,8 @@
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with
 // many callers SERIALIZABLE aborts the resulting read/write dependency cycles. There a single
 // request charges its first pick when that shard alone holds count, and reads the second only when
-// it does not, then decides between combining and the second alone exactly as above. Under READ
+// it does not, then decides between combining and the second alone exactly as above; a CheckN
+// there answers the same way, so that it names the shard LimitN would charge. Under READ
 // COMMITTED both picks are always read.
 //
 // # Fixed window grid

@@ -782,7 +782,9 @@ func TestShardUtilisation(t *testing.T) {
 // a reader of whoever charges it, and SERIALIZABLE aborts such read/write dependency cycles; so
 // there the first pick is charged when it can serve the request alone, and the second is read
 // only when it cannot (to combine or fall back). Under READ COMMITTED the fuller of the two is
-// charged, as always.
+// charged, as always. CheckN, in the same transaction, answers the same: it read both picks and
+// named the fuller under every isolation level, so under a snapshot it named a shard LimitN would
+// not charge, with a Value of two shards where LimitN's covers one.
 func TestShardChoiceUnderSerializable(t *testing.T) {
 	t.Parallel()
 	cfg := shardCfg(2) // each shard: refill 10/s, holds 2
@@ -798,9 +800,14 @@ func TestShardChoiceUnderSerializable(t *testing.T) {
 		t.Helper()
 		var r ratelimit.Result
 		require.NoError(t, pgx.BeginTxFunc(e.ctx, e.pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
-			var err error
+			// CheckN answers what LimitN would: the same shards and the same Value.
+			c, err := e.lim.CheckN(e.ctx, tx, "s", key, count, nil)
+			require.NoError(t, err)
 			r, err = e.lim.LimitN(e.ctx, tx, "s", key, count, nil)
-			return err
+			require.NoError(t, err)
+			require.Equal(t, [3]any{r.OK, r.Shards, r.Value}, [3]any{c.OK, c.Shards, c.Value},
+				"%s count %g: CheckN (right) should answer what LimitN (left) did", iso, count)
+			return nil
 		}))
 		return r
 	}
