@@ -618,7 +618,8 @@ func runShardLoad(g int, d time.Duration, loads []*shardLoad, fns []func(ctx con
 // rate 10/s, so each shard holds at most 0.625 and a single token always needs two shards
 // combined. 64 goroutines on one key for 3 s may be granted at most 10 + 10·span (40 for 3 s),
 // span running from the first to the last grant. The same holds for the limit scaled to burst
-// 160, rate 160/s (640 for 3 s), where most calls charge a single shard, and for LimitMany over
+// 160, rate 160/s (640 for 3 s), where most calls charge a single shard, for each decision in a
+// SERIALIZABLE transaction of its own (InSerializableTx), and for LimitMany over
 // the burst-10 limit and an unsharded quota, which is charged exactly once per grant
 // (all-or-nothing under contention).
 func TestShardOverGrant(t *testing.T) {
@@ -670,6 +671,22 @@ func TestShardOverGrant(t *testing.T) {
 		// Not degenerate: a shard below 0.5 cannot pair with another below 0.5, but at most
 		// 16·0.5 = 8 tokens are stranded so at any time; measured: 32 of 40.
 		check(t, l, "hot", "k", 10, 10, 20)
+	})
+
+	// Each decision in its own SERIALIZABLE transaction (docs/spec.md §7, Zero over-grant): under
+	// a snapshot the first pick is charged alone when it can, and steering passes over stale
+	// shards.
+	t.Run("InSerializableTx", func(t *testing.T) {
+		l := load64(func(ctx context.Context) (ratelimit.Result, bool, error) {
+			var res ratelimit.Result
+			err := ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+				var err error
+				res, err = lim.Limit(ctx, tx, "hot", "s", nil)
+				return err
+			})
+			return res, res.OK, err
+		})
+		check(t, l, "hot", "s", 10, 10, 20)
 	})
 
 	// The same total limit scaled up 16 times: each shard holds 10, so most calls charge one shard.
