@@ -1524,3 +1524,52 @@ func TestShardOwnWritesAreNotStale(t *testing.T) {
 		require.Equal(t, []float64{1, 2, 2, 2}, st.Shards, iso)
 	}
 }
+
+// The bounds on many shards: Shards at its maximum, 1024, with Rate, Capacity and MaxReserved at
+// 10^15 (976,562,500,000 per shard, exact in float8). The largest count without Reserve, what two
+// shards hold together, is granted on fresh rows and one ulp more is an argument error; the
+// largest reservation takes both picks to -MaxReserved/N and is paid off in one second; State,
+// Credit and Reset sum and act on every shard; a refill of 10^-9 per 100 years reports its wait
+// at the bound of 2^61 µs.
+func TestShardBounds(t *testing.T) {
+	t.Parallel()
+	const n = 1024
+	per := 1e15 / n
+	big := ratelimit.Config{Rate: 1e15, Period: time.Second, Capacity: 1e15, MaxReserved: 1e15, Shards: n}
+	slow := ratelimit.Config{Rate: 1e-9, Period: 100 * 365 * 24 * time.Hour, Capacity: 1e15, MaxReserved: ratelimit.Unbounded, Shards: n}
+	e := newShardEnv(t, map[string]ratelimit.Config{"big": big, "slow": slow})
+	e.set(shardT0, [2]int{n - 1, 0})
+	runShardSteps(t, e, "big", "k", big, []shardStep{
+		{pick: [2]int{n - 1, 0}, count: 2 * per, ok: true, charged: []int{0, n - 1}, value: 0, levels: map[int]float64{0: 0, n - 1: 0}},
+		{op: shardReset},
+		{pick: [2]int{n - 1, 0}, count: 4 * per, reserve: true, ok: true, reserved: true, charged: []int{0, n - 1}, value: -2 * per,
+			retry: time.Second, levels: map[int]float64{0: -per, n - 1: -per}},
+		{op: shardCredit, count: 1e15, credited: 4 * per, value: 1e15},
+		{op: shardReset},
+	})
+	for _, c := range []struct {
+		count   float64
+		reserve bool
+	}{{math.Nextafter(2*per, math.Inf(1)), false}, {math.Nextafter(4*per, math.Inf(1)), true}} {
+		_, err := e.lim.LimitN(e.ctx, e.pool, "big", "k", c.count, &ratelimit.LimitOpts{Reserve: c.reserve})
+		var ae *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &ae, "count %g reserve %v", c.count, c.reserve)
+	}
+
+	// The slow limit: drained, its picks refill 10^-9/1024 per 100 years, a wait past the bound.
+	bound := time.UnixMicro(shardT0.UnixMicro() + ratelimit.MaxRetryWaitMicros).UTC()
+	runShardSteps(t, e, "slow", "k", slow, []shardStep{
+		{pick: [2]int{n - 1, 0}, count: 2 * per, ok: true, charged: []int{0, n - 1}, value: 0, levels: map[int]float64{0: 0, n - 1: 0}},
+	})
+	e.set(shardT0, [2]int{0, n - 1})
+	r, err := e.lim.Limit(e.ctx, e.pool, "slow", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, [3]any{false, 0.0, bound}, [3]any{r.OK, r.Value, r.RetryAt.UTC()})
+	r, err = e.lim.LimitN(e.ctx, e.pool, "slow", "k", 1e15, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	require.Equal(t, [5]any{true, true, []int{0, n - 1}, -1e15, bound}, [5]any{r.OK, r.Reserved, r.Shards, r.Value, r.RetryAt.UTC()})
+	// Credit: shard 0 (the lower on a tie) is filled first, shard 1023 takes the rest.
+	runShardSteps(t, e, "slow", "k", slow, []shardStep{
+		{op: shardCredit, count: 1e15, credited: 1e15, value: (n - 2) * per, levels: map[int]float64{n - 1: -per}},
+	})
+}
