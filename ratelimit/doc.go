@@ -74,7 +74,7 @@
 // (SKIP LOCKED), and waits only when both are held.
 //
 // Concurrent callers of one key are steered to different shards before they read any row. A
-// lone request (a Limit or LimitN, or a Batcher's batch of one) draws its candidate shards in
+// lone request (a Limit or LimitN, a LimitMany of one request, or a Batcher's batch of one) draws its candidate shards in
 // random order, a and b first (up to 16), and takes as a the first candidate that no other transaction is deciding on, and as b the
 // candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
 // transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
@@ -95,10 +95,10 @@
 // lock, and a transaction that holds rows may wait for the row itself, as any SQL does, never for
 // an advisory lock, where it could close a deadlock with what it holds. Under REPEATABLE READ or
 // SERIALIZABLE it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE
-// 40001) to retry like any other. Check and CheckN take no advisory lock; LimitMany and a Batcher's longer batches
-// do not use them either. A transaction holds one or more such locks per sharded key it decided
-// on, so one that decides on thousands of different sharded keys needs room in Postgres's lock
-// table (max_locks_per_transaction).
+// 40001) to retry like any other. Check and CheckN take no advisory lock; a LimitMany of two or
+// more requests and a Batcher's longer batches do not use them either. A transaction holds one or
+// more such locks per sharded key it decided on, so one that decides on thousands of different
+// sharded keys needs room in Postgres's lock table (max_locks_per_transaction).
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with
