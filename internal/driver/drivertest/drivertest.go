@@ -169,6 +169,7 @@ func Script(t *testing.T, db ratelimit.Executor) {
 
 	st := state(t, lim, db, "hot", "k")
 	require.Equal(t, 4.0, st.Value) // 8 - 1 (LimitMany) - 3
+
 	c, err = lim.Credit(ctx, db, "hot", "k", 1, nil) // to the emptier shard
 	require.NoError(t, err)
 	require.Equal(t, [2]float64{1, 5}, [2]float64{c.Credited, c.Value})
