@@ -75,7 +75,7 @@ $$;
 -- advisory lock (p_lock_key XOR the table's OID shifted left 20 bits XOR the shard: tried, waited
 -- for only as below, held until the transaction ends) this transaction gets and, under REPEATABLE READ or
 -- SERIALIZABLE (p_snapshot), whose row is not stale (locking it from this snapshot could only
--- fail). When every candidate is taken, under READ COMMITTED the answer is -1: go on with the
+-- fail; this transaction's own writes and locks never make it stale). When every candidate is taken, under READ COMMITTED the answer is -1: go on with the
 -- first; there a call whose plan grants and whose transaction has no transaction ID yet (it holds
 -- no row lock: a call on the pool, say) first waits, a bounded time, for that candidate's advisory
 -- lock (txlimit_await_shard) and plans again, so that it reads the shard as its holder left it
@@ -89,19 +89,24 @@ RETURNS integer
 LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    snap pg_snapshot; xr bigint; xm bigint;
+    snap pg_snapshot; xr bigint; xm bigint; xn bigint; own bigint;
     lock_key bigint := p_lock_key # ('txlimit_state'::regclass::oid::bigint << 20);
 BEGIN
     IF p_snapshot THEN
         snap := pg_current_snapshot();
         xr := pg_snapshot_xmax(snap)::text::bigint;
+        own := pg_current_xact_id_if_assigned()::text::bigint % 4294967296; -- as xmax shows it
     END IF;
     FOR j IN 1 .. cardinality(p_shards) LOOP
         CONTINUE WHEN NOT pg_try_advisory_xact_lock(lock_key # p_shards[j]::bigint);
         IF p_snapshot THEN
-            SELECT s.xmax::text::bigint INTO xm
+            SELECT s.xmax::text::bigint, s.xmin::text::bigint INTO xm, xn
             FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = p_shards[j];
-            CONTINUE WHEN txlimit_stale(xm, xr, snap);
+            -- Not stale when the xmax is this transaction's own (it holds the row: a Credit, a
+            -- charge before), nor when the version read is its own write (a version this snapshot
+            -- sees whose xmin it cannot see is this transaction's, a savepoint's included).
+            CONTINUE WHEN txlimit_stale(xm, xr, snap) AND xm IS DISTINCT FROM own
+                          AND NOT txlimit_stale(xn, xr, snap);
         END IF;
         RETURN j;
     END LOOP;
@@ -500,7 +505,8 @@ $$;
 -- common call), given as scalars, and returns its answer as txlimit_pack_v1's eight numbers. Its
 -- candidate shards p_shards: one when unsharded; for a sharded Limit, the two random picks first,
 -- then further candidates in random order for steering (txlimit_steer, with p_lock_key the hash of
--- name and key); for a sharded Check, the two picks. A request charging one row is decided by one
+-- name and key); for a sharded Check, the two picks (under a snapshot, as for a Limit, the first
+-- alone when it holds count). A request charging one row is decided by one
 -- UPDATE of it (see the top of this file); when that writes nothing, the row is read as the plan,
 -- and a refusal (or a Check) is answered from it. Anything else (a missing row, a row changed
 -- meanwhile, a charge of both shards) is decided by txlimit_decide_v1. p_tried: the statement
@@ -532,6 +538,18 @@ BEGIN
         -- this function's planner settings keep it on the primary key.
         IF NOT p_tried OR p_allow > 0 OR current_setting('transaction_isolation') <> 'read committed' THEN
             sh := p_shards[1];
+        END IF;
+    ELSIF p_shards[2] IS NOT NULL AND p_dry AND current_setting('transaction_isolation') <> 'read committed' THEN
+        -- A sharded Check under a snapshot answers what the Limit would: its first pick alone when
+        -- that holds count, the second not read; else both, by the road for lists (below).
+        a := p_shards[1];
+        SELECT s.value, s.ts INTO va, ta FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = a;
+        va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us);
+        lv_a := txlimit_level(va, ta, t, p_rate, p_period_us, p_step_us, p_cap);
+        IF lv_a >= p_count THEN
+            v := txlimit_left(0, 1, lv_a, 0, p_count); vts := txlimit_next_ts(ta, t, p_step_us);
+            RETURN txlimit_written_v1(v, vts, t, a, p_shards[2], 0,
+                                      txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
         END IF;
     ELSIF p_shards[2] IS NOT NULL AND NOT p_dry THEN
         two := current_setting('transaction_isolation') = 'read committed';

@@ -74,7 +74,7 @@
 // (SKIP LOCKED), and waits only when both are held.
 //
 // Concurrent callers of one key are steered to different shards before they read any row. A
-// lone request (a Limit or LimitN, or a Batcher's batch of one) draws its candidate shards in
+// lone request (a Limit or LimitN, a LimitMany of one request, or a Batcher's batch of one) draws its candidate shards in
 // random order, a and b first (up to 16), and takes as a the first candidate that no other transaction is deciding on, and as b the
 // candidate after it: with no concurrent caller, exactly the two random picks. "Deciding on" is a
 // transaction-scoped advisory lock, pg_try_advisory_xact_lock(k), with k derived from a 64-bit
@@ -83,7 +83,8 @@
 // row locks alone. Under REPEATABLE READ and
 // SERIALIZABLE a candidate is also passed over when it is stale: when a transaction that the
 // caller's snapshot cannot see has changed or locked its row, since locking it from that snapshot
-// could only fail; the candidate stays taken by the caller's transaction until it ends (an
+// could only fail (the caller's own transaction's writes and locks, a savepoint's included, never
+// make a row stale: its later calls on the key use the shards it charged); the candidate stays taken by the caller's transaction until it ends (an
 // advisory lock taken in a transaction cannot be let go before). When every candidate is taken
 // (or stale), under READ COMMITTED the call goes on with its first candidate: when its plan grants
 // and its transaction holds no row lock (it has written and locked nothing: a call on the pool,
@@ -94,13 +95,13 @@
 // lock, and a transaction that holds rows may wait for the row itself, as any SQL does, never for
 // an advisory lock, where it could close a deadlock with what it holds. Under REPEATABLE READ or
 // SERIALIZABLE it writes nothing and returns a *BusyError, a serialization failure (SQLSTATE
-// 40001) to retry like any other. Check and CheckN take no advisory lock; LimitMany and a Batcher's longer batches
-// do not use them either. A transaction holds one or more such locks per sharded key it decided
-// on, so one that decides on thousands of different sharded keys needs room in Postgres's lock
-// table (max_locks_per_transaction).
+// 40001) to retry like any other. Check and CheckN take no advisory lock; a LimitMany of two or
+// more requests and a Batcher's longer batches do not use them either. A transaction holds one or
+// more such locks per sharded key it decided on, so one that decides on thousands of different
+// sharded keys needs room in Postgres's lock table (max_locks_per_transaction).
 //
-// A Limiter also admits the lone Limit and LimitN calls it runs on a *pgxpool.Pool for one
-// sharded key N at a time, one per shard: a caller beyond them waits in the process for a free
+// A Limiter also admits the lone requests it decides on a *pgxpool.Pool (a Limit or LimitN, or a
+// LimitMany of one request) for one sharded key N at a time, one per shard: a caller beyond them waits in the process for a free
 // slot, where waiting costs nothing, instead of on a backend of its own for a steering lock. That
 // wait, too, is a hint: it lasts at most 100 ms, then the call goes on without a slot (so a slot
 // held by a call that waits for a row the waiting caller's own transaction holds delays it, never
@@ -111,7 +112,8 @@
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with
 // many callers SERIALIZABLE aborts the resulting read/write dependency cycles. There a single
 // request charges its first pick when that shard alone holds count, and reads the second only when
-// it does not, then decides between combining and the second alone exactly as above. Under READ
+// it does not, then decides between combining and the second alone exactly as above; a CheckN
+// there answers the same way, so that it names the shard LimitN would charge. Under READ
 // COMMITTED both picks are always read.
 //
 // # Fixed window grid

@@ -36,13 +36,15 @@ func pgxHandle(mode pgx.QueryExecMode) drivertest.Open {
 }
 
 // TestDriverContractPgx runs the driver contract on pgx: on a *pgxpool.Pool and in a pgx.Tx (the
-// suite's Begin), in pgx's default mode and in QueryExecModeExec and QueryExecModeSimpleProtocol.
+// suite's Begin), in pgx's default mode and in QueryExecModeExec, QueryExecModeSimpleProtocol and
+// QueryExecModeCacheDescribe.
 func TestDriverContractPgx(t *testing.T) {
 	t.Parallel()
 	for _, m := range []struct {
 		name string
 		mode pgx.QueryExecMode
-	}{{"default", 0}, {"exec", pgx.QueryExecModeExec}, {"simple_protocol", pgx.QueryExecModeSimpleProtocol}} {
+	}{{"default", 0}, {"exec", pgx.QueryExecModeExec}, {"simple_protocol", pgx.QueryExecModeSimpleProtocol},
+		{"cache_describe", pgx.QueryExecModeCacheDescribe}} {
 		t.Run(m.name, func(t *testing.T) {
 			t.Parallel()
 			drivertest.Run(t, pgxHandle(m.mode))

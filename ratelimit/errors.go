@@ -136,13 +136,13 @@ func (e *RetriesExhaustedError) Error() string {
 // Unwrap returns the last cause, so errors.Is and errors.As see through the give-up.
 func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
 
-// BusyError is returned by Limit and LimitN on a sharded limit inside a REPEATABLE READ or
-// SERIALIZABLE transaction when every candidate shard was taken by another transaction at that
-// moment (deciding on it, or having passed over it as stale: see the package doc, "Shards"). The
-// call wrote nothing. It is a serialization failure: there the call
-// could only have waited for a shard that another transaction is about to commit, and then failed
-// with SQLSTATE 40001 anyway, so it fails at once instead. Roll the transaction back and run it
-// again after a backoff; InSerializableTx does. It unwraps to a *pgconn.PgError with Code "40001",
+// BusyError is returned by Limit and LimitN (and a LimitMany of one request, which is decided as
+// they are) on a sharded limit inside a REPEATABLE READ or SERIALIZABLE transaction when every
+// candidate shard was taken by another transaction at that moment (deciding on it, or having
+// passed over it as stale: see the package doc, "Shards"). The call wrote nothing. It is a
+// serialization failure: there the call could only have waited for a shard that another
+// transaction is about to commit, and then failed with SQLSTATE 40001 anyway, so it fails at once
+// instead. Roll the transaction back and run it again after a backoff; InSerializableTx does. It unwraps to a *pgconn.PgError with Code "40001",
 // so IsRetryable and retry loops that look for that code treat it as one.
 type BusyError struct {
 	// Name and Key identify the limit.

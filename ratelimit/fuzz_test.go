@@ -453,7 +453,7 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 		wantErr = errModelArgument
 	}
 	r.picks, r.picked = nil, 0
-	req := modelReq{count: count, reserve: opts.Reserve, a: 0, b: -1, snapshot: r.db != ratelimit.Executor(r.pool) && !dry}
+	req := modelReq{count: count, reserve: opts.Reserve, a: 0, b: -1, snapshot: r.db != ratelimit.Executor(r.pool)}
 	if wantErr == nil {
 		req.lim = m
 		if m.shards >= 2 {
@@ -565,7 +565,7 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 		return
 	}
 	if len(mreqs) == 1 { // a list of one request is decided as a lone call
-		mreqs[0].snapshot = r.db != ratelimit.Executor(r.pool) && !dry
+		mreqs[0].snapshot = r.db != ratelimit.Executor(r.pool)
 	}
 	want := r.md.decide(r.now, mreqs, dry)
 	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> ok=%v retryAt=%s", want.OK, fmtModelTime(r.sc.base, want.RetryAt))

@@ -372,8 +372,8 @@ type modelReq struct {
 	count   float64
 	reserve bool
 	a, b    int
-	// snapshot: a lone sharded Limit under REPEATABLE READ or SERIALIZABLE, which reads its
-	// second pick only when the first cannot serve alone (the package doc, "Shards").
+	// snapshot: a lone sharded Limit or Check under REPEATABLE READ or SERIALIZABLE, which reads
+	// its second pick only when the first cannot serve alone (the package doc, "Shards").
 	snapshot bool
 }
 

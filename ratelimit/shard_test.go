@@ -618,7 +618,8 @@ func runShardLoad(g int, d time.Duration, loads []*shardLoad, fns []func(ctx con
 // rate 10/s, so each shard holds at most 0.625 and a single token always needs two shards
 // combined. 64 goroutines on one key for 3 s may be granted at most 10 + 10·span (40 for 3 s),
 // span running from the first to the last grant. The same holds for the limit scaled to burst
-// 160, rate 160/s (640 for 3 s), where most calls charge a single shard, and for LimitMany over
+// 160, rate 160/s (640 for 3 s), where most calls charge a single shard, for each decision in a
+// SERIALIZABLE transaction of its own (InSerializableTx), and for LimitMany over
 // the burst-10 limit and an unsharded quota, which is charged exactly once per grant
 // (all-or-nothing under contention).
 func TestShardOverGrant(t *testing.T) {
@@ -670,6 +671,22 @@ func TestShardOverGrant(t *testing.T) {
 		// Not degenerate: a shard below 0.5 cannot pair with another below 0.5, but at most
 		// 16·0.5 = 8 tokens are stranded so at any time; measured: 32 of 40.
 		check(t, l, "hot", "k", 10, 10, 20)
+	})
+
+	// Each decision in its own SERIALIZABLE transaction (docs/spec.md §7, Zero over-grant): under
+	// a snapshot the first pick is charged alone when it can, and steering passes over stale
+	// shards.
+	t.Run("InSerializableTx", func(t *testing.T) {
+		l := load64(func(ctx context.Context) (ratelimit.Result, bool, error) {
+			var res ratelimit.Result
+			err := ratelimit.InSerializableTx(ctx, pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+				var err error
+				res, err = lim.Limit(ctx, tx, "hot", "s", nil)
+				return err
+			})
+			return res, res.OK, err
+		})
+		check(t, l, "hot", "s", 10, 10, 20)
 	})
 
 	// The same total limit scaled up 16 times: each shard holds 10, so most calls charge one shard.
@@ -782,7 +799,9 @@ func TestShardUtilisation(t *testing.T) {
 // a reader of whoever charges it, and SERIALIZABLE aborts such read/write dependency cycles; so
 // there the first pick is charged when it can serve the request alone, and the second is read
 // only when it cannot (to combine or fall back). Under READ COMMITTED the fuller of the two is
-// charged, as always.
+// charged, as always. CheckN, in the same transaction, answers the same: it read both picks and
+// named the fuller under every isolation level, so under a snapshot it named a shard LimitN would
+// not charge, with a Value of two shards where LimitN's covers one.
 func TestShardChoiceUnderSerializable(t *testing.T) {
 	t.Parallel()
 	cfg := shardCfg(2) // each shard: refill 10/s, holds 2
@@ -798,9 +817,14 @@ func TestShardChoiceUnderSerializable(t *testing.T) {
 		t.Helper()
 		var r ratelimit.Result
 		require.NoError(t, pgx.BeginTxFunc(e.ctx, e.pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
-			var err error
+			// CheckN answers what LimitN would: the same shards and the same Value.
+			c, err := e.lim.CheckN(e.ctx, tx, "s", key, count, nil)
+			require.NoError(t, err)
 			r, err = e.lim.LimitN(e.ctx, tx, "s", key, count, nil)
-			return err
+			require.NoError(t, err)
+			require.Equal(t, [3]any{r.OK, r.Shards, r.Value}, [3]any{c.OK, c.Shards, c.Value},
+				"%s count %g: CheckN (right) should answer what LimitN (left) did", iso, count)
+			return nil
 		}))
 		return r
 	}
@@ -1508,4 +1532,109 @@ func TestShardSteeringWaitIgnoresALongerLockTimeout(t *testing.T) {
 	require.NoError(t, a2.err, "t2's Limit on key a (a steering wait must not deadlock)")
 	require.True(t, a1.res.OK)
 	require.True(t, a2.res.OK)
+}
+
+// A transaction's own writes and locks never make a shard stale for its later calls: locking a row
+// this transaction already holds cannot fail. Under REPEATABLE READ and SERIALIZABLE a row that
+// the transaction charged (locked, then updated, so that its xmax is the transaction's own lock)
+// or that its Credit held was read as changed by a transaction its snapshot cannot see, and
+// passed over: the third Limit on a key of 2 shards, or a Limit after a Credit of the key, was a
+// *BusyError every time, so InSerializableTx retried it until its attempts ran out. Each call
+// here charges the first pick, which alone holds the count, as TestShardChoiceUnderSerializable
+// says; the same holds inside a savepoint.
+func TestShardOwnWritesAreNotStale(t *testing.T) {
+	t.Parallel()
+	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2), "q": shardCfg(4)}) // each shard holds 2
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		// Every row exists before the transaction (a charge of 3 combines two shards), full again at t20.
+		for _, c := range []struct {
+			name string
+			pick [2]int
+		}{{"s", [2]int{0, 1}}, {"q", [2]int{0, 1}}, {"q", [2]int{2, 3}}} {
+			e.set(shardT0, c.pick)
+			_, err := e.lim.LimitN(e.ctx, e.pool, c.name, string(iso), 3, nil)
+			require.NoError(t, err)
+		}
+		e.set(shardAt(20), [2]int{0, 1})
+		require.NoError(t, pgx.BeginTxFunc(e.ctx, e.pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
+			for i, want := range []float64{1.5, 1, 0.5} {
+				r, err := e.lim.LimitN(e.ctx, tx, "s", string(iso), 0.5, nil)
+				require.NoError(t, err, "%s: call %d on the key this transaction charged", iso, i)
+				require.Equal(t, []int{0}, r.Shards, "%s: call %d", iso, i)
+				require.Equal(t, want, r.Value, "%s: call %d", iso, i)
+			}
+			c, err := e.lim.Credit(e.ctx, tx, "q", string(iso), 1, nil) // holds every row of the key
+			require.NoError(t, err)
+			require.Equal(t, 0.0, c.Credited, "every shard is full")
+			r, err := e.lim.LimitN(e.ctx, tx, "q", string(iso), 1, nil)
+			require.NoError(t, err, "%s: Limit after a Credit of the key", iso)
+			require.Equal(t, []int{0}, r.Shards, iso)
+			// A savepoint's writes are the transaction's own too: the second call finds shard 1
+			// of "s" written, and locked, by the savepoint.
+			e.set(shardAt(20), [2]int{1, 0})
+			return pgx.BeginFunc(e.ctx, tx, func(sp pgx.Tx) error {
+				for i := range 2 {
+					r, err := e.lim.LimitN(e.ctx, sp, "s", string(iso), 0.5, nil)
+					require.NoError(t, err, "%s: call %d in a savepoint", iso, i)
+					require.Equal(t, []int{1}, r.Shards, "%s: call %d in a savepoint", iso, i)
+				}
+				return nil
+			})
+		}))
+		st, err := e.lim.State(e.ctx, e.pool, "s", string(iso), nil)
+		require.NoError(t, err)
+		require.Equal(t, []float64{0.5, 1}, st.Shards, iso)
+		st, err = e.lim.State(e.ctx, e.pool, "q", string(iso), nil)
+		require.NoError(t, err)
+		require.Equal(t, []float64{1, 2, 2, 2}, st.Shards, iso)
+	}
+}
+
+// The bounds on many shards: Shards at its maximum, 1024, with Rate, Capacity and MaxReserved at
+// 10^15 (976,562,500,000 per shard, exact in float8). The largest count without Reserve, what two
+// shards hold together, is granted on fresh rows and one ulp more is an argument error; the
+// largest reservation takes both picks to -MaxReserved/N and is paid off in one second; State,
+// Credit and Reset sum and act on every shard; a refill of 10^-9 per 100 years reports its wait
+// at the bound of 2^61 µs.
+func TestShardBounds(t *testing.T) {
+	t.Parallel()
+	const n = 1024
+	per := 1e15 / n
+	big := ratelimit.Config{Rate: 1e15, Period: time.Second, Capacity: 1e15, MaxReserved: 1e15, Shards: n}
+	slow := ratelimit.Config{Rate: 1e-9, Period: 100 * 365 * 24 * time.Hour, Capacity: 1e15, MaxReserved: ratelimit.Unbounded, Shards: n}
+	e := newShardEnv(t, map[string]ratelimit.Config{"big": big, "slow": slow})
+	e.set(shardT0, [2]int{n - 1, 0})
+	runShardSteps(t, e, "big", "k", big, []shardStep{
+		{pick: [2]int{n - 1, 0}, count: 2 * per, ok: true, charged: []int{0, n - 1}, value: 0, levels: map[int]float64{0: 0, n - 1: 0}},
+		{op: shardReset},
+		{pick: [2]int{n - 1, 0}, count: 4 * per, reserve: true, ok: true, reserved: true, charged: []int{0, n - 1}, value: -2 * per,
+			retry: time.Second, levels: map[int]float64{0: -per, n - 1: -per}},
+		{op: shardCredit, count: 1e15, credited: 4 * per, value: 1e15},
+		{op: shardReset},
+	})
+	for _, c := range []struct {
+		count   float64
+		reserve bool
+	}{{math.Nextafter(2*per, math.Inf(1)), false}, {math.Nextafter(4*per, math.Inf(1)), true}} {
+		_, err := e.lim.LimitN(e.ctx, e.pool, "big", "k", c.count, &ratelimit.LimitOpts{Reserve: c.reserve})
+		var ae *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &ae, "count %g reserve %v", c.count, c.reserve)
+	}
+
+	// The slow limit: drained, its picks refill 10^-9/1024 per 100 years, a wait past the bound.
+	bound := time.UnixMicro(shardT0.UnixMicro() + ratelimit.MaxRetryWaitMicros).UTC()
+	runShardSteps(t, e, "slow", "k", slow, []shardStep{
+		{pick: [2]int{n - 1, 0}, count: 2 * per, ok: true, charged: []int{0, n - 1}, value: 0, levels: map[int]float64{0: 0, n - 1: 0}},
+	})
+	e.set(shardT0, [2]int{0, n - 1})
+	r, err := e.lim.Limit(e.ctx, e.pool, "slow", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, [3]any{false, 0.0, bound}, [3]any{r.OK, r.Value, r.RetryAt.UTC()})
+	r, err = e.lim.LimitN(e.ctx, e.pool, "slow", "k", 1e15, &ratelimit.LimitOpts{Reserve: true})
+	require.NoError(t, err)
+	require.Equal(t, [5]any{true, true, []int{0, n - 1}, -1e15, bound}, [5]any{r.OK, r.Reserved, r.Shards, r.Value, r.RetryAt.UTC()})
+	// Credit: shard 0 (the lower on a tie) is filled first, shard 1023 takes the rest.
+	runShardSteps(t, e, "slow", "k", slow, []shardStep{
+		{op: shardCredit, count: 1e15, credited: 1e15, value: (n - 2) * per, levels: map[int]float64{n - 1: -per}},
+	})
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -48,7 +49,7 @@ func oneAndSharded(t *testing.T, shards int) *testBundle {
 // Under SERIALIZABLE a sequential scan takes a relation-level predicate lock, which makes every
 // decision conflict with every other write to the table (and sharding useless). Even on a table of
 // a few hot limits, with real statistics, decisions must look rows up by primary key (the decision
-// function runs with sequential and bitmap scans off).
+// function runs with sequential and bitmap scans off); and so on a table of many rows.
 func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 	t.Parallel()
 	b := oneAndSharded(t, 16)
@@ -60,16 +61,34 @@ func TestSerializableDecisionsTakeNoRelationLock(t *testing.T) {
 		_, err = lim.Limit(ctx, pool, "sharded", "", nil)
 		require.NoError(t, err)
 	}
-	testdb.Analyze(t, pool)
 	calls := map[string]func(tx pgx.Tx) error{
 		"Limit":   func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "one", "", nil); return err },
 		"sharded": func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
+		// 10 tokens: more than a shard holds (6.25), so both picks are read and charged.
+		"sharded, both": func(tx pgx.Tx) error { _, err := lim.LimitN(ctx, tx, "sharded", "", 10, nil); return err },
 		"LimitMany": func(tx pgx.Tx) error {
 			_, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "one"}, {Name: "sharded"}}, nil)
 			return err
 		},
-		"Check": func(tx pgx.Tx) error { _, err := lim.Check(ctx, tx, "sharded", "", nil); return err },
+		"Check":       func(tx pgx.Tx) error { _, err := lim.Check(ctx, tx, "sharded", "", nil); return err },
+		"Check, both": func(tx pgx.Tx) error { _, err := lim.CheckN(ctx, tx, "sharded", "", 10, nil); return err },
 	}
+	// A table of a few rows, then of many (2,000 more keys of "one").
+	for _, more := range []int{0, 2000} {
+		_, err := pool.Exec(ctx, `INSERT INTO txlimit_state (name, key, shard, value, ts)
+			SELECT 'one', 'filler' || g, 0, 50, 0 FROM generate_series(1, $1::int) g`, more)
+		require.NoError(t, err)
+		testdb.Analyze(t, pool)
+		decisionsTakeNoRelationLock(t, pool, calls)
+	}
+}
+
+// decisionsTakeNoRelationLock runs each call 8 times, each in a SERIALIZABLE transaction of its own
+// on a fresh connection, and requires that it holds no relation-level predicate lock on
+// txlimit_state and (but for LimitMany) no heap-page one.
+func decisionsTakeNoRelationLock(t *testing.T, pool *pgxpool.Pool, calls map[string]func(tx pgx.Tx) error) {
+	t.Helper()
+	ctx := context.Background()
 	for what, call := range calls {
 		// A fresh connection each time, so each plans the statement against the current statistics.
 		conn := testdb.Conn(t, pool)
@@ -113,10 +132,16 @@ func TestOneRowTableUsesThePrimaryKey(t *testing.T) {
 			return err
 		},
 		func(tx pgx.Tx) error { _, err := lim.Limit(ctx, tx, "sharded", "", nil); return err },
+		// 40 tokens of 4 shards of 25: both picks combined, by the road for lists.
+		func(tx pgx.Tx) error { _, err := lim.LimitN(ctx, tx, "sharded", "", 40, nil); return err },
+		func(tx pgx.Tx) error { _, err := lim.CheckN(ctx, tx, "sharded", "", 40, nil); return err },
 		// The other operations on a row (functions with the same planner settings).
 		func(tx pgx.Tx) error { _, err := lim.State(ctx, tx, "one", "", nil); return err },
 		func(tx pgx.Tx) error { _, err := lim.Credit(ctx, tx, "one", "", 1, nil); return err },
 		func(tx pgx.Tx) error { return lim.Reset(ctx, tx, "one", "") },
+		func(tx pgx.Tx) error { _, err := lim.State(ctx, tx, "sharded", "", nil); return err },
+		func(tx pgx.Tx) error { _, err := lim.Credit(ctx, tx, "sharded", "", 1, nil); return err },
+		func(tx pgx.Tx) error { return lim.Reset(ctx, tx, "sharded", "") },
 	} {
 		for range 8 { // past the first custom plans, onto the cached generic ones
 			tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})

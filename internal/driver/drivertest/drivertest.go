@@ -147,6 +147,11 @@ func Script(t *testing.T, db ratelimit.Executor) {
 	require.NoError(t, err)
 	require.False(t, m.OK) // 3 left
 
+	r, err = lim.CheckN(ctx, db, "hot", "k", 3, nil) // the shards hold 3 and 4: one alone serves
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	require.Len(t, r.Shards, 1)
+
 	r, err = lim.LimitN(ctx, db, "hot", "k", 3, nil) // the shards hold 3 and 4
 	require.NoError(t, err)
 	require.True(t, r.OK)
@@ -164,6 +169,12 @@ func Script(t *testing.T, db ratelimit.Executor) {
 
 	st := state(t, lim, db, "hot", "k")
 	require.Equal(t, 4.0, st.Value) // 8 - 1 (LimitMany) - 3
+
+	c, err = lim.Credit(ctx, db, "hot", "k", 1, nil) // to the emptier shard
+	require.NoError(t, err)
+	require.Equal(t, [2]float64{1, 5}, [2]float64{c.Credited, c.Value})
+	require.NoError(t, lim.Reset(ctx, db, "hot", "k"))
+	require.Equal(t, 8.0, state(t, lim, db, "hot", "k").Value)
 	st = state(t, lim, db, "ip", WeirdKey)
 	require.Equal(t, 3.0, st.Value)
 
