@@ -598,9 +598,7 @@ func TestBatcherRetriesDeadlock(t *testing.T) {
 		many <- err
 	}()
 	eventually(t, "the batch waits for d2", func() bool {
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
-		return n == 1
+		return testdb.BlockedBy(t, pool, pid) == 1
 	})
 	var one int
 	txErr := tx.QueryRow(ctx, "SELECT 1 FROM txlimit_state WHERE name = 'tb' AND key = 'd1' AND shard = 0 FOR UPDATE").Scan(&one)

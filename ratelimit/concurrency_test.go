@@ -509,9 +509,7 @@ func TestDecisionReadsTheClockOnce(t *testing.T) {
 		done <- r
 	}()
 	eventually(t, "the call waits for the row", func() bool {
-		var n int
-		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
-		return n == 1
+		return testdb.BlockedBy(t, b.pool, pid) == 1
 	})
 	time.Sleep(200 * time.Millisecond)
 	var released time.Time

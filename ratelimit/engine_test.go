@@ -190,9 +190,7 @@ func TestListOfKeysPartialUpdateHoldsNoLocks(t *testing.T) {
 	// waits for b.
 	done := decideListAsync(b, []ratelimit.ListCall{one("a", 1, false), one("b", 2, true), one("c", 1, false)})
 	eventually(t, "the list waits for b", func() bool {
-		var n int
-		require.NoError(t, b.pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
-		return n == 1
+		return testdb.BlockedBy(t, b.pool, pid) == 1
 	})
 	_, errs, err = ratelimit.DecideList(b.ctx, b.lim, tx, []ratelimit.ListCall{one("c", 1, false)}) // c: 3 left
 	require.NoError(t, err)

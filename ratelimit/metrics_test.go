@@ -270,9 +270,7 @@ func TestMetricsBatcherRetries(t *testing.T) {
 	many := make(chan error, 1)
 	go func() { _, err := b.LimitMany(ctx, reqs, nil); many <- err }()
 	require.Eventually(t, func() bool {
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int(pid)).Scan(&n))
-		return n == 1
+		return testdb.BlockedBy(t, pool, pid) == 1
 	}, time.Minute, time.Millisecond, "the batch waits for d2")
 	var one int
 	require.NoError(t, tx.QueryRow(ctx, "SELECT 1 FROM txlimit_state WHERE name = 'a' AND key = 'd1' AND shard = 0 FOR UPDATE").Scan(&one))
