@@ -19,67 +19,100 @@ import (
 // caller's own open transaction holds (a caller mixing its transaction and the pool on one key)
 // delays the caller, never deadlocks it. Only calls on a pool take slots: a call in the caller's
 // transaction may hold rows another call needs, and a *pgx.Conn serves one call at a time.
+//
+// A refusal takes no steering lock and waits for nothing in Postgres, so a flood of refused calls
+// on one key is answered in parallel there (docs/spec.md §7). To keep it so, a key whose call was
+// just refused lets the calls that come after it through without a slot, for as long as the
+// refusal's RetryAt is ahead and admitWait at the most; the next call after that takes a slot
+// again and, refused too, opens the key again.
 type admission struct {
 	mu   sync.Mutex
 	keys map[admissionKey]*admitted // the keys with a call in flight or waiting
-	wait time.Duration              // the bound of a wait; 0: admitWait (tests change it)
+	wait time.Duration              // the bound of a wait, and of a refusal's opening; 0: admitWait (tests change it)
 }
 
 type admissionKey struct{ name, key string }
 
 // admitted is one key's slots: a token in slots per call in flight, users the calls in flight or
-// waiting (the entry is dropped when it comes back to zero).
+// waiting (the entry is dropped when it comes back to zero), and until when a refusal opened it.
 type admitted struct {
 	slots chan struct{}
 	users int
+	open  time.Time
+}
+
+// ticket is a call's admission: leave gives back its slot, if it took one.
+type ticket struct {
+	a    *admission
+	k    admissionKey
+	e    *admitted
+	slot bool
+}
+
+// leave ends the call's admission. refusedFor is how long the key refuses calls like it (its
+// RetryAt less its Time; 0 for a grant or an error).
+func (t ticket) leave(refusedFor time.Duration) {
+	if t.slot {
+		<-t.e.slots
+	}
+	t.a.mu.Lock()
+	if refusedFor > 0 {
+		t.e.open = time.Now().Add(min(refusedFor, t.a.bound()))
+	}
+	if t.e.users--; t.e.users == 0 {
+		delete(t.a.keys, t.k)
+	}
+	t.a.mu.Unlock()
+}
+
+func (a *admission) bound() time.Duration {
+	if a.wait == 0 {
+		return admitWait
+	}
+	return a.wait
 }
 
 // admitWait bounds a wait for a slot: that of a wait for a steering lock (txlimit_await_shard).
 const admitWait = 100 * time.Millisecond
 
 // enter takes one of the n slots of (name, key), waiting for one at most admitWait, and returns
-// the function that gives it back (to be called once the call has returned). When the wait times
-// out it goes on without a slot; when ctx ends first it returns ctx's error. The first call of a
-// key sets its number of slots; an inline Config that changes Shards takes effect once the key's
-// calls in flight have drained.
-func (a *admission) enter(ctx context.Context, name, key string, n int) (leave func(), err error) {
-	k := admissionKey{name, key}
+// the call's ticket, to leave once the call has returned. When the wait times out, or a refusal
+// opened the key, it goes on without a slot; when ctx ends first it returns ctx's error. The first
+// call of a key sets its number of slots; an inline Config that changes Shards takes effect once
+// the key's calls have drained.
+func (a *admission) enter(ctx context.Context, name, key string, n int) (ticket, error) {
+	t := ticket{a: a, k: admissionKey{name, key}}
 	a.mu.Lock()
 	if a.keys == nil {
 		a.keys = map[admissionKey]*admitted{}
 	}
-	e := a.keys[k]
-	if e == nil {
-		e = &admitted{slots: make(chan struct{}, n)}
-		a.keys[k] = e
+	t.e = a.keys[t.k]
+	if t.e == nil {
+		t.e = &admitted{slots: make(chan struct{}, n)}
+		a.keys[t.k] = t.e
 	}
-	e.users++
+	t.e.users++
+	open := !t.e.open.IsZero() && time.Now().Before(t.e.open)
 	a.mu.Unlock()
-	out := func() {
-		a.mu.Lock()
-		if e.users--; e.users == 0 {
-			delete(a.keys, k)
-		}
-		a.mu.Unlock()
+	if open {
+		return t, nil
 	}
 	select {
-	case e.slots <- struct{}{}:
-		return func() { <-e.slots; out() }, nil
+	case t.e.slots <- struct{}{}:
+		t.slot = true
+		return t, nil
 	default:
 	}
-	wait := a.wait
-	if wait == 0 {
-		wait = admitWait
-	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
+	timer := time.NewTimer(a.bound())
+	defer timer.Stop()
 	select {
-	case e.slots <- struct{}{}:
-		return func() { <-e.slots; out() }, nil
-	case <-t.C:
-		return out, nil
+	case t.e.slots <- struct{}{}:
+		t.slot = true
+		return t, nil
+	case <-timer.C:
+		return t, nil
 	case <-ctx.Done():
-		out()
-		return nil, ctx.Err()
+		t.leave(0)
+		return ticket{}, ctx.Err()
 	}
 }

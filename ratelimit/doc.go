@@ -105,7 +105,9 @@
 // slot, where waiting costs nothing, instead of on a backend of its own for a steering lock. That
 // wait, too, is a hint: it lasts at most 100 ms, then the call goes on without a slot (so a slot
 // held by a call that waits for a row the waiting caller's own transaction holds delays it, never
-// deadlocks it), and it ends with the caller's context. Calls in a transaction, on a *pgx.Conn or
+// deadlocks it), and it ends with the caller's context. A refused call opens its key: the calls
+// that come after it take no slot while its RetryAt is ahead (100 ms at the most), so that a flood
+// of refused calls is still answered in parallel. Calls in a transaction, on a *pgx.Conn or
 // through a database/sql handle take no slot; each process admits its own callers.
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a

@@ -84,6 +84,7 @@ const queueBit = 1 << 19
 // decideOne decides a list of one request, sent as scalars: a Limit or LimitN on an unsharded
 // limit by DecideOneRow, which first tries the one UPDATE, anything else by DecideOne.
 func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer, error) {
+	var d answer // the answer, once unpacked
 	s := &c.specs[0]
 	lockKey := shardLockBase(s.name, s.key)
 	now, err := l.clock(c.op)
@@ -99,11 +100,11 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
 		if _, pool := db.(*pgxpool.Pool); pool && s.shards >= 2 && !c.dry {
-			leave, err := l.admission.enter(ctx, s.name, s.key, s.shards)
+			t, err := l.admission.enter(ctx, s.name, s.key, s.shards)
 			if err != nil {
 				return nil, err
 			}
-			defer leave()
+			defer func() { t.leave(d.refusedFor()) }()
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
@@ -114,8 +115,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	if err != nil {
 		return nil, err
 	}
-	d, err := unpack(a)
-	if err != nil {
+	if d, err = unpack(a); err != nil {
 		return nil, err
 	}
 	return []answer{d}, nil
@@ -129,6 +129,15 @@ type answer struct {
 	levelSum                float64
 	shardA, shardB, charged int32
 	retryAtUs, nowUs, tsUs  int64
+}
+
+// refusedFor is how long the answer says its key refuses such a request: RetryAt less the
+// decision's time for a refusal (not a busy one), else 0.
+func (d answer) refusedFor() time.Duration {
+	if !d.seen || d.ok || d.busy || d.retryAtUs <= d.nowUs {
+		return 0
+	}
+	return time.Duration(min(d.retryAtUs-d.nowUs, int64(time.Hour/time.Microsecond))) * time.Microsecond
 }
 
 // unpack reads one answer, the 48 bytes of txlimit_pack_v1, numbers in network byte order: flags

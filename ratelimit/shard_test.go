@@ -883,48 +883,72 @@ func TestShardSkipsALockedPick(t *testing.T) {
 	require.Error(t, err, "with both picks held the call must wait")
 }
 
-// docs/sharding.md, "Throughput": a Limiter admits the lone calls it runs on a pool for one key
-// of a sharded limit Shards at a time; the others wait in the process, not on a backend, for at
-// most 100 ms (a minute here), then go on without a slot, and a caller whose context ends while it
-// waits gets the context's error. Both rows of a 2-shard key held by another transaction: two
-// calls wait in Postgres, one per shard, and a third waits in the process until its context is
-// cancelled; once the bound is short, a third call goes on to Postgres without a slot.
+// admissionEnv is a shardEnv on a pool of 6 whose backends are told apart by their
+// application_name, for the tests of a Limiter's admission (docs/sharding.md, "Throughput").
+type admissionEnv struct {
+	*shardEnv
+	t   *testing.T
+	app string
+}
+
+func newAdmissionEnv(t *testing.T, cfg ratelimit.Config) *admissionEnv {
+	t.Helper()
+	e := &admissionEnv{shardEnv: newShardEnv(t, map[string]ratelimit.Config{"s": cfg}), t: t,
+		app: fmt.Sprintf("txlimit-admission-%d", time.Now().UnixNano())}
+	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6, RuntimeParams: map[string]string{"application_name": e.app}})
+	e.set(shardT0, [2]int{0, 1})
+	return e
+}
+
+// waiting returns how many of the pool's backends wait for a lock.
+func (e *admissionEnv) waiting() (n int) {
+	require.NoError(e.t, e.pool.QueryRow(e.ctx, `SELECT count(*) FROM pg_stat_activity
+		WHERE application_name = $1 AND wait_event_type = 'Lock'`, e.app).Scan(&n))
+	return n
+}
+
+// limitN runs LimitN of count on key "k" of "s" in a goroutine (with Reserve when reserve).
+func (e *admissionEnv) limitN(ctx context.Context, count float64, reserve bool) <-chan bOutcome {
+	return bAsync(func() (ratelimit.Result, error) {
+		return e.lim.LimitN(ctx, e.pool, "s", "k", count, &ratelimit.LimitOpts{Reserve: reserve})
+	})
+}
+
+// holdBoth locks both shards' rows in a transaction of its own, rolled back at the latest when the
+// test ends.
+func (e *admissionEnv) holdBoth() pgx.Tx {
+	e.t.Helper()
+	holder, err := e.pool.Begin(e.ctx)
+	require.NoError(e.t, err)
+	e.t.Cleanup(func() { _ = holder.Rollback(e.ctx) })
+	testdb.LockRow(e.t, holder, "s", "k", 0)
+	testdb.LockRow(e.t, holder, "s", "k", 1)
+	return holder
+}
+
+// A Limiter admits the lone calls it runs on a pool for one key of a sharded limit Shards at a
+// time; the others wait in the process, not on a backend, for at most 100 ms (a minute here),
+// then go on without a slot, and a caller whose context ends while it waits gets the context's
+// error. Both rows of a 2-shard key held by another transaction: two calls wait in Postgres, one
+// per shard, and a third waits in the process until its context is cancelled; once the bound is
+// short, a third call goes on to Postgres without a slot.
 func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 	t.Parallel()
-	e := newShardEnv(t, map[string]ratelimit.Config{"s": shardCfg(2)}) // each shard holds 2
-	app := fmt.Sprintf("txlimit-admission-%d", time.Now().UnixNano())
-	e.pool = testdb.Pool(t, &testdb.Options{MaxConns: 6, RuntimeParams: map[string]string{"application_name": app}})
-	waiting := func() (n int) { // the pool's backends waiting for a lock
-		require.NoError(t, e.pool.QueryRow(e.ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = $1 AND wait_event_type = 'Lock'`, app).Scan(&n))
-		return n
-	}
-	e.set(shardT0, [2]int{0, 1})
+	e := newAdmissionEnv(t, shardCfg(2))                    // each shard holds 2
 	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created, each left at 0.5
 	require.NoError(t, err)
 	require.Equal(t, []int{0, 1}, r.Shards)
 	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
-	limit := func(ctx context.Context) <-chan bOutcome {
-		return bAsync(func() (ratelimit.Result, error) { return e.lim.Limit(ctx, e.pool, "s", "k", nil) })
-	}
-	holdBoth := func() pgx.Tx {
-		holder, err := e.pool.Begin(e.ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = holder.Rollback(e.ctx) })
-		testdb.LockRow(t, holder, "s", "k", 0)
-		testdb.LockRow(t, holder, "s", "k", 1)
-		return holder
-	}
 
 	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := holdBoth()
-	first, second := limit(e.ctx), limit(e.ctx)
-	eventually(t, "two calls wait in Postgres", func() bool { return waiting() == 2 })
+	holder := e.holdBoth()
+	first, second := e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)
+	eventually(t, "two calls wait in Postgres", func() bool { return e.waiting() == 2 })
 	gone, cancel := context.WithCancel(e.ctx)
-	third := limit(gone)
+	third := e.limitN(gone, 1, false)
 	eventually(t, "a third call waits for a slot", func() bool { return ratelimit.Admitted(e.lim, "s", "k") == 3 })
 	time.Sleep(300 * time.Millisecond) // time to reach Postgres, were it let through
-	require.Equal(t, 2, waiting(), "the third call waits in the process")
+	require.Equal(t, 2, e.waiting(), "the third call waits in the process")
 	cancel()
 	out := <-third
 	require.ErrorIs(t, out.err, context.Canceled)
@@ -938,12 +962,51 @@ func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 
 	// A short bound: the third call waits for a slot 1 ms, then for the rows in Postgres.
 	ratelimit.SetAdmissionWait(e.lim, time.Millisecond)
-	holder = holdBoth()
-	calls := []<-chan bOutcome{limit(e.ctx), limit(e.ctx), limit(e.ctx)}
-	eventually(t, "three calls wait in Postgres", func() bool { return waiting() == 3 })
+	holder = e.holdBoth()
+	calls := []<-chan bOutcome{e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)}
+	eventually(t, "three calls wait in Postgres", func() bool { return e.waiting() == 3 })
 	require.NoError(t, holder.Rollback(e.ctx))
 	for _, c := range calls {
 		require.NoError(t, (<-c).err)
+	}
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
+// A refusal takes no slot's worth of time in Postgres, and a flood of refusals on one key is
+// answered in parallel (docs/spec.md §7): a refused call opens its key, so that the calls after it
+// go on without a slot while its RetryAt is ahead (at most the wait's bound). A 2-shard key of
+// 2/min drained to 0 and 0 (each refills 1/min), both rows held: two reservations (MaxReserved 1
+// per shard) wait in Postgres, holding both slots, and between them a refused Limit opened the key,
+// so a fourth call, which would otherwise wait a minute for a slot, is refused at once.
+func TestShardRefusalsPassAdmission(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 2, MaxReserved: 2, Shards: 2})
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 2, nil) // both rows created, drained
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	holder := e.holdBoth()
+
+	first := e.limitN(e.ctx, 1, true)
+	eventually(t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
+	refused, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.False(t, refused.OK)
+	require.Equal(t, 30*time.Second, refused.RetryAfter(), "the two shards, each refilled 1 token a minute, hold 1 together")
+	second := e.limitN(e.ctx, 1, true)
+	eventually(t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
+	require.Equal(t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+
+	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+	defer cancel()
+	r, err = e.lim.Limit(soon, e.pool, "s", "k", nil)
+	require.NoError(t, err, "the refused key lets the call through without a slot")
+	require.False(t, r.OK)
+	require.NoError(t, holder.Rollback(e.ctx))
+	for _, c := range []<-chan bOutcome{first, second} {
+		out := <-c
+		require.NoError(t, out.err)
+		require.True(t, out.res.OK && out.res.Reserved, "%+v", out.res)
 	}
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }
