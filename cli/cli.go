@@ -43,10 +43,16 @@
 // nothing is deleted. Give such limits in --config (httplimit policies and the limits the
 // scheduler reserves are ordinary named limits), or prune each with prune NAME --rate R --period D.
 //
+// The command sends its statements unnamed (pgx.QueryExecModeExec) unless the DSN sets
+// default_query_exec_mode, so it works through PgBouncer in transaction pooling mode too; there,
+// leave out --schema (PgBouncer refuses search_path at connect) and let the role's search_path
+// lead to the schema (docs/deploy.md).
+//
 // Flags may come before or after the command and its arguments:
 //
 //	--dsn URL          the database (postgres:// URL or key=value string); defaults to $DATABASE_URL
 //	--schema NAME      the schema txlimit's table is in (sets search_path); defaults to the DSN's
+//	                   (refused by PgBouncer: there, the role's search_path)
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
 //	--timeout D        bound on the whole command (> 0); defaults to 5m
@@ -546,6 +552,14 @@ func (c *command) connConfig() (*pgx.ConnConfig, error) {
 	if err != nil {
 		return nil, usagef("--dsn: %v", err)
 	}
+	// pgx's default exec mode prepares named statements, which a transaction pooler (PgBouncer)
+	// runs on whichever server connection comes next: the command sends each statement unnamed
+	// instead (docs/deploy.md), unless the DSN chooses a mode itself.
+	if pc, err := pgconn.ParseConfig(dsn); err == nil {
+		if _, chosen := pc.RuntimeParams["default_query_exec_mode"]; !chosen {
+			cfg.DefaultQueryExecMode = pgx.QueryExecModeExec
+		}
+	}
 	if c.schema != "" {
 		cfg.RuntimeParams["search_path"] = c.schema
 	}
@@ -567,14 +581,26 @@ func (c *command) pool(ctx context.Context, maxConns int32) (*pgxpool.Pool, dbsq
 	pc.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
-		return nil, where, dbError(fmt.Errorf("connect: %w", err))
+		return nil, where, c.connectError(err)
 	}
 	if where, err = dbsqlc.New().CurrentSchema(ctx, pool); err != nil {
 		pool.Close()
-		return nil, where, dbError(fmt.Errorf("connect: %w", err))
+		return nil, where, c.connectError(err)
 	}
 	c.searchPath, c.noSchema = where.SearchPath, where.Schema == ""
 	return pool, where, nil
+}
+
+// connectError is the error of a failed connection. A server that refuses search_path as a
+// startup parameter (PgBouncer 1.18) refuses --schema: the message says what to do instead.
+func (c *command) connectError(err error) error {
+	var pgErr *pgconn.PgError
+	if c.schema != "" && errors.As(err, &pgErr) && pgErr.Code == "08P01" && strings.Contains(pgErr.Message, "search_path") {
+		return &exitError{code: ExitDatabase, err: err, msg: fmt.Sprintf("--schema sets search_path when connecting, which this server refuses "+
+			"(PgBouncer does): leave out --schema and set the role's search_path instead (ALTER ROLE ... SET search_path = %s; "+
+			"docs/deploy.md), or connect to Postgres directly (%v)", c.schema, pgErr)}
+	}
+	return dbError(fmt.Errorf("connect: %w", err))
 }
 
 // noSchemaError is the error of a search_path none of whose schemas exists: the fix, then what
