@@ -66,7 +66,8 @@
 //
 //	0  done
 //	1  the database failed: unreachable, not migrated (the message names the migrate command that
-//	   fixes it), or an error from a statement
+//	   fixes it), migrated by a newer txlimit that dropped a function this one calls (the message
+//	   says to install a newer one), or an error from a statement
 //	2  usage: an unknown command or flag, a missing argument, an unreadable config file; migrate
 //	   down not confirmed (no --yes and no terminal to ask on, an answer other than "yes", or an
 //	   interrupt or --timeout before the answer)
@@ -518,6 +519,16 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	if se.SearchPath == "" {
 		where = "the connection's search_path"
 	}
+	if se.Problem != nil && se.Version > se.Want { // a newer txlimit migrated the schema and dropped what this one calls
+		what := se.Problem.Error()
+		var pgErr *pgconn.PgError
+		if errors.As(se.Err, &pgErr) && pgErr.Code == "42883" {
+			what = fmt.Sprintf("has no function %s, which this %s calls (SQLSTATE %s)", strings.TrimSuffix(strings.TrimPrefix(
+				withoutArgs(pgErr.Message), "function "), " does not exist"), c.name, pgErr.Code)
+		}
+		return fmt.Sprintf("install a newer %s: the schema (%s) is at migration version %d, newer than this %s's latest (%d), and %s",
+			c.name, where, se.Version, c.name, se.Want, what)
+	}
 	if se.Err == nil {
 		return fmt.Sprintf("run \"%s\" (on the same database): %s leads to a schema at migration version %d, this %s needs %d",
 			c.migrateUp(), where, se.Version, c.name, se.Want)
@@ -525,11 +536,7 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	missing := "txlimit's table"
 	var pgErr *pgconn.PgError
 	if errors.As(se.Err, &pgErr) {
-		missing = pgErr.Message
-		if i, j := strings.IndexByte(missing, '('), strings.LastIndexByte(missing, ')'); i >= 0 && j > i {
-			missing = missing[:i] + missing[j+1:] // a function's argument types
-		}
-		missing += ", SQLSTATE " + pgErr.Code
+		missing = withoutArgs(pgErr.Message) + ", SQLSTATE " + pgErr.Code
 	}
 	if c.noSchema {
 		return fmt.Sprintf("not migrated: run \"%s --create-schema\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
@@ -537,6 +544,14 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	}
 	return fmt.Sprintf("not migrated: run \"%s\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
 		"(%s: %s)", c.migrateUp(), where, missing)
+}
+
+// withoutArgs is Postgres's message without a function's argument types.
+func withoutArgs(msg string) string {
+	if i, j := strings.IndexByte(msg, '('), strings.LastIndexByte(msg, ')'); i >= 0 && j > i {
+		return msg[:i] + msg[j+1:]
+	}
+	return msg
 }
 
 // connConfig parses the DSN and applies --schema.

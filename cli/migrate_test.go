@@ -213,6 +213,26 @@ func TestCommandMigrateDownNewerSchema(t *testing.T) {
 	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
 }
 
+// TestCommandNewerSchemaWithoutAFunction: on a schema a newer txlimit migrated and dropped a
+// function of (CONTRIBUTING.md: a function's old version goes a release after its new one), a
+// command that calls it names the fix, a newer txlimit, not migrate up, which finds nothing to do.
+func TestCommandNewerSchemaWithoutAFunction(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	schema, s := migrated(t, dsn)
+	latest := migrations.Latest()
+	exec(t, dsn, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true); DROP FUNCTION %s",
+		pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), latest+1, pgx.Identifier{schema, "txlimit_levels_v1"}.Sanitize()))
+	r := run(t, dsn, nil, append(s, "inspect", "a", "k", "--rate", "1", "--period", "1s")...)
+	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
+	require.Equal(t, fmt.Sprintf("txlimit: install a newer txlimit: the schema (search_path %q) is at migration version %d, newer than "+
+		"this txlimit's latest (%d), and has no function txlimit_levels_v1, which this txlimit calls (SQLSTATE 42883)\n", schema, latest+1, latest), r.stderr)
+	require.Empty(t, r.stdout)
+	r = run(t, dsn, nil, append(s, "migrate", "up")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "up to date\n", r.stdout)
+}
+
 // TestCommandReviewedFlags: a limits file with anything after its object is malformed JSON (exit
 // 2, as any malformed file); --json applies to a usage error even when it comes after the bad
 // flag; migrate refuses the limit-config flags it would ignore.

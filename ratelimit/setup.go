@@ -34,9 +34,10 @@ type SetupError struct {
 	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check".
 	Op string
 	// Problem is the mistake, when its package names one with a sentinel error (package scheduler's
-	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or, from CheckSchema, the functions a
-	// schema migrated by a newer txlimit no longer has. Defaults to nil: txlimit's schema is missing
-	// (Err says what Postgres did not find) or behind (Version and Want).
+	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or the functions a schema migrated by
+	// a newer txlimit no longer has (found by CheckSchema, or by a call that did not find one: Fix
+	// is then "deploy a newer build of txlimit", not migrations.Up). Defaults to nil: txlimit's
+	// schema is missing (Err says what Postgres did not find) or behind (Version and Want).
 	Problem error
 	// Fix is what to do: for txlimit's schema the call that creates the missing objects, for package
 	// scheduler a sentence. Defaults to "" (read as "migrations.Up").
@@ -47,7 +48,8 @@ type SetupError struct {
 	// read (inside a transaction the failure has aborted) or does not matter. Defaults to "".
 	SearchPath string
 	// Version is the migration version found in the schema and Want the version this build needs
-	// (migrations.Latest()), when the error comes from CheckSchema; both 0 otherwise.
+	// (migrations.Latest()), when the error comes from CheckSchema or names a newer build; both 0
+	// otherwise.
 	Version, Want int64
 	// Err is the database's error (a *pgconn.PgError, reachable with errors.As), or nil when the
 	// schema is merely behind or the mistake is not the database's. Defaults to nil.
@@ -77,7 +79,11 @@ func (e *SetupError) Error() string {
 			s += fmt.Sprintf("; the connection's search_path is %q", e.SearchPath)
 		}
 		s += ")"
-		if e.Err != nil {
+		var pgErr *pgconn.PgError
+		switch {
+		case e.Fix == newerBuild && errors.As(e.Err, &pgErr): // Problem says what is missing, without argument types
+			s += " (SQLSTATE " + pgErr.Code + "; see docs/deploy.md)"
+		case e.Err != nil:
 			s += ": " + e.Err.Error()
 		}
 		return s
@@ -127,8 +133,10 @@ func (e *SetupError) Unwrap() error { return e.Err }
 
 // dbError wraps an error of op's database call. When ctx has ended, the error also wraps
 // ctx.Err(), whichever driver reported it (lib/pq reports a cancelled statement as SQLSTATE 57014
-// alone). A missing txlimit table or function becomes a *SetupError, at the price of one more
-// query on db to read the search_path; anything else is returned as "ratelimit: op: err".
+// alone). A missing txlimit table or function becomes a *SetupError, at the price of one or two
+// more queries on db: for a missing function, the schema's migration version (a newer txlimit's
+// schema needs a newer build, not migrations.Up), then, unless that answered, the search_path;
+// anything else is returned as "ratelimit: op: err".
 func dbError(ctx context.Context, db Executor, op string, err error) error {
 	var arg *ArgumentError
 	if errors.As(err, &arg) { // refused before any SQL ran (LimiterConfig.Now): no database error
@@ -142,8 +150,31 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 		!strings.Contains(pgErr.Message, "txlimit_") {
 		return fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
+	if pgErr.Code == "42883" {
+		// A function gone from a schema that a newer txlimit migrated (it drops a function's old
+		// version a release after the new one): migrations.Up would find nothing to do there.
+		row, verr := via(on(db), ctx, struct{}{}, schemaVersion, otherSchemaVersion)
+		if want := migrations.Latest(); verr == nil && row.Version > want {
+			return &SetupError{Package: "ratelimit", Op: op, Fix: newerBuild, SearchPath: row.SearchPath,
+				Version: row.Version, Want: want, Problem: droppedError(row.Version, row.Missing, pgErr), Err: err}
+		}
+	}
 	searchPath, _ := via(on(db), ctx, struct{}{}, searchPath, otherSearchPath) // fails in an aborted transaction: left empty
 	return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
+}
+
+// newerBuild is the Fix of a schema that a newer txlimit migrated and dropped a function of.
+const newerBuild = "deploy a newer build of txlimit"
+
+// droppedError is the Problem of a schema at migration version, newer than this build's, without
+// the functions missing that this build calls (or, when the list is empty, the one pgErr names).
+func droppedError(version int64, missing []string, pgErr *pgconn.PgError) error {
+	names := strings.Join(missing, ", ")
+	if names == "" && pgErr != nil {
+		names = strings.TrimSuffix(strings.TrimPrefix(shortMissing(pgErr.Message), "function "), " does not exist")
+	}
+	return fmt.Errorf("the schema, at migration version %d, has no function %s, which this build (version %d) calls: "+
+		"a newer txlimit migrated it and dropped what this build needs", version, names, migrations.Latest())
 }
 
 // CheckSchema verifies, in one query, that the schema db's search_path leads to holds txlimit's
@@ -165,10 +196,8 @@ func CheckSchema(ctx context.Context, db Executor) error {
 		return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
 	}
 	if len(row.Missing) > 0 {
-		return &SetupError{Package: "ratelimit", Op: op, Fix: "deploy a newer build of txlimit", SearchPath: row.SearchPath,
-			Version: row.Version, Want: migrations.Latest(), Problem: fmt.Errorf(
-				"the schema, at migration version %d, has no function %s, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs",
-				row.Version, strings.Join(row.Missing, ", "), migrations.Latest())}
+		return &SetupError{Package: "ratelimit", Op: op, Fix: newerBuild, SearchPath: row.SearchPath,
+			Version: row.Version, Want: migrations.Latest(), Problem: droppedError(row.Version, row.Missing, nil)}
 	}
 	return nil
 }

@@ -200,6 +200,37 @@ func TestSetupErrors(t *testing.T) {
 		}
 	})
 
+	// The same schema at run time: a call that finds its function gone names the same fix as
+	// CheckSchema, a newer build, rather than migrations.Up, which finds nothing to do there.
+	t.Run("a call on a schema a newer txlimit migrated without a function it calls", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		newer := migrations.Latest() + 1
+		if _, err := pool.Exec(ctx, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true); DROP FUNCTION txlimit_decide_one_v1",
+			migrations.VersionTable, newer)); err != nil {
+			t.Fatal(err)
+		}
+		var schema string
+		if err := pool.QueryRow(ctx, "SHOW search_path").Scan(&schema); err != nil {
+			t.Fatal(err)
+		}
+		if err := migrations.Up(ctx, pool); err != nil {
+			t.Fatalf("Up on a newer schema: %v", err)
+		}
+		err := calls[1].call(pool) // a sharded Limit: txlimit_decide_one_v1
+		want := fmt.Sprintf("ratelimit: Limit: deploy a newer build of txlimit (the schema, at migration version %d, has no function "+
+			"txlimit_decide_one_v1, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs; "+
+			"the connection's search_path is %q) (SQLSTATE 42883; see docs/deploy.md)", newer, migrations.Latest(), schema)
+		var se *ratelimit.SetupError
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &se) || !errors.Is(err, ratelimit.ErrSetup) || err.Error() != want || !errors.As(err, &pgErr) {
+			t.Fatalf("Limit:\n got %v\nwant %s", err, want)
+		}
+		if se.Fix != "deploy a newer build of txlimit" || se.Version != newer || se.Want != migrations.Latest() || pgErr.Code != "42883" {
+			t.Errorf("Limit: Fix %q, Version %d, Want %d, SQLSTATE %s; want a newer build, %d, %d, 42883", se.Fix, se.Version, se.Want, pgErr.Code, newer, migrations.Latest())
+		}
+	})
+
 	t.Run("no set-up error on a migrated schema, and other database errors stay as they are", func(t *testing.T) {
 		t.Parallel()
 		pool := testdb.Pool(t, nil)
