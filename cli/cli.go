@@ -26,7 +26,8 @@
 // creates that schema first); migrate down rolls back the last one, which for the first migration
 // drops txlimit_state and with it the state of every limit: on a terminal it asks for "yes"
 // first, and elsewhere it needs --yes; it refuses a schema that a newer txlimit migrated beyond
-// this one's latest migration. migrate status lists the migrations; it only reads (USAGE on the
+// this one's latest migration. migrate status lists the migrations (and those a newer txlimit
+// applied, which this one does not embed); it only reads (USAGE on the
 // schema and SELECT on txlimit_goose_version are enough), and finds every one pending in a schema
 // never migrated, creating nothing there.
 //
@@ -648,7 +649,8 @@ func (c *command) print(v any, text string) error {
 type MigrationJSON struct {
 	// Version is the migration's number.
 	Version int64 `json:"version"`
-	// File is its file name.
+	// File is its file name; "" for a migration this txlimit does not embed, which a newer txlimit
+	// applied (migrate status).
 	File string `json:"file"`
 	// State is "applied" or "pending" (migrate status), or what was done: "up", "down".
 	State string `json:"state"`
@@ -780,7 +782,12 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 			if s.State == goose.StateApplied {
 				t := s.AppliedAt.UTC()
 				at = &t
-				fmt.Fprintf(&text, "applied  %s  %s\n", t.Format(time.RFC3339), fileName(s.Source))
+				if s.Source.Path == "" {
+					fmt.Fprintf(&text, "applied  %s  version %d, not in this %s: a newer %s migrated the schema\n",
+						t.Format(time.RFC3339), s.Source.Version, c.name, c.name)
+				} else {
+					fmt.Fprintf(&text, "applied  %s  %s\n", t.Format(time.RFC3339), fileName(s.Source))
+				}
 			} else {
 				fmt.Fprintf(&text, "pending  %-20s  %s\n", "", fileName(s.Source))
 			}
@@ -833,8 +840,16 @@ func status(ctx context.Context, pool *pgxpool.Pool, schema string) ([]*goose.Mi
 	for _, s := range st {
 		if at, ok := applied[s.Source.Version]; ok {
 			s.State, s.AppliedAt = goose.StateApplied, at
+			delete(applied, s.Source.Version)
 		}
 	}
+	// What is left was applied by a newer txlimit: listed too, without a file.
+	for v, at := range applied {
+		if v > 0 { // goose's row 0 marks the table's creation
+			st = append(st, &goose.MigrationStatus{Source: &goose.Source{Version: v}, State: goose.StateApplied, AppliedAt: at})
+		}
+	}
+	sort.Slice(st, func(i, j int) bool { return st[i].Source.Version < st[j].Source.Version })
 	return st, dbVersion, nil
 }
 

@@ -211,6 +211,20 @@ func TestCommandMigrateDownNewerSchema(t *testing.T) {
 	r = run(t, dsn, nil, append(s, "--json", "migrate", "status")...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
+
+	// status shows the newer migration too, which this txlimit does not embed.
+	var st struct{ Migrations []cli.MigrationJSON }
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
+	require.Len(t, st.Migrations, int(latest)+1, r.stdout)
+	newer := st.Migrations[latest]
+	require.NotNil(t, newer.AppliedAt)
+	require.Equal(t, cli.MigrationJSON{Version: latest + 1, State: "applied", AppliedAt: newer.AppliedAt}, newer)
+	r = run(t, dsn, nil, append(s, "migrate", "status")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	lines := strings.Split(strings.TrimSuffix(r.stdout, "\n"), "\n")
+	require.Len(t, lines, int(latest)+1, r.stdout)
+	require.Equal(t, fmt.Sprintf("applied  %s  version %d, not in this txlimit: a newer txlimit migrated the schema",
+		newer.AppliedAt.Format(time.RFC3339), latest+1), lines[latest])
 }
 
 // TestCommandNewerSchemaWithoutAFunction: on a schema a newer txlimit migrated and dropped a
