@@ -25,7 +25,8 @@
 // migrate up applies the pending migrations in the schema of --schema (with --create-schema it
 // creates that schema first); migrate down rolls back the last one, which for the first migration
 // drops txlimit_state and with it the state of every limit: on a terminal it asks for "yes"
-// first, and elsewhere it needs --yes; it refuses a schema that a newer txlimit migrated beyond
+// first, and elsewhere it needs --yes; it rolls back the migration it found last (and named when
+// asking) or nothing: when another migrator rolled that one back meanwhile, it is exit 1; it refuses a schema that a newer txlimit migrated beyond
 // this one's latest migration. migrate status lists the migrations (and those a newer txlimit
 // applied, which this one does not embed); it only reads (USAGE on the
 // schema and SELECT on txlimit_goose_version are enough), and finds every one pending in a schema
@@ -766,7 +767,14 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		if err != nil {
 			return dbError(err)
 		}
-		r, err := p.Down(ctx)
+		// Exactly the migration read above (and named by the prompt), checked under the migration
+		// lock: when another migrator rolled it back meanwhile, "down" would roll back the one
+		// before, which no one confirmed.
+		r, err := p.ApplyVersion(ctx, last.Source.Version, false)
+		if errors.Is(err, goose.ErrNotApplied) {
+			return &exitError{code: ExitDatabase, err: err, msg: fmt.Sprintf("migrate down: %s is no longer applied "+
+				"(another migrator rolled it back meanwhile): nothing was rolled back", fileName(last.Source))}
+		}
 		if err != nil {
 			return dbError(fmt.Errorf("migrate down: %w", err))
 		}

@@ -10,6 +10,7 @@ import (
 	"io"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -189,6 +190,61 @@ func TestCommandMigrateDownPromptEnds(t *testing.T) {
 	r := run(t, dsn, nil, append(s, "--json", "migrate", "status")...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
+}
+
+// lockedBuffer is a bytes.Buffer that one goroutine writes while another reads.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestCommandMigrateDownRollsBackWhatWasConfirmed: migrate down rolls back the migration its prompt
+// named, or nothing: when another migrator rolled that one back while the prompt waited, the "yes"
+// does not roll back the next one, which for 00001 drops txlimit_state without having said so.
+func TestCommandMigrateDownRollsBackWhatWasConfirmed(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	schema, s := migrated(t, dsn)
+	for range 2 {
+		r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
+		require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	}
+	pr, pw := io.Pipe()
+	t.Cleanup(func() { pw.Close() })
+	var stdout, stderr lockedBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- cli.Run(context.Background(), append(s, "migrate", "down"), &stdout, &stderr, &cli.Options{
+			Stdin:  tty{pr},
+			Getenv: func(k string) string { return map[string]string{"DATABASE_URL": dsn}[k] },
+		})
+	}()
+	const prompt = "migrate down rolls back 00002_txlimit_rules.sql in schema "
+	require.Eventually(t, func() bool { return strings.Contains(stderr.String(), "Type yes") }, 30*time.Second, 10*time.Millisecond)
+	require.True(t, strings.HasPrefix(stderr.String(), prompt), stderr.String())
+	r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...) // another operator, meanwhile
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "down  00002_txlimit_rules.sql\n", r.stdout)
+	_, err := io.WriteString(pw, "yes\n")
+	require.NoError(t, err)
+	code := <-done
+	require.Equal(t, cli.ExitDatabase, code, stderr.String())
+	require.Empty(t, stdout.String())
+	require.True(t, strings.HasSuffix(stderr.String(), "Type yes to roll back: txlimit: migrate down: 00002_txlimit_rules.sql "+
+		"is no longer applied (another migrator rolled it back meanwhile): nothing was rolled back\n"), stderr.String())
+	require.Contains(t, tables(t, dsn, schema), "txlimit_state", "the unconfirmed 00001 was rolled back")
 }
 
 // TestCommandMigrateDownNewerSchema: migrate down on a schema that a newer txlimit migrated
