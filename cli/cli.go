@@ -69,7 +69,8 @@
 //	0  done
 //	1  the database failed: unreachable, not migrated (the message names the migrate command that
 //	   fixes it), migrated by a newer txlimit that dropped a function this one calls (the message
-//	   says to install a newer one), or an error from a statement
+//	   says to install a newer one), a schema the role may not use (the message names the grant),
+//	   or an error from a statement
 //	2  usage: an unknown command or flag, a missing argument, an unreadable config file; migrate
 //	   down not confirmed (no --yes and no terminal to ask on, an answer other than "yes", or an
 //	   interrupt or --timeout before the answer)
@@ -237,9 +238,12 @@ type command struct {
 	set                         map[string]bool
 
 	// searchPath is the connection's search_path once connected, and noSchema whether none of its
-	// schemas exists, for messages.
+	// schemas exists and may be used; role is the role connected and unusable the schemas of the
+	// search_path that exist but that it may not use; for messages.
 	searchPath string
 	noSchema   bool
+	role       string
+	unusable   []string
 }
 
 func (c *command) flags() *flag.FlagSet {
@@ -540,6 +544,9 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	if errors.As(se.Err, &pgErr) {
 		missing = withoutArgs(pgErr.Message) + ", SQLSTATE " + pgErr.Code
 	}
+	if msg := c.noUsage(); msg != "" {
+		return fmt.Sprintf("%s (%s)", msg, missing)
+	}
 	if c.noSchema {
 		return fmt.Sprintf("not migrated: run \"%s --create-schema\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
 			"(no schema of %s exists: %s)", c.migrateUp(), where, missing)
@@ -604,8 +611,20 @@ func (c *command) pool(ctx context.Context, maxConns int32) (*pgxpool.Pool, dbsq
 		pool.Close()
 		return nil, where, c.connectError(err)
 	}
-	c.searchPath, c.noSchema = where.SearchPath, where.Schema == ""
+	c.searchPath, c.noSchema, c.role, c.unusable = where.SearchPath, where.Schema == "", where.Role, where.Unusable
 	return pool, where, nil
+}
+
+// noUsage says, when no schema of the search_path may be used and one exists that the role may not
+// use, what to do instead of creating it: "" otherwise.
+func (c *command) noUsage() string {
+	if !c.noSchema || len(c.unusable) == 0 {
+		return ""
+	}
+	schema := c.unusable[0]
+	return fmt.Sprintf("no USAGE on schema %q (of search_path %q) for role %s: connect as the schema's owner, or run "+
+		"GRANT USAGE ON SCHEMA %s TO %s as the owner, with the README's other grants (a role that decides but does not migrate)",
+		schema, c.searchPath, c.role, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{c.role}.Sanitize())
 }
 
 // connectError is the error of a failed connection. A server that refuses search_path as a
@@ -685,6 +704,9 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		return err
 	}
 	defer pool.Close()
+	if msg := c.noUsage(); msg != "" {
+		return dbError(errors.New(msg))
+	}
 	if where.Schema == "" {
 		switch {
 		case dir != "up":

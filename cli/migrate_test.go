@@ -91,6 +91,56 @@ func TestCommandMigrateUpNamedSchema(t *testing.T) {
 	require.Empty(t, tables(t, dsn, empty))
 }
 
+// newRole creates a login role with no privileges, dropped when the test ends, and returns its
+// name and a DSN that connects as it.
+func newRole(t *testing.T, dsn string) (role, roleDSN string) {
+	t.Helper()
+	var b [6]byte
+	_, err := rand.Read(b[:])
+	require.NoError(t, err)
+	role = "txlimit_cli_ro_" + hex.EncodeToString(b[:])
+	password := hex.EncodeToString(b[:]) + "-pw"
+	q := pgx.Identifier{role}.Sanitize()
+	exec(t, dsn, fmt.Sprintf("CREATE ROLE %s LOGIN PASSWORD '%s' NOSUPERUSER NOCREATEDB NOCREATEROLE", q, password))
+	t.Cleanup(func() {
+		exec(t, dsn, fmt.Sprintf("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '%s'", role))
+		exec(t, dsn, "DROP OWNED BY "+q)
+		exec(t, dsn, "DROP ROLE "+q)
+	})
+	cfg, err := pgx.ParseConfig(dsn)
+	require.NoError(t, err)
+	return role, fmt.Sprintf("host=%s port=%s dbname=%s user=%s password=%s sslmode=disable",
+		cfg.Host, strconv.Itoa(int(cfg.Port)), cfg.Database, role, password)
+}
+
+// TestCommandSchemaWithoutUsage: a role that may not use the schema of --schema (no USAGE: Postgres
+// then skips it in the search_path) is told to get the grant, not that the schema does not exist
+// and to create it with migrate up --create-schema.
+func TestCommandSchemaWithoutUsage(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	schema, _ := migrated(t, dsn)
+	role, roleDSN := newRole(t, dsn)
+	grant := fmt.Sprintf("txlimit: no USAGE on schema %q (of search_path %q) for role %s: connect as the schema's owner, or run "+
+		"GRANT USAGE ON SCHEMA %q TO %q as the owner, with the README's other grants (a role that decides but does not migrate)",
+		schema, schema, role, schema, role)
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"names"}, grant + ` (relation "txlimit_state" does not exist, SQLSTATE 42P01)` + "\n"},
+		{[]string{"inspect", "a", "k", "--rate", "1", "--period", "1s"}, grant + ` (function txlimit_levels_v1 does not exist, SQLSTATE 42883)` + "\n"},
+		{[]string{"migrate", "status"}, grant + "\n"},
+		{[]string{"migrate", "up"}, grant + "\n"},
+		{[]string{"migrate", "up", "--create-schema"}, grant + "\n"},
+	} {
+		r := run(t, roleDSN, nil, append([]string{"--schema", schema}, c.args...)...)
+		require.Equal(t, cli.ExitDatabase, r.code, "%v: %s", c.args, r.stderr)
+		require.Equal(t, c.want, r.stderr, c.args)
+		require.Empty(t, r.stdout)
+	}
+}
+
 // TestCommandMigrateStatusReadsOnly: migrate status, and migrate down with nothing to roll back,
 // only read: they create no table in an unmigrated schema, and a role that may only SELECT the
 // version table lists the migrations.
@@ -109,24 +159,10 @@ func TestCommandMigrateStatusReadsOnly(t *testing.T) {
 
 	// A role with USAGE on a migrated schema and SELECT on its version table, nothing more.
 	schema, _ := migrated(t, dsn)
-	var b [6]byte
-	_, err := rand.Read(b[:])
-	require.NoError(t, err)
-	role := "txlimit_cli_ro_" + hex.EncodeToString(b[:])
-	password := hex.EncodeToString(b[:]) + "-pw"
+	role, roleDSN := newRole(t, dsn)
 	q := pgx.Identifier{role}.Sanitize()
-	exec(t, dsn, fmt.Sprintf("CREATE ROLE %s LOGIN PASSWORD '%s' NOSUPERUSER NOCREATEDB NOCREATEROLE", q, password))
-	t.Cleanup(func() {
-		exec(t, dsn, fmt.Sprintf("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '%s'", role))
-		exec(t, dsn, "DROP OWNED BY "+q)
-		exec(t, dsn, "DROP ROLE "+q)
-	})
 	exec(t, dsn, fmt.Sprintf("GRANT USAGE ON SCHEMA %s TO %s; GRANT SELECT ON %s TO %s",
 		pgx.Identifier{schema}.Sanitize(), q, pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), q))
-	cfg, err := pgx.ParseConfig(dsn)
-	require.NoError(t, err)
-	roleDSN := fmt.Sprintf("host=%s port=%s dbname=%s user=%s password=%s sslmode=disable",
-		cfg.Host, strconv.Itoa(int(cfg.Port)), cfg.Database, role, password)
 	r = run(t, roleDSN, nil, "--schema", schema, "--json", "migrate", "status")
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	var st struct{ Migrations []cli.MigrationJSON }
