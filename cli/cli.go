@@ -717,44 +717,21 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 	}
 	var out []MigrationJSON
 	var text strings.Builder
+	var applied []*goose.MigrationResult
 	switch dir {
 	case "up":
-		// Up migrates the first schema named in the search_path, which is current_schema() only
-		// when it exists already: with --create-schema it may be a new one, created by Up. So the
-		// state before is read where the search_path leads now, without writing there, and counts
-		// only when Up migrated that same schema.
-		var before []*goose.MigrationStatus
-		if where.Schema != "" {
-			if before, _, err = status(ctx, pool, where.Schema); err != nil {
-				return err
-			}
-		}
-		var opts []migrations.Option
+		opts := []migrations.Option{migrations.Applied(&applied)}
 		if c.createSchema {
 			opts = append(opts, migrations.CreateSchema())
 		}
 		if err := migrations.Up(ctx, pool, opts...); err != nil {
 			return dbError(fmt.Errorf("migrate up: %w", err))
 		}
-		after, err := dbsqlc.New().CurrentSchema(ctx, pool)
-		if err != nil {
-			return dbError(fmt.Errorf("migrate up: find the schema migrated: %w", err))
-		}
-		applied := map[int64]bool{}
-		if after.Schema == where.Schema {
-			for _, s := range before {
-				applied[s.Source.Version] = s.State == goose.StateApplied
-			}
-		}
-		st, _, err := status(ctx, pool, after.Schema)
-		if err != nil {
-			return err
-		}
-		for _, s := range st {
-			if s.State == goose.StateApplied && !applied[s.Source.Version] {
-				out = append(out, migrationJSON(s.Source, "up", nil))
-				fmt.Fprintf(&text, "up    %s\n", fileName(s.Source))
-			}
+		// What this command applied itself: another migrator may have applied some, or all, while
+		// it waited for the migration lock.
+		for _, r := range applied {
+			out = append(out, migrationJSON(r.Source, "up", nil))
+			fmt.Fprintf(&text, "up    %s\n", fileName(r.Source))
 		}
 		if len(out) == 0 {
 			text.WriteString("up to date\n")

@@ -15,6 +15,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/cli"
@@ -139,6 +142,39 @@ func TestCommandSchemaWithoutUsage(t *testing.T) {
 		require.Equal(t, c.want, r.stderr, c.args)
 		require.Empty(t, r.stdout)
 	}
+}
+
+// TestCommandMigrateUpReportsWhatItApplied: migrate up lists the migrations it applied itself, not
+// those another migrator applied while it waited for the migration lock (then it is up to date).
+func TestCommandMigrateUpReportsWhatItApplied(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := testdb.NewSchema(t)
+	holder := testdb.PoolOn(t, schema)
+	db := stdlib.OpenDBFromPool(holder)
+	defer db.Close()
+	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
+	require.NoError(t, err)
+	require.NoError(t, l.Lock(ctx, db))
+	app := "txlimit_cli_" + schema
+	done := make(chan result, 1)
+	go func() { done <- run(t, testdb.SchemaURL(t, schema)+"&application_name="+app, nil, "migrate", "up") }()
+	// Once the command waits for the lock, the other migrator applies every migration.
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, holder.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'INSERT INTO "+
+			migrations.LockTable+"%'", app).Scan(&n))
+		return n > 0
+	}, 30*time.Second, 10*time.Millisecond)
+	p, err := goose.NewProvider(goose.DialectPostgres, db, migrations.FS, goose.WithTableName(migrations.VersionTable), goose.WithDisableGlobalRegistry(true))
+	require.NoError(t, err)
+	applied, err := p.Up(ctx)
+	require.NoError(t, err)
+	require.Len(t, applied, int(migrations.Latest()))
+	require.NoError(t, l.Unlock(ctx, db))
+	r := <-done
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Equal(t, "up to date\n", r.stdout)
 }
 
 // TestCommandMigrateStatusReadsOnly: migrate status, and migrate down with nothing to roll back,

@@ -127,6 +127,7 @@ type Option func(*upConfig)
 
 type upConfig struct {
 	createSchema bool
+	applied      *[]*goose.MigrationResult
 }
 
 // CreateSchema makes Up create the schema it migrates, the first schema named in the connection's
@@ -134,6 +135,11 @@ type upConfig struct {
 // exist yet. Without it, Up fails when that schema is missing rather than migrating into a later
 // schema of the search_path. Defaults to off.
 func CreateSchema() Option { return func(c *upConfig) { c.createSchema = true } }
+
+// Applied makes Up store in *dst the migrations it applied, in the order it applied them: none when
+// the schema was up to date, also when another migrator applied them while Up waited for the lock.
+// Defaults to nil: nothing stored.
+func Applied(dst *[]*goose.MigrationResult) Option { return func(c *upConfig) { c.applied = dst } }
 
 // Up applies every pending migration through the pool, in the first schema of the connection's
 // search_path. It is safe to call at every start-up and from several processes at once, also
@@ -162,7 +168,11 @@ func Up(ctx context.Context, pool *pgxpool.Pool, opts ...Option) error {
 	}
 	p, err := newProvider(db)
 	if err == nil {
-		_, err = p.Up(ctx)
+		var res []*goose.MigrationResult
+		res, err = p.Up(ctx)
+		if cfg.applied != nil {
+			*cfg.applied = res
+		}
 	}
 	if uerr := locker.Unlock(ctx, db); uerr != nil && err == nil {
 		err = fmt.Errorf("release the migration lock: %w", uerr)
