@@ -57,7 +57,7 @@
 //	                   (refused by PgBouncer: there, the role's search_path)
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
-//	--timeout D        bound on the whole command (> 0); defaults to 5m
+//	--timeout D        bound on the whole command (> 0; a command it ends says so); defaults to 5m
 //	--yes              migrate down without asking; defaults to false
 //	--create-schema    migrate up creates the schema of --schema when it does not exist; defaults to false
 //	--rate R --period D [--capacity C] [--kind token-bucket|fixed-window] [--shards N]
@@ -196,6 +196,9 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer, opts *Opt
 		code = ee.code
 	case errors.Is(err, ratelimit.ErrInvalid):
 		code = ExitInvalid
+	}
+	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil { // the command's own deadline: --timeout
+		err = &exitError{code: code, err: err, msg: fmt.Sprintf("--timeout %s expired: %v", c.timeout, err)}
 	}
 	if c.json {
 		out := map[string]any{"error": err.Error(), "exit_code": code}

@@ -177,6 +177,27 @@ func TestCommandMigrateUpReportsWhatItApplied(t *testing.T) {
 	require.Equal(t, "up to date\n", r.stdout)
 }
 
+// TestCommandMigrateUpTimeoutOnTheLock: migrate up that waits for a lock another migrator holds
+// until --timeout expires says so: the flag that expired, and the lock it waited for.
+func TestCommandMigrateUpTimeoutOnTheLock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := testdb.NewSchema(t)
+	db := stdlib.OpenDBFromPool(testdb.PoolOn(t, schema))
+	defer db.Close()
+	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
+	require.NoError(t, err)
+	require.NoError(t, l.Lock(ctx, db))
+	defer func() { require.NoError(t, l.Unlock(ctx, db)) }()
+	r := run(t, testdb.DSN(t), nil, "--schema", schema, "migrate", "up", "--timeout", "1s")
+	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
+	require.Equal(t, fmt.Sprintf("txlimit: --timeout 1s expired: migrate up: migrations: waited for the migration lock of schema %q, "+
+		"which another migrator holds (a row of %s; one that died releases it after 30s): acquire lock %d after retries: context deadline exceeded\n",
+		schema, migrations.LockTable, migrations.LockID(schema)), r.stderr)
+	require.Empty(t, r.stdout)
+	require.Equal(t, []string{migrations.LockTable}, tables(t, testdb.DSN(t), schema), "migrated while the lock was held")
+}
+
 // TestCommandMigrateStatusReadsOnly: migrate status, and migrate down with nothing to roll back,
 // only read: they create no table in an unmigrated schema, and a role that may only SELECT the
 // version table lists the migrations.

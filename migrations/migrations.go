@@ -78,7 +78,7 @@ func Latest() int64 {
 // down, a target version. Its locked operations need two connections of db (goose holds one for
 // the migrations, the locker uses another); Up needs only one.
 func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
-	locker, err := newLocker(ctx, db)
+	locker, _, err := newLocker(ctx, db)
 	if err != nil {
 		return nil, err
 	}
@@ -92,16 +92,16 @@ func newProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, err
 	}, opts...)...)
 }
 
-// newLocker returns goose's table locker on the lock row of db's current schema.
-func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, error) {
+// newLocker returns goose's table locker on the lock row of db's current schema, and the schema.
+func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, string, error) {
 	var schema sql.NullString
 	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&schema); err != nil {
-		return nil, fmt.Errorf("migrations: find the schema: %w", err)
+		return nil, "", fmt.Errorf("migrations: find the schema: %w", err)
 	}
 	if !schema.Valid {
-		return nil, errors.New("migrations: no schema of the connection's search_path exists: create it, or call Up with CreateSchema()")
+		return nil, "", errors.New("migrations: no schema of the connection's search_path exists: create it, or call Up with CreateSchema()")
 	}
-	return lock.NewPostgresTableLocker(
+	l, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(LockTable),
 		lock.WithTableLockID(LockID(schema.String)),
 		lock.WithTableLeaseDuration(lockLease),
@@ -110,6 +110,7 @@ func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, error) {
 		lock.WithTableUnlockTimeout(time.Second, 60),
 		lock.WithTableRetryPolicy(retryable),
 	)
+	return l, schema.String, err
 }
 
 // retryable says whether a failed attempt to take or release the lock is worth another try: yes
@@ -159,11 +160,16 @@ func Up(ctx context.Context, pool *pgxpool.Pool, opts ...Option) error {
 	// connection for the migrations while its locker waits for a second, which a pool of one
 	// connection never gives. Held this way, the lock also covers goose's check for pending
 	// migrations, so concurrent first migrators do not race to create the version table.
-	locker, err := newLocker(ctx, db)
+	locker, schema, err := newLocker(ctx, db)
 	if err != nil {
 		return err
 	}
 	if err := locker.Lock(ctx, db); err != nil {
+		var pgErr *pgconn.PgError
+		if ctx.Err() != nil || !errors.As(err, &pgErr) { // not refused: held by another migrator until now
+			return fmt.Errorf("migrations: waited for the migration lock of schema %q, which another migrator holds "+
+				"(a row of %s; one that died releases it after %s): %w", schema, LockTable, lockLease, err)
+		}
 		return fmt.Errorf("migrations: take the migration lock: %w", err)
 	}
 	p, err := newProvider(db)
