@@ -42,12 +42,15 @@ const LockTable = "txlimit_goose_lock"
 
 // The table locker's timing: a dead migrator's lock expires after lockLease (its heartbeat renews
 // it every lockHeartbeat while it runs); a waiting migrator retries every lockRetry, for at most
-// lockRetries times (5 minutes).
+// lockRetries times (5 minutes). A release that fails is retried every lockRetry for at most
+// unlockRetries times (5 s), whatever the context (goose's locker ignores it there): longer would
+// keep a command past its deadline for a lock whose lease ends it anyway.
 const (
 	lockLease     = 30 * time.Second
 	lockHeartbeat = 5 * time.Second
 	lockRetry     = 250 * time.Millisecond
 	lockRetries   = 1200
+	unlockRetries = 20
 )
 
 // Latest returns the highest migration version embedded in this package: the version a schema
@@ -107,7 +110,7 @@ func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, string, error) {
 		lock.WithTableLeaseDuration(lockLease),
 		lock.WithTableHeartbeatInterval(lockHeartbeat),
 		lock.WithTableLockTimeout(lockRetry, lockRetries),
-		lock.WithTableUnlockTimeout(time.Second, 60),
+		lock.WithTableUnlockTimeout(lockRetry, unlockRetries),
 		lock.WithTableRetryPolicy(retryable),
 	)
 	return l, schema.String, err
@@ -117,10 +120,15 @@ func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, string, error) {
 // when the lock is held by another migrator, the connection failed, or the attempt lost a
 // serialization race (40001, 40P01: a role or database whose default_transaction_isolation is
 // REPEATABLE READ or SERIALIZABLE, while the holder touches the lock row); no when Postgres
-// refused the statement (a permission error, say), which a retry would only repeat for five minutes.
+// refused the statement (a permission error, say), which a retry would only repeat for five
+// minutes, nor when the lock row to release is no longer this migrator's (deleted, or taken by
+// another once the lease expired), which no retry changes.
 func retryable(err error) bool {
 	var pgErr *pgconn.PgError
-	return !errors.As(err, &pgErr) || pgErr.Code == "40001" || pgErr.Code == "40P01"
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "40001" || pgErr.Code == "40P01"
+	}
+	return !strings.Contains(err.Error(), "not held by this instance") // goose's locker has no error value for it
 }
 
 // Option changes what Up does.
