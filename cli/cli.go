@@ -528,12 +528,20 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	if se.SearchPath == "" {
 		where = "the connection's search_path"
 	}
-	if se.Problem != nil && se.Version > se.Want { // a newer txlimit migrated the schema and dropped what this one calls
+	if se.Problem != nil && se.Version >= se.Want { // a function this one calls is gone from a schema at its version or later
 		what := se.Problem.Error()
 		var pgErr *pgconn.PgError
 		if errors.As(se.Err, &pgErr) && pgErr.Code == "42883" {
 			what = fmt.Sprintf("has no function %s, which this %s calls (SQLSTATE %s)", strings.TrimSuffix(strings.TrimPrefix(
 				withoutArgs(pgErr.Message), "function "), " does not exist"), c.name, pgErr.Code)
+		}
+		if se.Version == se.Want { // another build's in-place migrations, or a dropped function: re-apply them
+			down := c.name + " migrate down --yes"
+			if c.schema != "" {
+				down += " --schema " + quoteArg(c.schema)
+			}
+			return fmt.Sprintf("run \"%s\" %d times (down to version 1, which keeps txlimit_state), then \"%s\": "+
+				"the schema (%s) is at this %s's migration version (%d) but %s", down, se.Want-1, c.migrateUp(), where, c.name, se.Version, what)
 		}
 		return fmt.Sprintf("install a newer %s: the schema (%s) is at migration version %d, newer than this %s's latest (%d), and %s",
 			c.name, where, se.Version, c.name, se.Want, what)

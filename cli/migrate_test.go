@@ -394,6 +394,24 @@ func TestCommandNewerSchemaWithoutAFunction(t *testing.T) {
 	r = run(t, dsn, nil, append(s, "migrate", "up")...)
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "up to date\n", r.stdout)
+
+	// At this txlimit's own version (another build's in-place migrations, or a dropped function):
+	// neither a newer txlimit nor migrate up restores it; rolling back to version 1 and up does.
+	schema, s = migrated(t, dsn)
+	exec(t, dsn, "DROP FUNCTION "+pgx.Identifier{schema, "txlimit_levels_v1"}.Sanitize())
+	r = run(t, dsn, nil, append(s, "inspect", "a", "k", "--rate", "1", "--period", "1s")...)
+	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
+	require.Equal(t, fmt.Sprintf("txlimit: run \"txlimit migrate down --yes --schema %s\" %d times (down to version 1, which keeps txlimit_state), "+
+		"then \"txlimit migrate up --schema %s\": the schema (search_path %q) is at this txlimit's migration version (%d) but has no "+
+		"function txlimit_levels_v1, which this txlimit calls (SQLSTATE 42883)\n", schema, latest-1, schema, schema, latest), r.stderr)
+	for range latest - 1 {
+		r = run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
+		require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	}
+	r = run(t, dsn, nil, append(s, "migrate", "up")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	r = run(t, dsn, nil, append(s, "inspect", "a", "k", "--rate", "1", "--period", "1s")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 }
 
 // TestCommandReviewedFlags: a limits file with anything after its object is malformed JSON (exit

@@ -34,10 +34,12 @@ type SetupError struct {
 	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check".
 	Op string
 	// Problem is the mistake, when its package names one with a sentinel error (package scheduler's
-	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or the functions a schema migrated by
-	// a newer txlimit no longer has (found by CheckSchema, or by a call that did not find one: Fix
-	// is then "deploy a newer build of txlimit", not migrations.Up). Defaults to nil: txlimit's
-	// schema is missing (Err says what Postgres did not find) or behind (Version and Want).
+	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or the functions this build calls that
+	// a schema at its migration version or later does not have (found by CheckSchema, or by a call
+	// that did not find one: Fix is then not migrations.Up, which would find nothing to do, but "deploy
+	// a newer build of txlimit" when a newer txlimit migrated the schema, or "roll back to migration
+	// version 1 and run migrations.Up again" when it is at this build's version). Defaults to nil:
+	// txlimit's schema is missing (Err says what Postgres did not find) or behind (Version and Want).
 	Problem error
 	// Fix is what to do: for txlimit's schema the call that creates the missing objects, for package
 	// scheduler a sentence. Defaults to "" (read as "migrations.Up").
@@ -81,7 +83,7 @@ func (e *SetupError) Error() string {
 		s += ")"
 		var pgErr *pgconn.PgError
 		switch {
-		case e.Fix == newerBuild && errors.As(e.Err, &pgErr): // Problem says what is missing, without argument types
+		case (e.Fix == newerBuild || e.Fix == reapply) && errors.As(e.Err, &pgErr): // Problem says what is missing, without argument types
 			s += " (SQLSTATE " + pgErr.Code + "; see docs/deploy.md)"
 		case e.Err != nil:
 			s += ": " + e.Err.Error()
@@ -154,33 +156,53 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 		// A function gone from a schema that a newer txlimit migrated (it drops a function's old
 		// version a release after the new one): migrations.Up would find nothing to do there.
 		row, verr := via(on(db), ctx, struct{}{}, schemaVersion, otherSchemaVersion)
-		if want := migrations.Latest(); verr == nil && row.Version > want {
-			return &SetupError{Package: "ratelimit", Op: op, Fix: newerBuild, SearchPath: row.SearchPath,
-				Version: row.Version, Want: want, Problem: droppedError(row.Version, row.Missing, pgErr), Err: err}
+		if verr == nil && row.Version >= migrations.Latest() {
+			se := missingFunctions(row.Version, row.SearchPath, row.Missing, pgErr)
+			se.Op, se.Err = op, err
+			return se
 		}
 	}
 	searchPath, _ := via(on(db), ctx, struct{}{}, searchPath, otherSearchPath) // fails in an aborted transaction: left empty
 	return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
 }
 
-// newerBuild is the Fix of a schema that a newer txlimit migrated and dropped a function of.
-const newerBuild = "deploy a newer build of txlimit"
+// The Fix of a schema at this build's migration version or later without a function this build
+// calls: newerBuild when a newer txlimit migrated it (and dropped the function a release after
+// its new version), reapply when it is at this build's own version (migrated by a build whose
+// migrations differed, or the function was dropped), which neither a newer build nor
+// migrations.Up (nothing to do) restores.
+const (
+	newerBuild = "deploy a newer build of txlimit"
+	reapply    = "roll back to migration version 1 and run migrations.Up again"
+)
 
-// droppedError is the Problem of a schema at migration version, newer than this build's, without
-// the functions missing that this build calls (or, when the list is empty, the one pgErr names).
-func droppedError(version int64, missing []string, pgErr *pgconn.PgError) error {
+// missingFunctions is the *SetupError of a schema at migration version, this build's or later,
+// without the functions missing that this build calls (or, when the list is empty, the one pgErr
+// names).
+func missingFunctions(version int64, searchPath string, missing []string, pgErr *pgconn.PgError) *SetupError {
 	names := strings.Join(missing, ", ")
 	if names == "" && pgErr != nil {
 		names = strings.TrimSuffix(strings.TrimPrefix(shortMissing(pgErr.Message), "function "), " does not exist")
 	}
-	return fmt.Errorf("the schema, at migration version %d, has no function %s, which this build (version %d) calls: "+
-		"a newer txlimit migrated it and dropped what this build needs", version, names, migrations.Latest())
+	want := migrations.Latest()
+	se := &SetupError{Package: "ratelimit", Op: "CheckSchema", Fix: newerBuild, SearchPath: searchPath, Version: version, Want: want}
+	if version > want {
+		se.Problem = fmt.Errorf("the schema, at migration version %d, has no function %s, which this build (version %d) calls: "+
+			"a newer txlimit migrated it and dropped what this build needs", version, names, want)
+		return se
+	}
+	se.Fix = reapply
+	se.Problem = fmt.Errorf("the schema, at this build's migration version %d, has no function %s, which this build calls: "+
+		"another build's migrations made it (they change in place until txlimit's first release), or the function was dropped; "+
+		"version 1 keeps txlimit_state", version, names)
+	return se
 }
 
 // CheckSchema verifies, in one query, that the schema db's search_path leads to holds txlimit's
 // tables at the migration version this build needs (migrations.Latest(), or later: code keeps
 // working on a schema migrated by a newer txlimit) and every txlimit function this build calls (a
-// schema migrated two releases ahead may have dropped one: CONTRIBUTING.md). Call it once at
+// schema migrated two releases ahead may have dropped one: CONTRIBUTING.md; see SetupError.Problem
+// for one at this build's version). Call it once at
 // start-up, after migrating: it returns nil, a *SetupError (errors.Is(err, ErrSetup)) naming the fix
 // and the search_path, or the database error.
 func CheckSchema(ctx context.Context, db Executor) error {
@@ -196,8 +218,7 @@ func CheckSchema(ctx context.Context, db Executor) error {
 		return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
 	}
 	if len(row.Missing) > 0 {
-		return &SetupError{Package: "ratelimit", Op: op, Fix: newerBuild, SearchPath: row.SearchPath,
-			Version: row.Version, Want: migrations.Latest(), Problem: droppedError(row.Version, row.Missing, nil)}
+		return missingFunctions(row.Version, row.SearchPath, row.Missing, nil)
 	}
 	return nil
 }
