@@ -10,17 +10,15 @@ import (
 	"io"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/cli"
+	"github.com/txlimit/txlimit/internal/metrictest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
 )
@@ -151,11 +149,7 @@ func TestCommandMigrateUpReportsWhatItApplied(t *testing.T) {
 	ctx := context.Background()
 	schema := testdb.NewSchema(t)
 	holder := testdb.PoolOn(t, schema)
-	db := stdlib.OpenDBFromPool(holder)
-	defer db.Close()
-	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
-	require.NoError(t, err)
-	require.NoError(t, l.Lock(ctx, db))
+	db, release := testdb.HoldMigrationLock(t, holder, schema)
 	app := "txlimit_cli_" + schema
 	done := make(chan result, 1)
 	go func() { done <- run(t, testdb.SchemaURL(t, schema)+"&application_name="+app, nil, "migrate", "up") }()
@@ -171,7 +165,7 @@ func TestCommandMigrateUpReportsWhatItApplied(t *testing.T) {
 	applied, err := p.Up(ctx)
 	require.NoError(t, err)
 	require.Len(t, applied, int(migrations.Latest()))
-	require.NoError(t, l.Unlock(ctx, db))
+	release()
 	r := <-done
 	require.Equal(t, cli.ExitOK, r.code, r.stderr)
 	require.Equal(t, "up to date\n", r.stdout)
@@ -181,14 +175,9 @@ func TestCommandMigrateUpReportsWhatItApplied(t *testing.T) {
 // until --timeout expires says so: the flag that expired, and the lock it waited for.
 func TestCommandMigrateUpTimeoutOnTheLock(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	schema := testdb.NewSchema(t)
-	db := stdlib.OpenDBFromPool(testdb.PoolOn(t, schema))
-	defer db.Close()
-	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
-	require.NoError(t, err)
-	require.NoError(t, l.Lock(ctx, db))
-	defer func() { require.NoError(t, l.Unlock(ctx, db)) }()
+	_, release := testdb.HoldMigrationLock(t, testdb.PoolOn(t, schema), schema)
+	defer release()
 	r := run(t, testdb.DSN(t), nil, "--schema", schema, "migrate", "up", "--timeout", "1s")
 	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
 	require.Equal(t, fmt.Sprintf("txlimit: --timeout 1s expired: migrate up: migrations: waited for the migration lock of schema %q, "+
@@ -285,24 +274,6 @@ func TestCommandMigrateDownPromptEnds(t *testing.T) {
 	require.NotContains(t, r.stdout, "pending", "a migration was rolled back")
 }
 
-// lockedBuffer is a bytes.Buffer that one goroutine writes while another reads.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // TestCommandMigrateDownRollsBackWhatWasConfirmed: migrate down rolls back the migration its prompt
 // named, or nothing: when another migrator rolled that one back while the prompt waited, the "yes"
 // does not roll back the next one, which for 00001 drops txlimit_state without having said so.
@@ -316,7 +287,7 @@ func TestCommandMigrateDownRollsBackWhatWasConfirmed(t *testing.T) {
 	}
 	pr, pw := io.Pipe()
 	t.Cleanup(func() { pw.Close() })
-	var stdout, stderr lockedBuffer
+	var stdout, stderr metrictest.Logs
 	done := make(chan int, 1)
 	go func() {
 		done <- cli.Run(context.Background(), append(s, "migrate", "down"), &stdout, &stderr, &cli.Options{
@@ -340,6 +311,18 @@ func TestCommandMigrateDownRollsBackWhatWasConfirmed(t *testing.T) {
 	require.Contains(t, tables(t, dsn, schema), "txlimit_state", "the unconfirmed 00001 was rolled back")
 }
 
+// aheadOf makes schema look migrated by a newer txlimit: one more migration recorded, and the
+// function drop, when not "", dropped by it.
+func aheadOf(t *testing.T, dsn, schema, drop string) {
+	t.Helper()
+	sql := fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true)",
+		pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), migrations.Latest()+1)
+	if drop != "" {
+		sql += "; DROP FUNCTION " + pgx.Identifier{schema, drop}.Sanitize()
+	}
+	exec(t, dsn, sql)
+}
+
 // TestCommandMigrateDownNewerSchema: migrate down on a schema that a newer txlimit migrated
 // further than this one's latest migration refuses, before asking, naming both versions.
 func TestCommandMigrateDownNewerSchema(t *testing.T) {
@@ -347,8 +330,7 @@ func TestCommandMigrateDownNewerSchema(t *testing.T) {
 	dsn := testdb.DSN(t)
 	schema, s := migrated(t, dsn)
 	latest := migrations.Latest()
-	exec(t, dsn, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true)",
-		pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), latest+1))
+	aheadOf(t, dsn, schema, "")
 	want := fmt.Sprintf("txlimit: migrate down: schema is at version %d, newer than this txlimit's latest (%d): "+
 		"roll it back with the txlimit that migrated it (schema %q): nothing was rolled back\n", latest+1, latest, schema)
 	r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
@@ -384,8 +366,7 @@ func TestCommandNewerSchemaWithoutAFunction(t *testing.T) {
 	dsn := testdb.DSN(t)
 	schema, s := migrated(t, dsn)
 	latest := migrations.Latest()
-	exec(t, dsn, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true); DROP FUNCTION %s",
-		pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), latest+1, pgx.Identifier{schema, "txlimit_levels_v1"}.Sanitize()))
+	aheadOf(t, dsn, schema, "txlimit_levels_v1")
 	r := run(t, dsn, nil, append(s, "inspect", "a", "k", "--rate", "1", "--period", "1s")...)
 	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
 	require.Equal(t, fmt.Sprintf("txlimit: install a newer txlimit: the schema (search_path %q) is at migration version %d, newer than "+

@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
@@ -78,16 +77,7 @@ func TestUpWaitsForTheLockHolder(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	schema := testdb.NewSchema(t)
-	holder := testdb.PoolOn(t, schema)
-	db := stdlib.OpenDBFromPool(holder)
-	defer db.Close()
-	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Lock(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	_, release := testdb.HoldMigrationLock(t, testdb.PoolOn(t, schema), schema)
 	done := make(chan error, 1)
 	go func() { done <- migrations.Up(ctx, testdb.PoolOn(t, schema)) }()
 	select {
@@ -95,9 +85,7 @@ func TestUpWaitsForTheLockHolder(t *testing.T) {
 		t.Fatalf("Up finished while another migrator held the lock: %v", err)
 	case <-time.After(2 * time.Second):
 	}
-	if err := l.Unlock(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	if err := <-done; err != nil {
 		t.Fatalf("Up after the lock was released: %v", err)
 	}
@@ -251,12 +239,7 @@ func TestUpDoesNotRetryReleasingALockItLost(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, nil)
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	p, err := migrations.NewProvider(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := provider(t, pool)
 	if _, err := p.DownTo(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
