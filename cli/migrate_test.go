@@ -311,16 +311,18 @@ func TestCommandMigrateDownRollsBackWhatWasConfirmed(t *testing.T) {
 	require.Contains(t, tables(t, dsn, schema), "txlimit_state", "the unconfirmed 00001 was rolled back")
 }
 
-// aheadOf makes schema look migrated by a newer txlimit: one more migration recorded, and the
-// function drop, when not "", dropped by it.
-func aheadOf(t *testing.T, dsn, schema, drop string) {
+// aheadOf returns a schema that looks migrated by a newer txlimit (one more migration recorded,
+// and the function drop, when not "", dropped by it), and the arguments that select it.
+func aheadOf(t *testing.T, dsn, drop string) (schema string, args []string) {
 	t.Helper()
+	schema, args = migrated(t, dsn)
 	sql := fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true)",
 		pgx.Identifier{schema, migrations.VersionTable}.Sanitize(), migrations.Latest()+1)
 	if drop != "" {
 		sql += "; DROP FUNCTION " + pgx.Identifier{schema, drop}.Sanitize()
 	}
 	exec(t, dsn, sql)
+	return schema, args
 }
 
 // TestCommandMigrateDownNewerSchema: migrate down on a schema that a newer txlimit migrated
@@ -328,9 +330,8 @@ func aheadOf(t *testing.T, dsn, schema, drop string) {
 func TestCommandMigrateDownNewerSchema(t *testing.T) {
 	t.Parallel()
 	dsn := testdb.DSN(t)
-	schema, s := migrated(t, dsn)
+	schema, s := aheadOf(t, dsn, "")
 	latest := migrations.Latest()
-	aheadOf(t, dsn, schema, "")
 	want := fmt.Sprintf("txlimit: migrate down: schema is at version %d, newer than this txlimit's latest (%d): "+
 		"roll it back with the txlimit that migrated it (schema %q): nothing was rolled back\n", latest+1, latest, schema)
 	r := run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
@@ -364,9 +365,8 @@ func TestCommandMigrateDownNewerSchema(t *testing.T) {
 func TestCommandNewerSchemaWithoutAFunction(t *testing.T) {
 	t.Parallel()
 	dsn := testdb.DSN(t)
-	schema, s := migrated(t, dsn)
+	schema, s := aheadOf(t, dsn, "txlimit_levels_v1")
 	latest := migrations.Latest()
-	aheadOf(t, dsn, schema, "txlimit_levels_v1")
 	r := run(t, dsn, nil, append(s, "inspect", "a", "k", "--rate", "1", "--period", "1s")...)
 	require.Equal(t, cli.ExitDatabase, r.code, r.stderr)
 	require.Equal(t, fmt.Sprintf("txlimit: install a newer txlimit: the schema (search_path %q) is at migration version %d, newer than "+
