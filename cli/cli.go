@@ -25,8 +25,10 @@
 // migrate up applies the pending migrations in the schema of --schema (with --create-schema it
 // creates that schema first); migrate down rolls back the last one, which for the first migration
 // drops txlimit_state and with it the state of every limit: on a terminal it asks for "yes"
-// first, and elsewhere it needs --yes; it refuses a schema that a newer txlimit migrated beyond
-// this one's latest migration. migrate status lists the migrations; it only reads (USAGE on the
+// first, and elsewhere it needs --yes; it rolls back the migration it found last (and named when
+// asking) or nothing: when another migrator rolled that one back meanwhile, it is exit 1; it refuses a schema that a newer txlimit migrated beyond
+// this one's latest migration. migrate status lists the migrations (and those a newer txlimit
+// applied, which this one does not embed); it only reads (USAGE on the
 // schema and SELECT on txlimit_goose_version are enough), and finds every one pending in a schema
 // never migrated, creating nothing there.
 //
@@ -43,13 +45,19 @@
 // nothing is deleted. Give such limits in --config (httplimit policies and the limits the
 // scheduler reserves are ordinary named limits), or prune each with prune NAME --rate R --period D.
 //
+// The command sends its statements unnamed (pgx.QueryExecModeExec) unless the DSN sets
+// default_query_exec_mode, so it works through PgBouncer in transaction pooling mode too; there,
+// leave out --schema (PgBouncer refuses search_path at connect) and let the role's search_path
+// lead to the schema (docs/deploy.md).
+//
 // Flags may come before or after the command and its arguments:
 //
 //	--dsn URL          the database (postgres:// URL or key=value string); defaults to $DATABASE_URL
 //	--schema NAME      the schema txlimit's table is in (sets search_path); defaults to the DSN's
+//	                   (refused by PgBouncer: there, the role's search_path)
 //	--json             one JSON object on stdout (errors: one on stderr) instead of text
 //	--config FILE      a JSON file of named limits (see LoadLimits)
-//	--timeout D        bound on the whole command (> 0); defaults to 5m
+//	--timeout D        bound on the whole command (> 0; a command it ends says so); defaults to 5m
 //	--yes              migrate down without asking; defaults to false
 //	--create-schema    migrate up creates the schema of --schema when it does not exist; defaults to false
 //	--rate R --period D [--capacity C] [--kind token-bucket|fixed-window] [--shards N]
@@ -60,7 +68,9 @@
 //
 //	0  done
 //	1  the database failed: unreachable, not migrated (the message names the migrate command that
-//	   fixes it), or an error from a statement
+//	   fixes it), migrated by a newer txlimit that dropped a function this one calls (the message
+//	   says to install a newer one), a schema the role may not use (the message names the grant),
+//	   or an error from a statement
 //	2  usage: an unknown command or flag, a missing argument, an unreadable config file; migrate
 //	   down not confirmed (no --yes and no terminal to ask on, an answer other than "yes", or an
 //	   interrupt or --timeout before the answer)
@@ -187,6 +197,9 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer, opts *Opt
 	case errors.Is(err, ratelimit.ErrInvalid):
 		code = ExitInvalid
 	}
+	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil { // the command's own deadline: --timeout
+		err = &exitError{code: code, err: err, msg: fmt.Sprintf("--timeout %s expired: %v", c.timeout, err)}
+	}
 	if c.json {
 		out := map[string]any{"error": err.Error(), "exit_code": code}
 		if ee != nil {
@@ -228,9 +241,12 @@ type command struct {
 	set                         map[string]bool
 
 	// searchPath is the connection's search_path once connected, and noSchema whether none of its
-	// schemas exists, for messages.
+	// schemas exists and may be used; role is the role connected and unusable the schemas of the
+	// search_path that exist but that it may not use; for messages.
 	searchPath string
 	noSchema   bool
+	role       string
+	unusable   []string
 }
 
 func (c *command) flags() *flag.FlagSet {
@@ -512,6 +528,24 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	if se.SearchPath == "" {
 		where = "the connection's search_path"
 	}
+	if se.Problem != nil && se.Version >= se.Want { // a function this one calls is gone from a schema at its version or later
+		what := se.Problem.Error()
+		var pgErr *pgconn.PgError
+		if errors.As(se.Err, &pgErr) && pgErr.Code == "42883" {
+			what = fmt.Sprintf("has no function %s, which this %s calls (SQLSTATE %s)", strings.TrimSuffix(strings.TrimPrefix(
+				withoutArgs(pgErr.Message), "function "), " does not exist"), c.name, pgErr.Code)
+		}
+		if se.Version == se.Want { // another build's in-place migrations, or a dropped function: re-apply them
+			down := c.name + " migrate down --yes"
+			if c.schema != "" {
+				down += " --schema " + quoteArg(c.schema)
+			}
+			return fmt.Sprintf("run \"%s\" %d times (down to version 1, which keeps txlimit_state), then \"%s\": "+
+				"the schema (%s) is at this %s's migration version (%d) but %s", down, se.Want-1, c.migrateUp(), where, c.name, se.Version, what)
+		}
+		return fmt.Sprintf("install a newer %s: the schema (%s) is at migration version %d, newer than this %s's latest (%d), and %s",
+			c.name, where, se.Version, c.name, se.Want, what)
+	}
 	if se.Err == nil {
 		return fmt.Sprintf("run \"%s\" (on the same database): %s leads to a schema at migration version %d, this %s needs %d",
 			c.migrateUp(), where, se.Version, c.name, se.Want)
@@ -519,11 +553,10 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	missing := "txlimit's table"
 	var pgErr *pgconn.PgError
 	if errors.As(se.Err, &pgErr) {
-		missing = pgErr.Message
-		if i, j := strings.IndexByte(missing, '('), strings.LastIndexByte(missing, ')'); i >= 0 && j > i {
-			missing = missing[:i] + missing[j+1:] // a function's argument types
-		}
-		missing += ", SQLSTATE " + pgErr.Code
+		missing = withoutArgs(pgErr.Message) + ", SQLSTATE " + pgErr.Code
+	}
+	if msg := c.noUsage(); msg != "" {
+		return fmt.Sprintf("%s (%s)", msg, missing)
 	}
 	if c.noSchema {
 		return fmt.Sprintf("not migrated: run \"%s --create-schema\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
@@ -531,6 +564,14 @@ func (c *command) setupMessage(se *ratelimit.SetupError) string {
 	}
 	return fmt.Sprintf("not migrated: run \"%s\" (on the same database), or pass --schema with the schema txlimit was migrated into "+
 		"(%s: %s)", c.migrateUp(), where, missing)
+}
+
+// withoutArgs is Postgres's message without a function's argument types.
+func withoutArgs(msg string) string {
+	if i, j := strings.IndexByte(msg, '('), strings.LastIndexByte(msg, ')'); i >= 0 && j > i {
+		return msg[:i] + msg[j+1:]
+	}
+	return msg
 }
 
 // connConfig parses the DSN and applies --schema.
@@ -545,6 +586,14 @@ func (c *command) connConfig() (*pgx.ConnConfig, error) {
 	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return nil, usagef("--dsn: %v", err)
+	}
+	// pgx's default exec mode prepares named statements, which a transaction pooler (PgBouncer)
+	// runs on whichever server connection comes next: the command sends each statement unnamed
+	// instead (docs/deploy.md), unless the DSN chooses a mode itself.
+	if pc, err := pgconn.ParseConfig(dsn); err == nil {
+		if _, chosen := pc.RuntimeParams["default_query_exec_mode"]; !chosen {
+			cfg.DefaultQueryExecMode = pgx.QueryExecModeExec
+		}
 	}
 	if c.schema != "" {
 		cfg.RuntimeParams["search_path"] = c.schema
@@ -567,14 +616,38 @@ func (c *command) pool(ctx context.Context, maxConns int32) (*pgxpool.Pool, dbsq
 	pc.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
-		return nil, where, dbError(fmt.Errorf("connect: %w", err))
+		return nil, where, c.connectError(err)
 	}
 	if where, err = dbsqlc.New().CurrentSchema(ctx, pool); err != nil {
 		pool.Close()
-		return nil, where, dbError(fmt.Errorf("connect: %w", err))
+		return nil, where, c.connectError(err)
 	}
-	c.searchPath, c.noSchema = where.SearchPath, where.Schema == ""
+	c.searchPath, c.noSchema, c.role, c.unusable = where.SearchPath, where.Schema == "", where.Role, where.Unusable
 	return pool, where, nil
+}
+
+// noUsage says, when no schema of the search_path may be used and one exists that the role may not
+// use, what to do instead of creating it: "" otherwise.
+func (c *command) noUsage() string {
+	if !c.noSchema || len(c.unusable) == 0 {
+		return ""
+	}
+	schema := c.unusable[0]
+	return fmt.Sprintf("no USAGE on schema %q (of search_path %q) for role %s: connect as the schema's owner, or run "+
+		"GRANT USAGE ON SCHEMA %s TO %s as the owner, with the README's other grants (a role that decides but does not migrate)",
+		schema, c.searchPath, c.role, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{c.role}.Sanitize())
+}
+
+// connectError is the error of a failed connection. A server that refuses search_path as a
+// startup parameter (PgBouncer 1.18) refuses --schema: the message says what to do instead.
+func (c *command) connectError(err error) error {
+	var pgErr *pgconn.PgError
+	if c.schema != "" && errors.As(err, &pgErr) && pgErr.Code == "08P01" && strings.Contains(pgErr.Message, "search_path") {
+		return &exitError{code: ExitDatabase, err: err, msg: fmt.Sprintf("--schema sets search_path when connecting, which this server refuses "+
+			"(PgBouncer does): leave out --schema and set the role's search_path instead (ALTER ROLE ... SET search_path = %s; "+
+			"docs/deploy.md), or connect to Postgres directly (%v)", c.schema, pgErr)}
+	}
+	return dbError(fmt.Errorf("connect: %w", err))
 }
 
 // noSchemaError is the error of a search_path none of whose schemas exists: the fix, then what
@@ -607,7 +680,8 @@ func (c *command) print(v any, text string) error {
 type MigrationJSON struct {
 	// Version is the migration's number.
 	Version int64 `json:"version"`
-	// File is its file name.
+	// File is its file name; "" for a migration this txlimit does not embed, which a newer txlimit
+	// applied (migrate status).
 	File string `json:"file"`
 	// State is "applied" or "pending" (migrate status), or what was done: "up", "down".
 	State string `json:"state"`
@@ -641,6 +715,9 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		return err
 	}
 	defer pool.Close()
+	if msg := c.noUsage(); msg != "" {
+		return dbError(errors.New(msg))
+	}
 	if where.Schema == "" {
 		switch {
 		case dir != "up":
@@ -651,44 +728,21 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 	}
 	var out []MigrationJSON
 	var text strings.Builder
+	var applied []*goose.MigrationResult
 	switch dir {
 	case "up":
-		// Up migrates the first schema named in the search_path, which is current_schema() only
-		// when it exists already: with --create-schema it may be a new one, created by Up. So the
-		// state before is read where the search_path leads now, without writing there, and counts
-		// only when Up migrated that same schema.
-		var before []*goose.MigrationStatus
-		if where.Schema != "" {
-			if before, _, err = status(ctx, pool, where.Schema); err != nil {
-				return err
-			}
-		}
-		var opts []migrations.Option
+		opts := []migrations.Option{migrations.Applied(&applied)}
 		if c.createSchema {
 			opts = append(opts, migrations.CreateSchema())
 		}
 		if err := migrations.Up(ctx, pool, opts...); err != nil {
 			return dbError(fmt.Errorf("migrate up: %w", err))
 		}
-		after, err := dbsqlc.New().CurrentSchema(ctx, pool)
-		if err != nil {
-			return dbError(fmt.Errorf("migrate up: find the schema migrated: %w", err))
-		}
-		applied := map[int64]bool{}
-		if after.Schema == where.Schema {
-			for _, s := range before {
-				applied[s.Source.Version] = s.State == goose.StateApplied
-			}
-		}
-		st, _, err := status(ctx, pool, after.Schema)
-		if err != nil {
-			return err
-		}
-		for _, s := range st {
-			if s.State == goose.StateApplied && !applied[s.Source.Version] {
-				out = append(out, migrationJSON(s.Source, "up", nil))
-				fmt.Fprintf(&text, "up    %s\n", fileName(s.Source))
-			}
+		// What this command applied itself: another migrator may have applied some, or all, while
+		// it waited for the migration lock.
+		for _, r := range applied {
+			out = append(out, migrationJSON(r.Source, "up", nil))
+			fmt.Fprintf(&text, "up    %s\n", fileName(r.Source))
 		}
 		if len(out) == 0 {
 			text.WriteString("up to date\n")
@@ -723,7 +777,14 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 		if err != nil {
 			return dbError(err)
 		}
-		r, err := p.Down(ctx)
+		// Exactly the migration read above (and named by the prompt), checked under the migration
+		// lock: when another migrator rolled it back meanwhile, "down" would roll back the one
+		// before, which no one confirmed.
+		r, err := p.ApplyVersion(ctx, last.Source.Version, false)
+		if errors.Is(err, goose.ErrNotApplied) {
+			return &exitError{code: ExitDatabase, err: err, msg: fmt.Sprintf("migrate down: %s is no longer applied "+
+				"(another migrator rolled it back meanwhile): nothing was rolled back", fileName(last.Source))}
+		}
 		if err != nil {
 			return dbError(fmt.Errorf("migrate down: %w", err))
 		}
@@ -739,7 +800,12 @@ func (c *command) migrate(ctx context.Context, dir string) error {
 			if s.State == goose.StateApplied {
 				t := s.AppliedAt.UTC()
 				at = &t
-				fmt.Fprintf(&text, "applied  %s  %s\n", t.Format(time.RFC3339), fileName(s.Source))
+				if s.Source.Path == "" {
+					fmt.Fprintf(&text, "applied  %s  version %d, not in this %s: a newer %s migrated the schema\n",
+						t.Format(time.RFC3339), s.Source.Version, c.name, c.name)
+				} else {
+					fmt.Fprintf(&text, "applied  %s  %s\n", t.Format(time.RFC3339), fileName(s.Source))
+				}
 			} else {
 				fmt.Fprintf(&text, "pending  %-20s  %s\n", "", fileName(s.Source))
 			}
@@ -792,8 +858,16 @@ func status(ctx context.Context, pool *pgxpool.Pool, schema string) ([]*goose.Mi
 	for _, s := range st {
 		if at, ok := applied[s.Source.Version]; ok {
 			s.State, s.AppliedAt = goose.StateApplied, at
+			delete(applied, s.Source.Version)
 		}
 	}
+	// What is left was applied by a newer txlimit: listed too, without a file.
+	for v, at := range applied {
+		if v > 0 { // goose's row 0 marks the table's creation
+			st = append(st, &goose.MigrationStatus{Source: &goose.Source{Version: v}, State: goose.StateApplied, AppliedAt: at})
+		}
+	}
+	sort.Slice(st, func(i, j int) bool { return st[i].Source.Version < st[j].Source.Version })
 	return st, dbVersion, nil
 }
 

@@ -256,16 +256,16 @@ $$;
 -- +goose StatementEnd
 
 -- +goose Down
-DROP FUNCTION txlimit_debt_until(double precision, bigint, bigint, double precision, bigint, bigint, double precision);
-DROP FUNCTION txlimit_retry_at(double precision, bigint, bigint, double precision, double precision,
-                               double precision, boolean, double precision, bigint, double precision, bigint, bigint);
-DROP FUNCTION txlimit_estimate(double precision, bigint, bigint, double precision, bigint, bigint);
-DROP FUNCTION txlimit_grants_one(double precision, bigint, bigint, double precision, double precision, double precision,
-                                 double precision, bigint, bigint);
-DROP FUNCTION txlimit_prunable(double precision, bigint, bigint, double precision, bigint, bigint, double precision, bigint);
-DROP FUNCTION txlimit_granted(integer, double precision, double precision, double precision);
-DROP FUNCTION txlimit_left(integer, integer, double precision, double precision, double precision);
-DROP FUNCTION txlimit_charge(double precision, double precision, boolean, double precision, integer);
-DROP FUNCTION txlimit_next_ts(bigint, bigint, bigint);
-DROP FUNCTION txlimit_level(double precision, bigint, bigint, double precision, bigint, bigint, double precision);
-DROP FUNCTION txlimit_clock(bigint);
+DROP FUNCTION IF EXISTS txlimit_debt_until(double precision, bigint, bigint, double precision, bigint, bigint, double precision);
+DROP FUNCTION IF EXISTS txlimit_retry_at(double precision, bigint, bigint, double precision, double precision,
+                                         double precision, boolean, double precision, bigint, double precision, bigint, bigint);
+DROP FUNCTION IF EXISTS txlimit_estimate(double precision, bigint, bigint, double precision, bigint, bigint);
+DROP FUNCTION IF EXISTS txlimit_grants_one(double precision, bigint, bigint, double precision, double precision, double precision,
+                                           double precision, bigint, bigint);
+DROP FUNCTION IF EXISTS txlimit_prunable(double precision, bigint, bigint, double precision, bigint, bigint, double precision, bigint);
+DROP FUNCTION IF EXISTS txlimit_granted(integer, double precision, double precision, double precision);
+DROP FUNCTION IF EXISTS txlimit_left(integer, integer, double precision, double precision, double precision);
+DROP FUNCTION IF EXISTS txlimit_charge(double precision, double precision, boolean, double precision, integer);
+DROP FUNCTION IF EXISTS txlimit_next_ts(bigint, bigint, bigint);
+DROP FUNCTION IF EXISTS txlimit_level(double precision, bigint, bigint, double precision, bigint, bigint, double precision);
+DROP FUNCTION IF EXISTS txlimit_clock(bigint);

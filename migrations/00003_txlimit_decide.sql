@@ -680,22 +680,22 @@ $$;
 -- +goose StatementEnd
 
 -- +goose Down
-DROP FUNCTION txlimit_decide_one_v1(bigint, text, text, double precision, double precision, boolean, bigint,
-                                    double precision, bigint, double precision, bigint, integer[], bigint, boolean);
-DROP FUNCTION txlimit_decide_v1(bigint, integer[], double precision[], double precision[], boolean[], boolean[], bigint[],
-                                double precision[], bigint[], double precision[], bigint[], integer[], integer[], text[],
-                                text[], integer[], integer);
-DROP FUNCTION txlimit_answers(bigint, double precision[], double precision[], bigint[], double precision[], bigint[],
-                              double precision[], integer[], integer[], integer[], boolean[], double precision[], bigint[],
-                              double precision[], bigint[], integer[], boolean[], boolean[]);
-DROP TYPE txlimit_answer_v1;
-DROP FUNCTION txlimit_alone(bigint, boolean[], integer[], double precision[], double precision[], bigint[],
-                            double precision[], bigint[], double precision[], text[], text[], integer[]);
-DROP FUNCTION txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
-DROP FUNCTION txlimit_create_key(text, text, integer);
-DROP FUNCTION txlimit_await_shard(bigint, integer);
-DROP FUNCTION txlimit_steer(text, text, integer[], bigint, boolean);
-DROP FUNCTION txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, bigint);
-DROP FUNCTION txlimit_pack_v1(boolean, boolean, boolean, double precision, integer, integer, integer, bigint, bigint,
-                              bigint);
-DROP FUNCTION txlimit_stale(bigint, bigint, pg_snapshot);
+DROP FUNCTION IF EXISTS txlimit_decide_one_v1(bigint, text, text, double precision, double precision, boolean, bigint,
+                                              double precision, bigint, double precision, bigint, integer[], bigint, boolean);
+DROP FUNCTION IF EXISTS txlimit_decide_v1(bigint, integer[], double precision[], double precision[], boolean[], boolean[], bigint[],
+                                          double precision[], bigint[], double precision[], bigint[], integer[], integer[], text[],
+                                          text[], integer[], integer);
+DROP FUNCTION IF EXISTS txlimit_answers(bigint, double precision[], double precision[], bigint[], double precision[], bigint[],
+                                        double precision[], integer[], integer[], integer[], boolean[], double precision[], bigint[],
+                                        double precision[], bigint[], integer[], boolean[], boolean[]);
+DROP TYPE IF EXISTS txlimit_answer_v1;
+DROP FUNCTION IF EXISTS txlimit_alone(bigint, boolean[], integer[], double precision[], double precision[], bigint[],
+                                      double precision[], bigint[], double precision[], text[], text[], integer[]);
+DROP FUNCTION IF EXISTS txlimit_lock_row(text, text, integer, double precision, bigint, boolean, bigint);
+DROP FUNCTION IF EXISTS txlimit_create_key(text, text, integer);
+DROP FUNCTION IF EXISTS txlimit_await_shard(bigint, integer);
+DROP FUNCTION IF EXISTS txlimit_steer(text, text, integer[], bigint, boolean);
+DROP FUNCTION IF EXISTS txlimit_written_v1(double precision, bigint, bigint, integer, integer, double precision, bigint);
+DROP FUNCTION IF EXISTS txlimit_pack_v1(boolean, boolean, boolean, double precision, integer, integer, integer, bigint, bigint,
+                                        bigint);
+DROP FUNCTION IF EXISTS txlimit_stale(bigint, bigint, pg_snapshot);

@@ -149,8 +149,8 @@ $$;
 -- +goose StatementEnd
 
 -- +goose Down
-DROP FUNCTION txlimit_reset_v1(text, text);
-DROP FUNCTION txlimit_credit_v1(bigint, text, text, integer, double precision, double precision, bigint, bigint,
-                                double precision);
-DROP FUNCTION txlimit_hold_shards(text, text, integer);
-DROP FUNCTION txlimit_levels_v1(bigint, text, text, double precision, bigint, bigint, double precision);
+DROP FUNCTION IF EXISTS txlimit_reset_v1(text, text);
+DROP FUNCTION IF EXISTS txlimit_credit_v1(bigint, text, text, integer, double precision, double precision, bigint, bigint,
+                                          double precision);
+DROP FUNCTION IF EXISTS txlimit_hold_shards(text, text, integer);
+DROP FUNCTION IF EXISTS txlimit_levels_v1(bigint, text, text, double precision, bigint, bigint, double precision);

@@ -42,12 +42,15 @@ const LockTable = "txlimit_goose_lock"
 
 // The table locker's timing: a dead migrator's lock expires after lockLease (its heartbeat renews
 // it every lockHeartbeat while it runs); a waiting migrator retries every lockRetry, for at most
-// lockRetries times (5 minutes).
+// lockRetries times (5 minutes). A release that fails is retried every lockRetry for at most
+// unlockRetries times (5 s), whatever the context (goose's locker ignores it there): longer would
+// keep a command past its deadline for a lock whose lease ends it anyway.
 const (
 	lockLease     = 30 * time.Second
 	lockHeartbeat = 5 * time.Second
 	lockRetry     = 250 * time.Millisecond
 	lockRetries   = 1200
+	unlockRetries = 20
 )
 
 // Latest returns the highest migration version embedded in this package: the version a schema
@@ -78,7 +81,7 @@ func Latest() int64 {
 // down, a target version. Its locked operations need two connections of db (goose holds one for
 // the migrations, the locker uses another); Up needs only one.
 func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
-	locker, err := newLocker(ctx, db)
+	locker, _, err := newLocker(ctx, db)
 	if err != nil {
 		return nil, err
 	}
@@ -92,34 +95,40 @@ func newProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, err
 	}, opts...)...)
 }
 
-// newLocker returns goose's table locker on the lock row of db's current schema.
-func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, error) {
+// newLocker returns goose's table locker on the lock row of db's current schema, and the schema.
+func newLocker(ctx context.Context, db *sql.DB) (lock.Locker, string, error) {
 	var schema sql.NullString
 	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&schema); err != nil {
-		return nil, fmt.Errorf("migrations: find the schema: %w", err)
+		return nil, "", fmt.Errorf("migrations: find the schema: %w", err)
 	}
 	if !schema.Valid {
-		return nil, errors.New("migrations: no schema of the connection's search_path exists: create it, or call Up with CreateSchema()")
+		return nil, "", errors.New("migrations: no schema of the connection's search_path exists: create it, or call Up with CreateSchema()")
 	}
-	return lock.NewPostgresTableLocker(
+	l, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(LockTable),
 		lock.WithTableLockID(LockID(schema.String)),
 		lock.WithTableLeaseDuration(lockLease),
 		lock.WithTableHeartbeatInterval(lockHeartbeat),
 		lock.WithTableLockTimeout(lockRetry, lockRetries),
-		lock.WithTableUnlockTimeout(time.Second, 60),
+		lock.WithTableUnlockTimeout(lockRetry, unlockRetries),
 		lock.WithTableRetryPolicy(retryable),
 	)
+	return l, schema.String, err
 }
 
 // retryable says whether a failed attempt to take or release the lock is worth another try: yes
 // when the lock is held by another migrator, the connection failed, or the attempt lost a
 // serialization race (40001, 40P01: a role or database whose default_transaction_isolation is
 // REPEATABLE READ or SERIALIZABLE, while the holder touches the lock row); no when Postgres
-// refused the statement (a permission error, say), which a retry would only repeat for five minutes.
+// refused the statement (a permission error, say), which a retry would only repeat for five
+// minutes, nor when the lock row to release is no longer this migrator's (deleted, or taken by
+// another once the lease expired), which no retry changes.
 func retryable(err error) bool {
 	var pgErr *pgconn.PgError
-	return !errors.As(err, &pgErr) || pgErr.Code == "40001" || pgErr.Code == "40P01"
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "40001" || pgErr.Code == "40P01"
+	}
+	return !strings.Contains(err.Error(), "not held by this instance") // goose's locker has no error value for it
 }
 
 // Option changes what Up does.
@@ -127,6 +136,7 @@ type Option func(*upConfig)
 
 type upConfig struct {
 	createSchema bool
+	applied      *[]*goose.MigrationResult
 }
 
 // CreateSchema makes Up create the schema it migrates, the first schema named in the connection's
@@ -134,6 +144,11 @@ type upConfig struct {
 // exist yet. Without it, Up fails when that schema is missing rather than migrating into a later
 // schema of the search_path. Defaults to off.
 func CreateSchema() Option { return func(c *upConfig) { c.createSchema = true } }
+
+// Applied makes Up store in *dst the migrations it applied, in the order it applied them: none when
+// the schema was up to date, also when another migrator applied them while Up waited for the lock.
+// Defaults to nil: nothing stored.
+func Applied(dst *[]*goose.MigrationResult) Option { return func(c *upConfig) { c.applied = dst } }
 
 // Up applies every pending migration through the pool, in the first schema of the connection's
 // search_path. It is safe to call at every start-up and from several processes at once, also
@@ -153,16 +168,25 @@ func Up(ctx context.Context, pool *pgxpool.Pool, opts ...Option) error {
 	// connection for the migrations while its locker waits for a second, which a pool of one
 	// connection never gives. Held this way, the lock also covers goose's check for pending
 	// migrations, so concurrent first migrators do not race to create the version table.
-	locker, err := newLocker(ctx, db)
+	locker, schema, err := newLocker(ctx, db)
 	if err != nil {
 		return err
 	}
 	if err := locker.Lock(ctx, db); err != nil {
+		var pgErr *pgconn.PgError
+		if ctx.Err() != nil || !errors.As(err, &pgErr) { // not refused: held by another migrator until now
+			return fmt.Errorf("migrations: waited for the migration lock of schema %q, which another migrator holds "+
+				"(a row of %s; one that died releases it after %s): %w", schema, LockTable, lockLease, err)
+		}
 		return fmt.Errorf("migrations: take the migration lock: %w", err)
 	}
 	p, err := newProvider(db)
 	if err == nil {
-		_, err = p.Up(ctx)
+		var res []*goose.MigrationResult
+		res, err = p.Up(ctx)
+		if cfg.applied != nil {
+			*cfg.applied = res
+		}
 	}
 	if uerr := locker.Unlock(ctx, db); uerr != nil && err == nil {
 		err = fmt.Errorf("release the migration lock: %w", uerr)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
@@ -41,17 +42,24 @@ func objects(t *testing.T, pool *pgxpool.Pool) []string {
 	return out
 }
 
+// provider returns migrations.NewProvider on pool, its *sql.DB closed when the test ends.
+func provider(t *testing.T, pool *pgxpool.Pool) *goose.Provider {
+	t.Helper()
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { _ = db.Close() })
+	p, err := migrations.NewProvider(context.Background(), db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 // TestDownAndUpAgain runs the migration's Down section: down to 0 leaves only goose's lock and
 // version tables, and Up afterwards restores a working schema.
 func TestDownAndUpAgain(t *testing.T) {
 	ctx := context.Background()
 	pool := testdb.Pool(t, nil)
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	p, err := migrations.NewProvider(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := provider(t, pool)
 	sources := p.ListSources()
 	last := sources[len(sources)-1].Version
 	if v, err := p.GetDBVersion(ctx); err != nil || v != last {

@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
@@ -78,16 +77,7 @@ func TestUpWaitsForTheLockHolder(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	schema := testdb.NewSchema(t)
-	holder := testdb.PoolOn(t, schema)
-	db := stdlib.OpenDBFromPool(holder)
-	defer db.Close()
-	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Lock(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	_, release := testdb.HoldMigrationLock(t, testdb.PoolOn(t, schema), schema)
 	done := make(chan error, 1)
 	go func() { done <- migrations.Up(ctx, testdb.PoolOn(t, schema)) }()
 	select {
@@ -95,9 +85,7 @@ func TestUpWaitsForTheLockHolder(t *testing.T) {
 		t.Fatalf("Up finished while another migrator held the lock: %v", err)
 	case <-time.After(2 * time.Second):
 	}
-	if err := l.Unlock(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	if err := <-done; err != nil {
 		t.Fatalf("Up after the lock was released: %v", err)
 	}
@@ -241,5 +229,52 @@ func TestUpRefusesASchemaItCannotUse(t *testing.T) {
 	}
 	if n != 0 {
 		t.Fatalf("Up created %d tables in the later schema %q", n, later)
+	}
+}
+
+// TestUpDoesNotRetryReleasingALockItLost: a migrator whose lock row was taken from it while it ran
+// (deleted by an operator, or stolen once its lease expired) reports that at once, rather than
+// retrying the release for a minute, which no context cancels.
+func TestUpDoesNotRetryReleasingALockItLost(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, nil)
+	p := provider(t, pool)
+	if _, err := p.DownTo(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	// Up takes the lock, then waits for the version table, until the lock row is gone.
+	blocker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer blocker.Rollback(ctx)
+	if _, err := blocker.Exec(ctx, "LOCK TABLE "+migrations.VersionTable+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- migrations.Up(ctx, pool) }()
+	for locked := 0; locked == 0; time.Sleep(10 * time.Millisecond) {
+		if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+migrations.LockTable+" WHERE locked").Scan(&locked); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := pool.Exec(ctx, "DELETE FROM "+migrations.LockTable); err != nil {
+		t.Fatal(err)
+	}
+	if err := blocker.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "release the migration lock") || !strings.Contains(err.Error(), "not held by this instance") {
+			t.Fatalf("Up after its lock row was deleted: %v; want an error saying the lock was not held", err)
+		}
+	case <-time.After(20 * time.Second):
+		<-done
+		t.Fatal("Up kept retrying the release of a lock it no longer held")
+	}
+	if v, err := p.GetDBVersion(ctx); err != nil || v != migrations.Latest() {
+		t.Fatalf("after Up: version %d, %v; want %d", v, err, migrations.Latest())
 	}
 }

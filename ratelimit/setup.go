@@ -34,9 +34,12 @@ type SetupError struct {
 	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check".
 	Op string
 	// Problem is the mistake, when its package names one with a sentinel error (package scheduler's
-	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or, from CheckSchema, the functions a
-	// schema migrated by a newer txlimit no longer has. Defaults to nil: txlimit's schema is missing
-	// (Err says what Postgres did not find) or behind (Version and Want).
+	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or the functions this build calls that
+	// a schema at its migration version or later does not have (found by CheckSchema, or by a call
+	// that did not find one: Fix is then not migrations.Up, which would find nothing to do, but "deploy
+	// a newer build of txlimit" when a newer txlimit migrated the schema, or "roll back to migration
+	// version 1 and run migrations.Up again" when it is at this build's version). Defaults to nil:
+	// txlimit's schema is missing (Err says what Postgres did not find) or behind (Version and Want).
 	Problem error
 	// Fix is what to do: for txlimit's schema the call that creates the missing objects, for package
 	// scheduler a sentence. Defaults to "" (read as "migrations.Up").
@@ -47,7 +50,8 @@ type SetupError struct {
 	// read (inside a transaction the failure has aborted) or does not matter. Defaults to "".
 	SearchPath string
 	// Version is the migration version found in the schema and Want the version this build needs
-	// (migrations.Latest()), when the error comes from CheckSchema; both 0 otherwise.
+	// (migrations.Latest()), when the error comes from CheckSchema or names a newer build; both 0
+	// otherwise.
 	Version, Want int64
 	// Err is the database's error (a *pgconn.PgError, reachable with errors.As), or nil when the
 	// schema is merely behind or the mistake is not the database's. Defaults to nil.
@@ -77,7 +81,11 @@ func (e *SetupError) Error() string {
 			s += fmt.Sprintf("; the connection's search_path is %q", e.SearchPath)
 		}
 		s += ")"
-		if e.Err != nil {
+		var pgErr *pgconn.PgError
+		switch {
+		case (e.Fix == newerBuild || e.Fix == reapply) && errors.As(e.Err, &pgErr): // Problem says what is missing, without argument types
+			s += " (SQLSTATE " + pgErr.Code + "; see docs/deploy.md)"
+		case e.Err != nil:
 			s += ": " + e.Err.Error()
 		}
 		return s
@@ -127,8 +135,10 @@ func (e *SetupError) Unwrap() error { return e.Err }
 
 // dbError wraps an error of op's database call. When ctx has ended, the error also wraps
 // ctx.Err(), whichever driver reported it (lib/pq reports a cancelled statement as SQLSTATE 57014
-// alone). A missing txlimit table or function becomes a *SetupError, at the price of one more
-// query on db to read the search_path; anything else is returned as "ratelimit: op: err".
+// alone). A missing txlimit table or function becomes a *SetupError, at the price of one or two
+// more queries on db: for a missing function, the schema's migration version (a newer txlimit's
+// schema needs a newer build, not migrations.Up), then, unless that answered, the search_path;
+// anything else is returned as "ratelimit: op: err".
 func dbError(ctx context.Context, db Executor, op string, err error) error {
 	var arg *ArgumentError
 	if errors.As(err, &arg) { // refused before any SQL ran (LimiterConfig.Now): no database error
@@ -142,14 +152,57 @@ func dbError(ctx context.Context, db Executor, op string, err error) error {
 		!strings.Contains(pgErr.Message, "txlimit_") {
 		return fmt.Errorf("ratelimit: %s: %w", op, err)
 	}
+	if pgErr.Code == "42883" {
+		// A function gone from a schema that a newer txlimit migrated (it drops a function's old
+		// version a release after the new one): migrations.Up would find nothing to do there.
+		row, verr := via(on(db), ctx, struct{}{}, schemaVersion, otherSchemaVersion)
+		if verr == nil && row.Version >= migrations.Latest() {
+			se := missingFunctions(row.Version, row.SearchPath, row.Missing, pgErr)
+			se.Op, se.Err = op, err
+			return se
+		}
+	}
 	searchPath, _ := via(on(db), ctx, struct{}{}, searchPath, otherSearchPath) // fails in an aborted transaction: left empty
 	return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: searchPath, Err: err}
+}
+
+// The Fix of a schema at this build's migration version or later without a function this build
+// calls: newerBuild when a newer txlimit migrated it (and dropped the function a release after
+// its new version), reapply when it is at this build's own version (migrated by a build whose
+// migrations differed, or the function was dropped), which neither a newer build nor
+// migrations.Up (nothing to do) restores.
+const (
+	newerBuild = "deploy a newer build of txlimit"
+	reapply    = "roll back to migration version 1 and run migrations.Up again"
+)
+
+// missingFunctions is the *SetupError of a schema at migration version, this build's or later,
+// without the functions missing that this build calls (or, when the list is empty, the one pgErr
+// names).
+func missingFunctions(version int64, searchPath string, missing []string, pgErr *pgconn.PgError) *SetupError {
+	names := strings.Join(missing, ", ")
+	if names == "" && pgErr != nil {
+		names = strings.TrimSuffix(strings.TrimPrefix(shortMissing(pgErr.Message), "function "), " does not exist")
+	}
+	want := migrations.Latest()
+	se := &SetupError{Package: "ratelimit", Op: "CheckSchema", Fix: newerBuild, SearchPath: searchPath, Version: version, Want: want}
+	if version > want {
+		se.Problem = fmt.Errorf("the schema, at migration version %d, has no function %s, which this build (version %d) calls: "+
+			"a newer txlimit migrated it and dropped what this build needs", version, names, want)
+		return se
+	}
+	se.Fix = reapply
+	se.Problem = fmt.Errorf("the schema, at this build's migration version %d, has no function %s, which this build calls: "+
+		"another build's migrations made it (they change in place until txlimit's first release), or the function was dropped; "+
+		"version 1 keeps txlimit_state", version, names)
+	return se
 }
 
 // CheckSchema verifies, in one query, that the schema db's search_path leads to holds txlimit's
 // tables at the migration version this build needs (migrations.Latest(), or later: code keeps
 // working on a schema migrated by a newer txlimit) and every txlimit function this build calls (a
-// schema migrated two releases ahead may have dropped one: CONTRIBUTING.md). Call it once at
+// schema migrated two releases ahead may have dropped one: CONTRIBUTING.md; see SetupError.Problem
+// for one at this build's version). Call it once at
 // start-up, after migrating: it returns nil, a *SetupError (errors.Is(err, ErrSetup)) naming the fix
 // and the search_path, or the database error.
 func CheckSchema(ctx context.Context, db Executor) error {
@@ -165,10 +218,7 @@ func CheckSchema(ctx context.Context, db Executor) error {
 		return &SetupError{Package: "ratelimit", Op: op, Fix: "migrations.Up", SearchPath: row.SearchPath, Version: row.Version, Want: want}
 	}
 	if len(row.Missing) > 0 {
-		return &SetupError{Package: "ratelimit", Op: op, Fix: "deploy a newer build of txlimit", SearchPath: row.SearchPath,
-			Version: row.Version, Want: migrations.Latest(), Problem: fmt.Errorf(
-				"the schema, at migration version %d, has no function %s, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs",
-				row.Version, strings.Join(row.Missing, ", "), migrations.Latest())}
+		return missingFunctions(row.Version, row.SearchPath, row.Missing, nil)
 	}
 	return nil
 }

@@ -183,7 +183,8 @@ func TestSetupErrors(t *testing.T) {
 	t.Run("schema ahead without a function this build calls", func(t *testing.T) {
 		t.Parallel()
 		pool := testdb.Pool(t, nil)
-		if _, err := pool.Exec(ctx, "DROP FUNCTION txlimit_decide_one_v1"); err != nil {
+		if _, err := pool.Exec(ctx, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true); DROP FUNCTION txlimit_decide_one_v1",
+			migrations.VersionTable, migrations.Latest()+1)); err != nil {
 			t.Fatal(err)
 		}
 		var schema string
@@ -193,10 +194,88 @@ func TestSetupErrors(t *testing.T) {
 		err := ratelimit.CheckSchema(ctx, pool)
 		want := fmt.Sprintf("ratelimit: CheckSchema: deploy a newer build of txlimit (the schema, at migration version %d, has no function "+
 			"txlimit_decide_one_v1, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs; "+
-			"the connection's search_path is %q)", migrations.Latest(), migrations.Latest(), schema)
+			"the connection's search_path is %q)", migrations.Latest()+1, migrations.Latest(), schema)
 		var se *ratelimit.SetupError
 		if !errors.As(err, &se) || !errors.Is(err, ratelimit.ErrSetup) || err.Error() != want {
 			t.Fatalf("CheckSchema:\n got %v\nwant %s", err, want)
+		}
+	})
+
+	// A function this build calls that has an overload (another function of the same name, say one
+	// a later migration adds with other arguments) is still there: CheckSchema finds it by name
+	// among the functions the search_path sees, as a call does by its arguments.
+	t.Run("a function this build calls with an overload", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		if _, err := pool.Exec(ctx, "CREATE FUNCTION txlimit_level(text) RETURNS double precision LANGUAGE sql AS 'SELECT 0::double precision'"); err != nil {
+			t.Fatal(err)
+		}
+		if err := ratelimit.CheckSchema(ctx, pool); err != nil {
+			t.Fatalf("CheckSchema: %v", err)
+		}
+	})
+
+	// A schema at this build's own version without a function this build calls was not migrated by
+	// a newer txlimit: another build's migrations made it (they change in place until the first
+	// release), or the function was dropped. Neither a newer build nor migrations.Up (nothing to
+	// do) restores it; re-applying the migrations after the table does, keeping every limit's state.
+	t.Run("schema at this build's version without a function this build calls", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		if _, err := pool.Exec(ctx, "DROP FUNCTION txlimit_decide_one_v1"); err != nil {
+			t.Fatal(err)
+		}
+		var schema string
+		if err := pool.QueryRow(ctx, "SHOW search_path").Scan(&schema); err != nil {
+			t.Fatal(err)
+		}
+		problem := fmt.Sprintf("the schema, at this build's migration version %d, has no function txlimit_decide_one_v1, which this build calls: "+
+			"another build's migrations made it (they change in place until txlimit's first release), or the function was dropped; "+
+			"version 1 keeps txlimit_state; the connection's search_path is %q)", migrations.Latest(), schema)
+		fix := "roll back to migration version 1 and run migrations.Up again"
+		for _, c := range []struct {
+			op   string
+			err  error
+			want string
+		}{
+			{"CheckSchema", ratelimit.CheckSchema(ctx, pool), "ratelimit: CheckSchema: " + fix + " (" + problem},
+			{"Limit", calls[1].call(pool), "ratelimit: Limit: " + fix + " (" + problem + " (SQLSTATE 42883; see docs/deploy.md)"},
+		} {
+			var se *ratelimit.SetupError
+			if !errors.As(c.err, &se) || !errors.Is(c.err, ratelimit.ErrSetup) || c.err.Error() != c.want || se.Fix != fix {
+				t.Errorf("%s:\n got %v\nwant %s", c.op, c.err, c.want)
+			}
+		}
+	})
+
+	// The same schema at run time: a call that finds its function gone names the same fix as
+	// CheckSchema, a newer build, rather than migrations.Up, which finds nothing to do there.
+	t.Run("a call on a schema a newer txlimit migrated without a function it calls", func(t *testing.T) {
+		t.Parallel()
+		pool := testdb.Pool(t, nil)
+		newer := migrations.Latest() + 1
+		if _, err := pool.Exec(ctx, fmt.Sprintf("INSERT INTO %s (version_id, is_applied) VALUES (%d, true); DROP FUNCTION txlimit_decide_one_v1",
+			migrations.VersionTable, newer)); err != nil {
+			t.Fatal(err)
+		}
+		var schema string
+		if err := pool.QueryRow(ctx, "SHOW search_path").Scan(&schema); err != nil {
+			t.Fatal(err)
+		}
+		if err := migrations.Up(ctx, pool); err != nil {
+			t.Fatalf("Up on a newer schema: %v", err)
+		}
+		err := calls[1].call(pool) // a sharded Limit: txlimit_decide_one_v1
+		want := fmt.Sprintf("ratelimit: Limit: deploy a newer build of txlimit (the schema, at migration version %d, has no function "+
+			"txlimit_decide_one_v1, which this build (version %d) calls: a newer txlimit migrated it and dropped what this build needs; "+
+			"the connection's search_path is %q) (SQLSTATE 42883; see docs/deploy.md)", newer, migrations.Latest(), schema)
+		var se *ratelimit.SetupError
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &se) || !errors.Is(err, ratelimit.ErrSetup) || err.Error() != want || !errors.As(err, &pgErr) {
+			t.Fatalf("Limit:\n got %v\nwant %s", err, want)
+		}
+		if se.Fix != "deploy a newer build of txlimit" || se.Version != newer || se.Want != migrations.Latest() || pgErr.Code != "42883" {
+			t.Errorf("Limit: Fix %q, Version %d, Want %d, SQLSTATE %s; want a newer build, %d, %d, 42883", se.Fix, se.Version, se.Want, pgErr.Code, newer, migrations.Latest())
 		}
 	})
 

@@ -1,8 +1,10 @@
 package pgbouncertest_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,6 +18,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
+	"github.com/txlimit/txlimit/cli"
 	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
@@ -247,6 +250,59 @@ func TestMigrationsUpAndDownTwice(t *testing.T) {
 	}
 	if err := ratelimit.CheckSchema(ctx, pool); err != nil {
 		t.Fatalf("CheckSchema at last: %v", err)
+	}
+}
+
+// TestCommandThroughPgBouncer: the operator's command works on the URL an application behind
+// PgBouncer uses, the role's search_path leading to its schema: every command, each run twice, so
+// that the second run lands on server connections the first one used (pgx's default exec mode
+// prepared named statements there, "prepared statement ... already exists", SQLSTATE 42P05). And
+// --schema, a search_path PgBouncer refuses at connect, says so and what to do instead.
+func TestCommandThroughPgBouncer(t *testing.T) {
+	b := pgbouncertest.New(t)
+	u, err := url.Parse(b.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(b.Role)
+	run := func(args ...string) (int, string, string) {
+		var stdout, stderr bytes.Buffer
+		code := cli.Run(context.Background(), append([]string{"--dsn", u.String()}, args...), &stdout, &stderr,
+			&cli.Options{Getenv: func(string) string { return "" }})
+		return code, stdout.String(), stderr.String()
+	}
+	adhoc := []string{"--rate", "1", "--period", "1h"}
+	for i, st := range []struct {
+		args   []string
+		stdout string
+	}{
+		{[]string{"migrate", "up"}, "up    00001_txlimit_table.sql\nup    00002_txlimit_rules.sql\nup    00003_txlimit_decide.sql\nup    00004_txlimit_operations.sql\n"},
+		{[]string{"migrate", "up"}, "up to date\n"},
+		{[]string{"migrate", "status"}, ""},
+		{[]string{"migrate", "status"}, ""},
+		{append([]string{"reset", "a", "k"}, adhoc...), "reset a \"k\": full again\n"},
+		{append([]string{"reset", "a", "k"}, adhoc...), "reset a \"k\": full again\n"},
+		{append([]string{"inspect", "a", "k"}, adhoc...), ""},
+		{append([]string{"inspect", "a", "k"}, adhoc...), ""},
+		{[]string{"names"}, "NAME        ROWS  CONFIG\ntotal          0\n"},
+		{[]string{"names"}, "NAME        ROWS  CONFIG\ntotal          0\n"},
+		{append([]string{"prune", "a"}, adhoc...), "a                    0 rows deleted\ntotal                0 rows deleted\n"},
+		{append([]string{"prune", "a"}, adhoc...), "a                    0 rows deleted\ntotal                0 rows deleted\n"},
+		{[]string{"migrate", "down", "--yes"}, "down  00004_txlimit_operations.sql\n"},
+		{[]string{"migrate", "down", "--yes"}, "down  00003_txlimit_decide.sql\n"},
+		{[]string{"migrate", "up"}, "up    00003_txlimit_decide.sql\nup    00004_txlimit_operations.sql\n"},
+	} {
+		code, stdout, stderr := run(st.args...)
+		if code != cli.ExitOK || (st.stdout != "" && stdout != st.stdout) {
+			t.Errorf("step %d: %v: got exit %d, stdout %q, stderr %q; want exit 0, stdout %q", i, st.args, code, stdout, stderr, st.stdout)
+		}
+	}
+	code, stdout, stderr := run("--schema", b.Schema, "names")
+	want := "txlimit: --schema sets search_path when connecting, which this server refuses (PgBouncer does): leave out --schema and " +
+		"set the role's search_path instead (ALTER ROLE ... SET search_path = " + b.Schema + "; docs/deploy.md), or connect to Postgres " +
+		"directly (FATAL: unsupported startup parameter: search_path (SQLSTATE 08P01))\n"
+	if code != cli.ExitDatabase || stdout != "" || stderr != want {
+		t.Errorf("--schema through PgBouncer: got exit %d, stdout %q, stderr\n%s\nwant exit 1 and\n%s", code, stdout, stderr, want)
 	}
 }
 

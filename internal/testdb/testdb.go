@@ -10,14 +10,18 @@ package testdb
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3/lock"
 
 	"github.com/txlimit/txlimit/internal/devdb"
+	"github.com/txlimit/txlimit/migrations"
 )
 
 // schemaPrefix starts the name of every schema a test creates; ForExample's start with
@@ -115,6 +119,29 @@ func NewSchema(tb testing.TB) string {
 	}
 	cleanup(tb, drop)
 	return schema
+}
+
+// HoldMigrationLock takes the migration lock of schema (which need not be migrated) the way
+// another migrator would, with goose's table locker on the same row, through db (a pool whose
+// search_path is schema). It returns the *sql.DB it holds the lock through and a function that
+// releases the lock, which the test must call (before the test ends, or migrators wait for the
+// lease).
+func HoldMigrationLock(tb testing.TB, db *pgxpool.Pool, schema string) (*sql.DB, func()) {
+	tb.Helper()
+	sdb := stdlib.OpenDBFromPool(db)
+	tb.Cleanup(func() { _ = sdb.Close() })
+	l, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID(schema)))
+	if err != nil {
+		tb.Fatalf("testdb: %v", err)
+	}
+	if err := l.Lock(context.Background(), sdb); err != nil {
+		tb.Fatalf("testdb: take the migration lock: %v", err)
+	}
+	return sdb, func() {
+		if err := l.Unlock(context.Background(), sdb); err != nil {
+			tb.Errorf("testdb: release the migration lock: %v", err)
+		}
+	}
 }
 
 // cleanup calls f when the test ends and reports its error.

@@ -9,9 +9,19 @@ ORDER BY s.name;
 
 -- name: CurrentSchema :one
 -- CurrentSchema is the schema the connection's search_path leads to (empty when none of its
--- schemas exists) and the search_path itself, so that the operator command can say where it looked.
+-- schemas exists and may be used) and the search_path itself, so that the operator command can say
+-- where it looked; and the role, with the schemas its search_path names that exist but that it may
+-- not use (no USAGE: Postgres skips them), in search_path order, so that it can say why.
 SELECT coalesce(current_schema(), '')::text AS schema,
-       current_setting('search_path')::text AS search_path;
+       current_setting('search_path')::text AS search_path,
+       current_user::text AS role,
+       (SELECT coalesce(array_agg(n.nspname ORDER BY p.i), '{}')
+        FROM unnest(string_to_array(current_setting('search_path'), ',')) WITH ORDINALITY AS p(e, i)
+        JOIN pg_catalog.pg_namespace n ON n.nspname = CASE
+             WHEN btrim(p.e) IN ('$user', '"$user"') THEN current_user::text
+             WHEN btrim(p.e) LIKE '"%"' THEN replace(substr(btrim(p.e), 2, length(btrim(p.e)) - 2), '""', '"')
+             ELSE lower(btrim(p.e)) END
+        WHERE NOT has_schema_privilege(n.oid, 'USAGE'))::text[] AS unusable;
 
 -- name: VersionTableExists :one
 -- VersionTableExists reports whether schema holds txlimit's goose version table
