@@ -100,15 +100,16 @@
 // more such locks per sharded key it decided on, so one that decides on thousands of different
 // sharded keys needs room in Postgres's lock table (max_locks_per_transaction).
 //
-// A Limiter also admits the lone requests it decides on a *pgxpool.Pool (a Limit or LimitN, or a
-// LimitMany of one request) for one sharded key N at a time, one per shard: a caller beyond them waits in the process for a free
-// slot, where waiting costs nothing, instead of on a backend of its own for a steering lock. That
-// wait, too, is a hint: it lasts at most 100 ms, then the call goes on without a slot (so a slot
-// held by a call that waits for a row the waiting caller's own transaction holds delays it, never
-// deadlocks it), and it ends with the caller's context. A refused call opens its key: the calls
-// that come after it take no slot while its RetryAt is ahead (100 ms at the most), so that a flood
-// of refused calls is still answered in parallel. Calls in a transaction, on a *pgx.Conn or
-// through a database/sql handle take no slot; each process admits its own callers.
+// A Limiter also admits the lone requests it decides on a pool (a *pgxpool.Pool, or a *sql.DB
+// through sqldb.Wrap; a Limit or LimitN, or a LimitMany of one request) for one sharded key N at a
+// time, one per shard: a caller beyond them waits in the process for a free slot, where waiting
+// costs nothing, instead of on a backend of its own for a steering lock. That wait, too, is a hint:
+// it lasts at most 100 ms, then the call goes on without a slot (so a slot held by a call that
+// waits for a row the waiting caller's own transaction holds delays it, never deadlocks it), and it
+// ends with the caller's context. A refused call opens its key: the calls that come after it take
+// no slot while its RetryAt is ahead (100 ms at the most), so that a flood of refused calls is
+// still answered in parallel. Calls in a transaction or on a single connection take no slot; each
+// process admits its own callers.
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with

@@ -99,7 +99,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
-		if _, pool := db.(*pgxpool.Pool); pool && s.shards >= 2 && !c.dry {
+		if s.shards >= 2 && !c.dry && pooled(db) {
 			t, err := l.admission.enter(ctx, s.name, s.key, s.shards)
 			if err != nil {
 				return nil, err
@@ -129,6 +129,19 @@ type answer struct {
 	levelSum                float64
 	shardA, shardB, charged int32
 	retryAtUs, nowUs, tsUs  int64
+}
+
+// pooled reports whether db is a pool whose every statement is a transaction of its own: a
+// *pgxpool.Pool, or another driver's pool (driver.Pooled: database/sql's *sql.DB, through
+// package sqldb).
+func pooled(db Executor) bool {
+	switch d := db.(type) {
+	case *pgxpool.Pool:
+		return true
+	case driver.Pooled:
+		return d.Pooled()
+	}
+	return false
 }
 
 // refusedFor is how long the answer says its key refuses such a request: RetryAt less the

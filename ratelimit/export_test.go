@@ -13,6 +13,9 @@ func SetShardPicker(l *Limiter, pick func(n int) (a, b int)) { l.pick = pick }
 // a sharded key (admission.go) before going on without one.
 func SetAdmissionWait(l *Limiter, d time.Duration) { l.admission.wait = d }
 
+// Pooled reports whether l's calls on db take admission slots (a pool's).
+func Pooled(db Executor) bool { return pooled(db) }
+
 // Admitted returns how many of l's calls on (name, key) hold or wait for an admission slot.
 func Admitted(l *Limiter, name, key string) int {
 	l.admission.mu.Lock()

@@ -972,6 +972,28 @@ func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }
 
+// pooledHandle stands for another driver's handle (sqldb.Wrap's) that says whether it is a pool.
+type pooledHandle bool
+
+func (p pooledHandle) Pooled() bool { return bool(p) }
+
+// Only calls on a pool, each a transaction of its own, take admission slots: a *pgxpool.Pool, and
+// another driver's handle that says it is a pool (sqldb.Wrap of a *sql.DB: sqldb's TestPooled);
+// never a transaction, which may hold rows a slot's holder waits for, nor a single connection.
+func TestShardAdmissionOnPoolsOnly(t *testing.T) {
+	t.Parallel()
+	b := newBundle(t, nil, nil)
+	tx, err := b.pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	for _, c := range []struct {
+		db   ratelimit.Executor
+		want bool
+	}{{b.pool, true}, {tx, false}, {tx.Conn(), false}, {pooledHandle(true), true}, {pooledHandle(false), false}} {
+		require.Equal(t, c.want, ratelimit.Pooled(c.db), "%T %v", c.db, c.db)
+	}
+}
+
 // A refusal takes no slot's worth of time in Postgres, and a flood of refusals on one key is
 // answered in parallel (docs/spec.md §7): a refused call opens its key, so that the calls after it
 // go on without a slot while its RetryAt is ahead (at most the wait's bound). A 2-shard key of

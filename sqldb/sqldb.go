@@ -72,7 +72,17 @@ type executor struct {
 	db Querier
 }
 
-var _ driver.Executor = (*executor)(nil)
+var (
+	_ driver.Executor = (*executor)(nil)
+	_ driver.Pooled   = (*executor)(nil)
+)
+
+// Pooled reports whether db is a pool: a *sql.DB, or a handle that embeds one (a *sqlx.DB), whose
+// statements each run in a transaction of their own.
+func (e *executor) Pooled() bool {
+	_, ok := e.db.(interface{ Stats() sql.DBStats })
+	return ok
+}
 
 // queries is stateless: sqlc's methods take the handle as an argument.
 var queries = dbsqlcstd.New()

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/driver"
 	"github.com/txlimit/txlimit/internal/driver/drivertest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
@@ -70,6 +71,29 @@ func TestConn(t *testing.T) {
 
 // embedsDB has the shape of *sqlx.DB: a struct embedding *sql.DB.
 type embedsDB struct{ *sql.DB }
+
+// TestPooled: a *sql.DB, and a handle embedding one, is a pool whose statements are transactions
+// of their own, so that ratelimit admits its lone calls on a sharded key as on a *pgxpool.Pool
+// (docs/spec.md §8, Admission); a *sql.Tx and a *sql.Conn are not.
+func TestPooled(t *testing.T) {
+	t.Parallel()
+	db, _ := testdb.SQLDB(t, "pgx", false)
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback() }()
+	conn, err := db.Conn(ctx)
+	require.NoError(t, err)
+	defer conn.Close()
+	for _, c := range []struct {
+		h    sqldb.Querier
+		want bool
+	}{{db, true}, {embedsDB{db}, true}, {tx, false}, {conn, false}} {
+		p, ok := sqldb.Wrap(c.h).(driver.Pooled)
+		require.True(t, ok, "%T", c.h)
+		require.Equal(t, c.want, p.Pooled(), "%T", c.h)
+	}
+}
 
 // TestWrapNil: a nil handle gives a nil Executor, which every call refuses as bad input; a bare
 // *sql.Tx is refused with the fix.

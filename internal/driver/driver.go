@@ -33,3 +33,12 @@ type Executor interface {
 	SearchPath(ctx context.Context) (string, error)
 	SchemaVersion(ctx context.Context) (dbsqlc.SchemaVersionRow, error)
 }
+
+// Pooled is implemented by an Executor whose handle may be a pool shared by goroutines, each
+// statement a transaction of its own on a connection of its own (database/sql's *sql.DB). Package
+// ratelimit admits the lone calls of a sharded key on such a handle as it does those on a
+// *pgxpool.Pool (ratelimit/admission.go).
+type Pooled interface {
+	// Pooled reports whether the handle is such a pool.
+	Pooled() bool
+}
