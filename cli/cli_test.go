@@ -294,6 +294,9 @@ func TestLoadLimits(t *testing.T) {
 		`{"a": {"rate": 1, "period": "soon"}}`,
 		`{"a": {"rate": 1, "period": "1s", "kind": "leaky"}}`,
 		`[1, 2]`,
+		`null`, // no object at all: it read as no limits
+		`{"a": {"rate": 1, "period": "1s"}, "a": {"rate": 2, "period": "1s"}}`, // the second "a" won, silently
+		`{"a": null}`,
 	} {
 		_, err := cli.LoadLimits(strings.NewReader(bad))
 		require.Error(t, err, bad)

@@ -29,6 +29,45 @@ type LimitJSON struct {
 	Start string `json:"start,omitempty"`
 }
 
+// readLimits reads the JSON object of LoadLimits entry by entry, so that a name given twice is an
+// error (encoding/json keeps the last), as are anything but one object (null among it) and an entry
+// that is not an object.
+func readLimits(r io.Reader) (map[string]LimitJSON, error) {
+	dec := json.NewDecoder(r)
+	dec.DisallowUnknownFields()
+	if tok, err := dec.Token(); err != nil {
+		return nil, fmt.Errorf("limits: %w", err)
+	} else if tok != json.Delim('{') {
+		return nil, fmt.Errorf("limits: want a JSON object of named limits, got %v", tok)
+	}
+	raw := map[string]LimitJSON{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return nil, fmt.Errorf("limits: %w", err)
+		}
+		name := tok.(string) // an object's keys are strings: the decoder checks it
+		if _, dup := raw[name]; dup {
+			return nil, fmt.Errorf("limits: %q is defined twice", name)
+		}
+		var l *LimitJSON
+		if err := dec.Decode(&l); err != nil {
+			return nil, fmt.Errorf("limits: %q: %w", name, err)
+		}
+		if l == nil {
+			return nil, fmt.Errorf("limits: %q: want an object, got null", name)
+		}
+		raw[name] = *l
+	}
+	if _, err := dec.Token(); err != nil { // the object's closing brace
+		return nil, fmt.Errorf("limits: %w", err)
+	}
+	if _, err := dec.Token(); err != io.EOF { // one object, then nothing but white space
+		return nil, errors.New("limits: malformed JSON: more after the object")
+	}
+	return raw, nil
+}
+
 // LoadLimits reads a JSON object of named limits, the format of --config, so that an application
 // and the command read the same definitions:
 //
@@ -38,18 +77,13 @@ type LimitJSON struct {
 //	  "daily":       {"kind": "fixed-window", "rate": 1000, "period": "24h", "start": "2026-01-01T00:00:00Z"}
 //	}
 //
-// Unknown fields are an error. Each config is validated as ratelimit.New validates it: an invalid
+// Unknown fields, a name given twice and anything but one object are errors. Each config is validated as ratelimit.New validates it: an invalid
 // one is a *ratelimit.ConfigError (errors.Is(err, ratelimit.ErrInvalid)); malformed JSON or a
 // malformed duration or time is a plain error.
 func LoadLimits(r io.Reader) (map[string]ratelimit.Config, error) {
-	dec := json.NewDecoder(r)
-	dec.DisallowUnknownFields()
-	var raw map[string]LimitJSON
-	if err := dec.Decode(&raw); err != nil {
-		return nil, fmt.Errorf("limits: %w", err)
-	}
-	if _, err := dec.Token(); err != io.EOF { // one object, then nothing but white space
-		return nil, errors.New("limits: malformed JSON: more after the object")
+	raw, err := readLimits(r)
+	if err != nil {
+		return nil, err
 	}
 	out := make(map[string]ratelimit.Config, len(raw))
 	for name, l := range raw {
