@@ -50,7 +50,8 @@
 // leave out --schema (PgBouncer refuses search_path at connect) and let the role's search_path
 // lead to the schema (docs/deploy.md).
 //
-// Flags may come before or after the command and its arguments:
+// Flags may come before or after the command and its arguments, up to a "--", after which every
+// argument is one of the command's (a key that starts with "-": inspect -- NAME -KEY):
 //
 //	--dsn URL          the database (postgres:// URL or key=value string); defaults to $DATABASE_URL
 //	--schema NAME      the schema txlimit's table is in (sets search_path); defaults to the DSN's
@@ -91,6 +92,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -269,10 +271,14 @@ func (c *command) flags() *flag.FlagSet {
 	return fs
 }
 
-// parse parses flags anywhere among the arguments and returns the positional ones.
+// parse parses flags anywhere among the arguments before a "--" and returns the positional ones:
+// those among them, then every argument after the "--".
 func (c *command) parse(args []string) ([]string, error) {
 	fs := c.flags()
-	var pos []string
+	var pos, after []string
+	if i := slices.Index(args, "--"); i >= 0 {
+		args, after = args[:i], args[i+1:]
+	}
 	for {
 		if err := fs.Parse(args); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
@@ -299,7 +305,7 @@ func (c *command) parse(args []string) ([]string, error) {
 	}
 	c.set = map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { c.set[f.Name] = true })
-	return pos, nil
+	return append(pos, after...), nil
 }
 
 func (c *command) run(ctx context.Context, args []string) error {

@@ -543,3 +543,14 @@ func TestCommandTimeoutNotPositive(t *testing.T) {
 		}
 	}
 }
+
+// Everything after "--" is positional: a key that starts with "-" follows one "--". Each such
+// argument needed its own "--" (the flags were parsed again after every positional argument).
+func TestCommandArgumentsAfterDoubleDash(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.DSN(t)
+	_, s := migrated(t, dsn)
+	r := run(t, dsn, nil, append(s, "--json", "--rate", "1", "--period", "1s", "inspect", "--", "x", "-k")...)
+	require.Equal(t, cli.ExitOK, r.code, r.stderr)
+	require.Contains(t, r.stdout, `"key": "-k"`)
+}
