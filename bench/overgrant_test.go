@@ -4,13 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"sync"
 	"testing"
 	"time"
 )
 
 // TestOverGrant runs the over-grant test (docs/spec.md §7) briefly against every txlimit contender: burst 10,
 // rate 10/s, 64 goroutines on one key. It fails if any grants more than a bucket that starts full
-// could: 10 + 10·span, span being the first to the last decision on Postgres's clock.
+// could: 10 + 10·span, span being the first to the last grant on Postgres's clock.
 func TestOverGrant(t *testing.T) {
 	const window = 2 * time.Second
 	ctx := context.Background()
@@ -47,5 +48,60 @@ func TestOverGrant(t *testing.T) {
 	}
 	if ran == 0 {
 		t.Fatal("no txlimit contender is registered")
+	}
+}
+
+// scripted is a fake contender: its calls return script's decisions in turn, then after's.
+type scripted struct {
+	mu     sync.Mutex
+	script []Decision
+	after  Decision
+}
+
+func (c *scripted) Decide(context.Context, string, string) (Decision, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.script) == 0 {
+		return c.after, nil
+	}
+	d := c.script[0]
+	c.script = c.script[1:]
+	return d, nil
+}
+
+func (c *scripted) Close() {}
+
+// TestOverGrantBound: the bound of RunOverGrant (burst 10 + rate 10/s over span) runs from the
+// first to the last grant. A bucket that starts full can grant 10 at its first grant and one more
+// per 100 ms after it; denials that come later add nothing to what it may have granted, so they
+// must not stretch span (with them, a limiter that granted one too many passed as long as it went
+// on denying for another 100 ms).
+func TestOverGrantBound(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	grants := func(n int, at time.Time) []Decision {
+		out := make([]Decision, n)
+		for i := range out {
+			out[i] = Decision{Allowed: true, At: at}
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name     string
+		script   []Decision
+		deniedAt time.Time
+		span     time.Duration
+		max      int64
+	}{
+		// 11 grants at one instant, then denials 100 ms later: one grant too many.
+		{"over by one", grants(11, t0), t0.Add(100 * time.Millisecond), 0, 10},
+		// 10 grants, an 11th 100 ms later (a token refilled), then denials: within the bound.
+		{"refilled", append(grants(10, t0), grants(1, t0.Add(100*time.Millisecond))...), t0.Add(150 * time.Millisecond), 100 * time.Millisecond, 11},
+	} {
+		c := &scripted{script: tc.script, after: Decision{At: tc.deniedAt}}
+		o := RunOverGrant(context.Background(), c, &Def{ID: "scripted"}, limitOverGrant, "k", 2, 100*time.Millisecond)
+		if o.Allowed != 11 || o.Span != tc.span || o.Max != tc.max || o.Decisions <= 11 {
+			t.Errorf("%s: decisions %d allowed %d span %s max %d; want more than 11 decisions, 11 allowed, span %s, max %d",
+				tc.name, o.Decisions, o.Allowed, o.Span, o.Max, tc.span, tc.max)
+		}
 	}
 }

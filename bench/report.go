@@ -170,8 +170,8 @@ func (rep *Report) Markdown() string {
 	w("\n## Over-grant (burst 10, rate 10/s, 64 callers, 3 s)\n\n")
 	w("Burst 10, rate 10/s, cost 1, %d goroutines on one fresh key for %s; the 16-shard contenders split the same total limit over 16 rows. ",
 		overGrantCallers, rep.Mode.OverGrant)
-	w("A bucket that starts full grants at most 10 + 10·t in the t seconds after its first decision, so **max** is 10 + 10·span, rounded down, where span runs from the first to the last decision on the decider's own clock (Postgres's, Redis's, or this process's). ")
-	w("It is 40 when no decision was still in flight after the %s (a SERIALIZABLE retry backoff can stretch span a little).\n\n", rep.Mode.OverGrant)
+	w("A bucket that starts full grants at most 10 + 10·t in the t seconds from its first grant to its last, so **max** is 10 + 10·span, rounded down, where span runs from the first to the last grant on the decider's own clock (Postgres's, Redis's, or this process's); denials after the last grant do not stretch it. ")
+	w("It is at most 40 unless a grant came after the %s: a decision still in flight then counts (a SERIALIZABLE retry backoff can stretch span a little).\n\n", rep.Mode.OverGrant)
 	w("| contender | decisions | allowed | max | over-grant | span | retries/decision | errors |\n|---|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, o := range rep.OverGrant {
 		verdict := fmt.Sprintf("%+.2f%%", o.OverGrantPct())

@@ -224,7 +224,7 @@ type OverGrant struct {
 	Retries, Abandoned         int64
 	FirstErr                   error
 	Window                     time.Duration // how long callers issued decisions
-	Span                       time.Duration // first to last decision time, on the decider's clock
+	Span                       time.Duration // first to last grant's decision time, on the decider's clock
 	Max                        int64         // Burst + Rate·Span, rounded down
 	Nominal                    int64         // Burst + Rate·Window: 40 for the test's 3 s
 	firstAt, lastAt            time.Time
@@ -239,10 +239,13 @@ func (o *OverGrant) OverGrantPct() float64 {
 }
 
 // RunOverGrant hammers one fresh key of limit with callers goroutines for window and counts grants.
-// A bucket that starts full can grant at most Burst + Rate·t within any t after its first
-// decision, so the bound is taken over Span: the first to the last decision time on the decider's
-// own clock. Callers stop issuing at window; a decision still in flight then (e.g. in a
-// serialization-retry backoff) can make Span a little longer than window, and Max then says so.
+// A bucket that starts full can grant at most Burst + Rate·t in the t from its first grant to its
+// last, so the bound is taken over Span: the first to the last grant's decision time on the
+// decider's own clock. Denials do not stretch it: one after the last grant adds nothing to what
+// the bucket may have granted (with them, a limiter that granted one too many passed as long as it
+// went on denying for 1/Rate). Callers stop issuing at window; a decision still in flight then
+// (e.g. in a serialization-retry backoff) counts, and a grant among them can make Span a little
+// longer than window, and Max then says so.
 func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key string, callers int, window time.Duration) *OverGrant {
 	ctx, cancel := context.WithTimeout(ctx, window+time.Minute)
 	defer cancel()
@@ -260,7 +263,7 @@ func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key s
 			t := &tallies[i]
 			for n := 0; n < 50_000_000 && ctx.Err() == nil && time.Now().Before(deadline); n++ {
 				d, err := c.Decide(ctx, limit.Name, key)
-				if !t.record(d, err) {
+				if !t.record(d, err) || !d.Allowed {
 					continue
 				}
 				if t.first.IsZero() || d.At.Before(t.first) {
