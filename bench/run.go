@@ -92,13 +92,20 @@ type RunOpts struct {
 // every shard's row (a missing shard counts full, so the calls charge it first). Without it the
 // timed loop of a short cell on sharded keys measured mostly the creation of rows: in quick mode,
 // 16 shards per user at 64 callers decided 2,232/s with 0.5 s cells and 8,679/s with 5 s cells
-// (docs/design-history.md, 2026-11-27). Every contender of a cell makes as many, so that all start
-// the timed loop with their buckets alike (a deny-heavy key of burst 10 is empty after 32).
+// (docs/design-history.md, 2026-11-27). On the deny-heavy limit the key's calls decide at least
+// its burst (10) times, which empties a bucket that starts full, so that the timed loop is
+// deny-heavy whichever contenders run (with one decision, a run of unsharded contenders alone
+// started each key with 9 tokens, and at 64 callers per user a quick cell granted most of its
+// decisions). Every contender of a cell makes as many, so that all start the timed loop with their
+// buckets alike.
 func warmUps(shards int, cell Cell) int {
-	if shards < 2 {
-		return 1
+	perKey := 1
+	if shards >= 2 {
+		perKey = 2 * shards
 	}
-	perKey := 2 * shards
+	if cell.Mix() == "deny-heavy" {
+		perKey = max(perKey, int(math.Ceil(cell.Limit.Burst)))
+	}
 	if cell.Scenario == HotKey {
 		return max(1, (perKey+cell.Callers-1)/cell.Callers)
 	}
