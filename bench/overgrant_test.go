@@ -15,13 +15,7 @@ import (
 func TestOverGrant(t *testing.T) {
 	const window = 2 * time.Second
 	ctx := context.Background()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	env, closeEnv, err := OpenEnv(ctx, EnvOpts{Schema: "txlimit_bench_test_" + hex.EncodeToString(b[:]), NoRedis: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(closeEnv)
+	env := testEnv(t)
 
 	ran := 0
 	for _, def := range Defs() {
@@ -48,6 +42,73 @@ func TestOverGrant(t *testing.T) {
 	}
 	if ran == 0 {
 		t.Fatal("no txlimit contender is registered")
+	}
+}
+
+// testEnv opens an Env on a schema of its own, without Redis, closed when t ends.
+func testEnv(t *testing.T) *Env {
+	t.Helper()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	env, closeEnv, err := OpenEnv(context.Background(), EnvOpts{Schema: "txlimit_bench_test_" + hex.EncodeToString(b[:]), NoRedis: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(closeEnv)
+	return env
+}
+
+// TestContenderStatements: each Postgres contender sends per decision the statements the
+// Contenders table says: txlimit one (its own implicit transaction, also through a Batcher, and
+// sharded), in a SERIALIZABLE transaction three (BEGIN, the decision, COMMIT), the floor one
+// autocommit UPDATE, the naive read-modify-write BEGIN, SELECT, UPSERT and COMMIT for a grant and
+// no UPSERT for a denial. Each key is warmed up first (its row created, its statements prepared;
+// on the deny-heavy limit, its burst spent; the shard sweep's contenders decide only the
+// allow-heavy one).
+func TestContenderStatements(t *testing.T) {
+	ctx := context.Background()
+	env := testEnv(t)
+	want := map[string]int64{
+		"txlimit": 1, "txlimit-batched": 1, "txlimit-ser": 3, "floor": 1, "naive-ser": 3, "naive-rc": 3,
+		"txlimit-16": 1, "txlimit-16-ser": 3, "txlimit-4-ser": 3, "txlimit-64-ser": 3,
+	}
+	for _, def := range Defs() {
+		if !def.Family.OnPostgres() {
+			continue
+		}
+		c, err := def.New(ctx, env)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, lim := range []Limit{limitAllow, limitDeny} {
+			if def.SweepOnly && lim == limitDeny { // 64 shards of burst 10 hold no whole token
+				continue
+			}
+			key, warmUps := "statements/"+def.ID, 1
+			if lim == limitDeny {
+				warmUps = 11
+			}
+			for range warmUps {
+				if _, err := c.Decide(ctx, lim.Name, key); err != nil {
+					t.Fatalf("%s, %s: warm-up: %v", def.ID, lim.Name, err)
+				}
+			}
+			n0 := env.PGTrips.Load()
+			d, err := c.Decide(ctx, lim.Name, key)
+			if err != nil {
+				t.Fatalf("%s, %s: %v", def.ID, lim.Name, err)
+			}
+			got, w := env.PGTrips.Load()-n0, want[def.ID]
+			if def.ID == "naive-ser" || def.ID == "naive-rc" {
+				if d.Allowed {
+					w++ // the UPSERT
+				}
+			}
+			if got != w {
+				t.Errorf("%s, %s (allowed %v): %d statements, want %d", def.ID, lim.Name, d.Allowed, got, w)
+			}
+		}
+		c.Close()
 	}
 }
 
