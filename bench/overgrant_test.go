@@ -4,9 +4,15 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
+	"maps"
+	"math"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // TestOverGrant runs the over-grant test (docs/spec.md §7) briefly against every txlimit contender: burst 10,
@@ -109,6 +115,80 @@ func TestContenderStatements(t *testing.T) {
 			}
 		}
 		c.Close()
+	}
+}
+
+// TestRedisTokenBucket: the Redis contender's script is a token bucket on Redis's clock, as the
+// Contenders table says: a fresh key holds the burst, a key refills at the rate up to the burst
+// from its ts, a ts ahead of the clock refills nothing, and a denial writes nothing. The rate is
+// 0.001/s, so that the milliseconds the test takes refill nothing that shows. Skipped without Redis.
+func TestRedisTokenBucket(t *testing.T) {
+	ctx := context.Background()
+	rdb := redis.NewClient(&redis.Options{Addr: DefaultRedis, DialTimeout: time.Second, MaxRetries: -1})
+	defer rdb.Close()
+	if err := rdb.Ping(ctx).Err(); err != nil {
+		t.Skip("no Redis at", DefaultRedis, err)
+	}
+	sha, err := rdb.ScriptLoad(ctx, redisTokenBucket).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := clock.UnixMicro()
+	prefix := fmt.Sprintf("txlimit-bench-test:%d:", time.Now().UnixNano())
+	defer deleteRedisKeys(ctx, rdb, prefix)
+	for _, tc := range []struct {
+		name   string
+		v      string // the stored level; "" for a fresh key
+		ts     int64  // the stored ts, µs
+		grants int
+		left   float64 // the level after the grants
+	}{
+		{"fresh: the burst", "", 0, 10, 0},
+		{"refilled 3 in 3000 s", "0", now - 3000e6, 3, 0},
+		{"refilled up to the burst", "0.5", now - 1e12, 10, 0},
+		{"a ts ahead: no refill", "2.5", now + 3600e6, 2, 0.5},
+	} {
+		key := prefix + tc.name
+		if tc.v != "" {
+			if err := rdb.HSet(ctx, key, "v", tc.v, "ts", tc.ts).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		decide := func() bool {
+			res, err := rdb.EvalSha(ctx, sha, []string{key}, "0.001", "10", "1", "60000").Int64Slice()
+			if err != nil {
+				t.Fatal(err)
+			}
+			return res[0] == 1
+		}
+		grants := 0
+		for range tc.grants {
+			if decide() {
+				grants++
+			}
+		}
+		before, err := rdb.HGetAll(ctx, key).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 3 {
+			if decide() {
+				grants++
+			}
+		}
+		after, err := rdb.HGetAll(ctx, key).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := strconv.ParseFloat(after["v"], 64)
+		if grants != tc.grants || math.Abs(v-tc.left) > 1e-3 || !maps.Equal(before, after) {
+			t.Errorf("%s: %d grants, left %v (before the denials %v); want %d grants, level %v, the denials writing nothing",
+				tc.name, grants, after, before, tc.grants, tc.left)
+		}
 	}
 }
 
