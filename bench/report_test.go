@@ -226,18 +226,14 @@ func TestWarmUps(t *testing.T) {
 		cell   Cell
 		want   int
 	}{
-		{0, Cell{PerUser, limitDeny, 64}, 10},
-		{1, Cell{PerUser, limitDeny, 1}, 10},
-		{0, Cell{HotKey, limitDeny, 1}, 10},
-		{0, Cell{HotKey, limitDeny, 4}, 3},
-		{0, Cell{HotKey, limitDeny, 64}, 1},
-		{0, Cell{PerUser, limitAllow, 64}, 1},
-		{0, Cell{HotKey, limitAllow, 1}, 1},
-		{16, Cell{PerUser, limitDeny, 64}, 32},
-		{16, Cell{PerUser, limitAllow, 16}, 32},
-		{16, Cell{HotKey, limitAllow, 16}, 2},
-		{16, Cell{HotKey, limitAllow, 64}, 1},
-		{64, Cell{HotKey, limitDeny, 16}, 8},
+		// Unsharded, deny-heavy: the burst per key.
+		{0, Cell{PerUser, limitDeny, 64}, 10}, {1, Cell{PerUser, limitDeny, 1}, 10}, {0, Cell{HotKey, limitDeny, 1}, 10},
+		{0, Cell{HotKey, limitDeny, 4}, 3}, {0, Cell{HotKey, limitDeny, 64}, 1},
+		// Unsharded, allow-heavy: one per caller.
+		{0, Cell{PerUser, limitAllow, 64}, 1}, {0, Cell{HotKey, limitAllow, 1}, 1},
+		// Sharded: 2·Shards per key, also on the deny-heavy limit.
+		{16, Cell{PerUser, limitDeny, 64}, 32}, {16, Cell{PerUser, limitAllow, 16}, 32}, {16, Cell{HotKey, limitAllow, 16}, 2},
+		{16, Cell{HotKey, limitAllow, 64}, 1}, {64, Cell{HotKey, limitDeny, 16}, 8},
 	} {
 		if got := warmUps(tc.shards, tc.cell); got != tc.want {
 			t.Errorf("warmUps(%d, %s %s, %d callers) = %d, want %d", tc.shards, tc.cell.Scenario, tc.cell.Mix(), tc.cell.Callers, got, tc.want)
