@@ -100,7 +100,7 @@ var contenders = []*Def{
 	{
 		ID:     "naive-ser",
 		Name:   "naive SERIALIZABLE read-modify-write",
-		What:   "SELECT the bucket, decide in Go, UPSERT, in one SERIALIZABLE transaction (4 statements), retried on 40001/40P01, up to 20 attempts, with 1-50 ms jittered backoff.",
+		What:   "SELECT the bucket, decide in Go, UPSERT, in one SERIALIZABLE transaction (4 statements; a denial writes nothing, so 3), retried on 40001/40P01, up to 20 attempts, with 1-50 ms jittered backoff.",
 		Family: FamilyPostgres,
 		New: func(ctx context.Context, env *Env) (Contender, error) {
 			if _, err := env.Pool.Exec(ctx, naiveCreateTable); err != nil {

@@ -213,3 +213,30 @@ func TestReadmeQuotesBenchMd(t *testing.T) {
 		t.Fatalf("README.md's performance table has %d rows, want %d (readmeIDs)", rows, len(readmeIDs))
 	}
 }
+
+// TestWarmUps: the warm-up gives each key of a cell 2·Shards decisions when a contender of the run
+// is sharded and, on the deny-heavy limit, at least its burst (10), which empties a bucket that
+// starts full, whichever contenders run: the report calls that mix one where nearly every decision
+// is denied. Without it, a run of unsharded contenders alone (-contenders txlimit, say) started each
+// deny-heavy key with 9 tokens, and at 64 callers per user a quick cell granted most decisions.
+func TestWarmUps(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		shards int
+		cell   Cell
+		want   int
+	}{
+		// Unsharded, deny-heavy: the burst per key.
+		{0, Cell{PerUser, limitDeny, 64}, 10}, {1, Cell{PerUser, limitDeny, 1}, 10}, {0, Cell{HotKey, limitDeny, 1}, 10},
+		{0, Cell{HotKey, limitDeny, 4}, 3}, {0, Cell{HotKey, limitDeny, 64}, 1},
+		// Unsharded, allow-heavy: one per caller.
+		{0, Cell{PerUser, limitAllow, 64}, 1}, {0, Cell{HotKey, limitAllow, 1}, 1},
+		// Sharded: 2·Shards per key, also on the deny-heavy limit.
+		{16, Cell{PerUser, limitDeny, 64}, 32}, {16, Cell{PerUser, limitAllow, 16}, 32}, {16, Cell{HotKey, limitAllow, 16}, 2},
+		{16, Cell{HotKey, limitAllow, 64}, 1}, {64, Cell{HotKey, limitDeny, 16}, 8},
+	} {
+		if got := warmUps(tc.shards, tc.cell); got != tc.want {
+			t.Errorf("warmUps(%d, %s %s, %d callers) = %d, want %d", tc.shards, tc.cell.Scenario, tc.cell.Mix(), tc.cell.Callers, got, tc.want)
+		}
+	}
+}

@@ -92,13 +92,20 @@ type RunOpts struct {
 // every shard's row (a missing shard counts full, so the calls charge it first). Without it the
 // timed loop of a short cell on sharded keys measured mostly the creation of rows: in quick mode,
 // 16 shards per user at 64 callers decided 2,232/s with 0.5 s cells and 8,679/s with 5 s cells
-// (docs/design-history.md, 2026-11-27). Every contender of a cell makes as many, so that all start
-// the timed loop with their buckets alike (a deny-heavy key of burst 10 is empty after 32).
+// (docs/design-history.md, 2026-11-27). On the deny-heavy limit the key's calls decide at least
+// its burst (10) times, which empties a bucket that starts full, so that the timed loop is
+// deny-heavy whichever contenders run (with one decision, a run of unsharded contenders alone
+// started each key with 9 tokens, and at 64 callers per user a quick cell granted most of its
+// decisions). Every contender of a cell makes as many, so that all start the timed loop with their
+// buckets alike.
 func warmUps(shards int, cell Cell) int {
-	if shards < 2 {
-		return 1
+	perKey := 1
+	if shards >= 2 {
+		perKey = 2 * shards
 	}
-	perKey := 2 * shards
+	if cell.Mix() == "deny-heavy" {
+		perKey = max(perKey, int(math.Ceil(cell.Limit.Burst)))
+	}
 	if cell.Scenario == HotKey {
 		return max(1, (perKey+cell.Callers-1)/cell.Callers)
 	}
@@ -224,7 +231,7 @@ type OverGrant struct {
 	Retries, Abandoned         int64
 	FirstErr                   error
 	Window                     time.Duration // how long callers issued decisions
-	Span                       time.Duration // first to last decision time, on the decider's clock
+	Span                       time.Duration // first to last grant's decision time, on the decider's clock
 	Max                        int64         // Burst + Rate·Span, rounded down
 	Nominal                    int64         // Burst + Rate·Window: 40 for the test's 3 s
 	firstAt, lastAt            time.Time
@@ -239,10 +246,13 @@ func (o *OverGrant) OverGrantPct() float64 {
 }
 
 // RunOverGrant hammers one fresh key of limit with callers goroutines for window and counts grants.
-// A bucket that starts full can grant at most Burst + Rate·t within any t after its first
-// decision, so the bound is taken over Span: the first to the last decision time on the decider's
-// own clock. Callers stop issuing at window; a decision still in flight then (e.g. in a
-// serialization-retry backoff) can make Span a little longer than window, and Max then says so.
+// A bucket that starts full can grant at most Burst + Rate·t in the t from its first grant to its
+// last, so the bound is taken over Span: the first to the last grant's decision time on the
+// decider's own clock. Denials do not stretch it: one after the last grant adds nothing to what
+// the bucket may have granted (with them, a limiter that granted one too many passed as long as it
+// went on denying for 1/Rate). Callers stop issuing at window; a decision still in flight then
+// (e.g. in a serialization-retry backoff) counts, and a grant among them can make Span a little
+// longer than window, and Max then says so.
 func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key string, callers int, window time.Duration) *OverGrant {
 	ctx, cancel := context.WithTimeout(ctx, window+time.Minute)
 	defer cancel()
@@ -260,7 +270,7 @@ func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key s
 			t := &tallies[i]
 			for n := 0; n < 50_000_000 && ctx.Err() == nil && time.Now().Before(deadline); n++ {
 				d, err := c.Decide(ctx, limit.Name, key)
-				if !t.record(d, err) {
+				if !t.record(d, err) || !d.Allowed {
 					continue
 				}
 				if t.first.IsZero() || d.At.Before(t.first) {
