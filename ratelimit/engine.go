@@ -100,11 +100,11 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
 		if _, pool := db.(*pgxpool.Pool); pool && s.shards >= 2 && !c.dry {
-			t, err := l.admission.enter(ctx, s.name, s.key, s.shards)
+			t, err := l.admission.enter(ctx, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
 			if err != nil {
 				return nil, err
 			}
-			defer func() { t.leave(d.refusedFor()) }()
+			defer func() { t.leave(d) }()
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,

@@ -1011,6 +1011,104 @@ func TestShardRefusalsPassAdmission(t *testing.T) {
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }
 
+// A refusal opens its key only for the calls it speaks for: those of at least its count, and
+// reservations only when it was a reservation refused. A call of fewer tokens, or a reservation
+// after a plain call's refusal, may be granted where the refused call was not, so it takes a slot
+// as ever. A 2-shard key of 2/min, capacity 4 (each shard 2, refilling 1/min, owing at most 1),
+// left at 0.5 and 0.5, both rows held: a reservation waits in Postgres, a LimitN of 2 is refused
+// (RetryAt 30 s ahead) and opens the key, a second LimitN of 2 passes and is refused at once, a
+// second reservation takes the other slot; then a reservation of 2 and a Limit of 1, which would
+// both be granted, wait for a slot in the process (until cancelled) instead of in Postgres.
+func TestShardRefusalOpensOnlyForCallsLikeIt(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 4, MaxReserved: 2, Shards: 2})
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created full, left at 0.5 each
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	holder := e.holdBoth()
+
+	first := e.limitN(e.ctx, 1, true)
+	eventually(t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
+	for range 2 { // the first takes the free slot and opens the key, the second passes it
+		soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+		r, err = e.lim.LimitN(soon, e.pool, "s", "k", 2, nil)
+		cancel()
+		require.NoError(t, err)
+		require.False(t, r.OK)
+		require.Equal(t, 30*time.Second, r.RetryAfter(), "each shard needs half a token more, at 1/min")
+	}
+	second := e.limitN(e.ctx, 1, true)
+	eventually(t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
+	require.Equal(t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+
+	gone, cancel := context.WithCancel(e.ctx)
+	more, fewer := e.limitN(gone, 2, true), e.limitN(gone, 1, false)
+	eventually(t, "two more calls wait for a slot", func() bool { return ratelimit.Admitted(e.lim, "s", "k") == 4 })
+	time.Sleep(300 * time.Millisecond) // time to reach Postgres, were they let through
+	require.Equal(t, 2, e.waiting(), "calls the refusal does not speak for wait in the process")
+	cancel()
+	for _, c := range []<-chan bOutcome{more, fewer} {
+		require.ErrorIs(t, (<-c).err, context.Canceled)
+	}
+
+	require.NoError(t, holder.Rollback(e.ctx))
+	a, b := <-first, <-second
+	require.NoError(t, a.err)
+	require.NoError(t, b.err)
+	require.True(t, a.res.OK && b.res.OK)
+	require.Equal(t, [][]int{{0, 1}, {0, 1}}, [][]int{a.res.Shards, b.res.Shards}, "neither shard alone holds 1")
+	require.ElementsMatch(t, []float64{0, -1}, []float64{a.res.Value, b.res.Value}, "the first took both shards to 0, the second to -0.5")
+	require.ElementsMatch(t, []bool{false, true}, []bool{a.res.Reserved, b.res.Reserved})
+	s, err := e.lim.State(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, -1.0, s.Value)
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
+// A key's number of slots follows its Shards: calls made with an inline Config of 4 shards while
+// calls of the registered 2 are still in flight get the slots of 4, instead of waiting for the
+// 2-shard calls to drain (which, on a hot key, they never do). Every row held: the two 2-shard calls
+// wait in Postgres, and so do the two 4-shard calls after them, steered to shards 2 and 3.
+func TestShardAdmissionFollowsShards(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, shardCfg(2)) // each shard holds 2, at either shard count
+	four := shardCfg(4)
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // rows 0 and 1 created, left at 0.5
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardT0, [2]int{2, 3})
+	r, err = e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, &ratelimit.LimitOpts{Config: &four}) // rows 2 and 3
+	require.NoError(t, err)
+	require.Equal(t, []int{2, 3}, r.Shards)
+	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
+
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	holder := e.holdBoth()
+	testdb.LockRow(t, holder, "s", "k", 2)
+	testdb.LockRow(t, holder, "s", "k", 3)
+	calls := []<-chan bOutcome{e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)}
+	eventually(t, "the 2-shard calls wait in Postgres", func() bool { return e.waiting() == 2 })
+	e.set(shardAt(1), [2]int{2, 3})
+	for range 2 {
+		calls = append(calls, bAsync(func() (ratelimit.Result, error) {
+			return e.lim.LimitN(e.ctx, e.pool, "s", "k", 1, &ratelimit.LimitOpts{Config: &four})
+		}))
+	}
+	eventually(t, "the 4-shard calls wait in Postgres too", func() bool { return e.waiting() == 4 })
+
+	require.NoError(t, holder.Rollback(e.ctx))
+	var shards []int
+	for _, c := range calls {
+		out := <-c
+		require.NoError(t, out.err)
+		require.True(t, out.res.OK)
+		shards = append(shards, out.res.Shards...)
+	}
+	require.ElementsMatch(t, []int{0, 1, 2, 3}, shards, "one call per shard")
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
 // A call that waited for the pick it charges, and found that pick refusing once it held it (the
 // holder emptied it), holds that row without having written it. It then only tries its other
 // pick when that sorts before the held one, so that two calls never wait on each other's shards
