@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // admission keeps the lone calls that one Limiter runs on a *pgxpool.Pool for one key of a sharded
@@ -34,7 +36,12 @@ type admission struct {
 	wait time.Duration              // the bound of a wait, and of a refusal's opening; 0: admitWait (tests change it)
 }
 
-type admissionKey struct{ name, key string }
+// admissionKey is a key of one pool: the same name and key on another pool (another database or
+// schema, perhaps) is another key, as it is to the steering locks, which are the state table's.
+type admissionKey struct {
+	db        *pgxpool.Pool
+	name, key string
+}
 
 // admitted is one key's slots: a token in slots per call in flight, users the calls in flight or
 // waiting (the entry is dropped when it comes back to zero), and until when a refusal opened it.
@@ -86,14 +93,14 @@ func (a *admission) bound() time.Duration {
 // admitWait bounds a wait for a slot: that of a wait for a steering lock (txlimit_await_shard).
 const admitWait = 100 * time.Millisecond
 
-// enter takes one of the n slots of (name, key) for a call of count tokens (with Reserve when
+// enter takes one of the n slots of (name, key) on db for a call of count tokens (with Reserve when
 // reserve), waiting for one at most admitWait, and returns the call's ticket, to leave once the
 // call has returned. When the wait times out, or a refusal opened the key for calls like this one,
 // it goes on without a slot; when ctx ends first it returns ctx's error. A call whose n differs
 // from the key's number of slots (an inline Config that changes Shards) starts the key afresh with
 // n slots: the calls in flight keep theirs and give them back to the old entry.
-func (a *admission) enter(ctx context.Context, name, key string, n int, count float64, reserve bool) (ticket, error) {
-	t := ticket{a: a, k: admissionKey{name, key}, count: count, reserve: reserve}
+func (a *admission) enter(ctx context.Context, db *pgxpool.Pool, name, key string, n int, count float64, reserve bool) (ticket, error) {
+	t := ticket{a: a, k: admissionKey{db, name, key}, count: count, reserve: reserve}
 	a.mu.Lock()
 	if a.keys == nil {
 		a.keys = map[admissionKey]*admitted{}

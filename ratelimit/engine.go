@@ -99,8 +99,8 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
-		if _, pool := db.(*pgxpool.Pool); pool && s.shards >= 2 && !c.dry {
-			t, err := l.admission.enter(ctx, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
+		if pool, ok := db.(*pgxpool.Pool); ok && s.shards >= 2 && !c.dry {
+			t, err := l.admission.enter(ctx, pool, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
 			if err != nil {
 				return nil, err
 			}

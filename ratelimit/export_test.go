@@ -13,14 +13,18 @@ func SetShardPicker(l *Limiter, pick func(n int) (a, b int)) { l.pick = pick }
 // a sharded key (admission.go) before going on without one.
 func SetAdmissionWait(l *Limiter, d time.Duration) { l.admission.wait = d }
 
-// Admitted returns how many of l's calls on (name, key) hold or wait for an admission slot.
-func Admitted(l *Limiter, name, key string) int {
+// Admitted returns how many of l's calls on (name, key), on any pool, hold or wait for an
+// admission slot or passed a refusal's opening. The calls of an entry replaced after a change of
+// Shards are not counted.
+func Admitted(l *Limiter, name, key string) (n int) {
 	l.admission.mu.Lock()
 	defer l.admission.mu.Unlock()
-	if e := l.admission.keys[admissionKey{name, key}]; e != nil {
-		return e.users
+	for k, e := range l.admission.keys {
+		if k.name == name && k.key == key {
+			n += e.users
+		}
 	}
-	return 0
+	return n
 }
 
 // ListCall is one call of a list decided by DecideList: a group of requests, all or nothing.

@@ -1109,6 +1109,40 @@ func TestShardAdmissionFollowsShards(t *testing.T) {
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }
 
+// A key's slots are those of the pool its calls run on: the same name and key in another
+// database or schema (another pool) is another key, as its steering locks are. Both rows of the
+// key held on one pool, two calls wait there in Postgres; the call on another pool is granted at
+// once instead of waiting in the process for a slot of the first.
+func TestShardAdmissionIsPerPool(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, shardCfg(2))                    // each shard holds 2
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created, each left at 0.5
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
+	other := testdb.Pool(t, &testdb.Options{MaxConns: 2})
+
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	holder := e.holdBoth()
+	calls := []<-chan bOutcome{e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)}
+	eventually(t, "two calls wait in Postgres", func() bool { return e.waiting() == 2 })
+	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+	defer cancel()
+	r, err = e.lim.Limit(soon, other, "s", "k", nil)
+	require.NoError(t, err, "the call on the other pool waited for a slot of the first")
+	require.True(t, r.OK)
+	require.Equal(t, []int{0}, r.Shards, "both full: the first pick")
+	require.Equal(t, 1+2.0, r.Value)
+
+	require.NoError(t, holder.Rollback(e.ctx))
+	for _, c := range calls {
+		out := <-c
+		require.NoError(t, out.err)
+		require.True(t, out.res.OK)
+	}
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
 // A call that waited for the pick it charges, and found that pick refusing once it held it (the
 // holder emptied it), holds that row without having written it. It then only tries its other
 // pick when that sorts before the held one, so that two calls never wait on each other's shards
