@@ -914,6 +914,39 @@ func (e *admissionEnv) limitN(ctx context.Context, count float64, reserve bool) 
 	})
 }
 
+// chargeAndHold creates both rows of the key with a LimitN of count, which takes both shards (its
+// picks, 0 and 1: count is more than either holds), has calls wait for a slot a minute at most,
+// and holds both rows (holdBoth).
+func (e *admissionEnv) chargeAndHold(count float64) pgx.Tx {
+	e.t.Helper()
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", count, nil)
+	require.NoError(e.t, err)
+	require.Equal(e.t, []int{0, 1}, r.Shards)
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	return e.holdBoth()
+}
+
+// reserveAroundRefusals, both rows held, has a reservation of 1 wait in Postgres, then makes
+// times LimitN calls of count, each refused at once with RetryAfter retryAfter, then a second
+// reservation that waits in Postgres too; it returns the two reservations.
+func (e *admissionEnv) reserveAroundRefusals(count float64, times int, retryAfter time.Duration) (first, second <-chan bOutcome) {
+	e.t.Helper()
+	first = e.limitN(e.ctx, 1, true)
+	eventually(e.t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
+	for range times {
+		soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+		r, err := e.lim.LimitN(soon, e.pool, "s", "k", count, nil)
+		cancel()
+		require.NoError(e.t, err)
+		require.False(e.t, r.OK)
+		require.Equal(e.t, retryAfter, r.RetryAfter())
+	}
+	second = e.limitN(e.ctx, 1, true)
+	eventually(e.t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
+	require.Equal(e.t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+	return first, second
+}
+
 // holdBoth locks both shards' rows in a transaction of its own, rolled back at the latest when the
 // test ends.
 func (e *admissionEnv) holdBoth() pgx.Tx {
@@ -934,14 +967,9 @@ func (e *admissionEnv) holdBoth() pgx.Tx {
 // short, a third call goes on to Postgres without a slot.
 func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 	t.Parallel()
-	e := newAdmissionEnv(t, shardCfg(2))                    // each shard holds 2
-	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created, each left at 0.5
-	require.NoError(t, err)
-	require.Equal(t, []int{0, 1}, r.Shards)
-	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
-
-	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := e.holdBoth()
+	e := newAdmissionEnv(t, shardCfg(2)) // each shard holds 2
+	holder := e.chargeAndHold(3)         // both rows created, each left at 0.5
+	e.set(shardAt(1), [2]int{0, 1})      // each at 1.5
 	first, second := e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)
 	eventually(t, "two calls wait in Postgres", func() bool { return e.waiting() == 2 })
 	gone, cancel := context.WithCancel(e.ctx)
@@ -981,25 +1009,14 @@ func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 func TestShardRefusalsPassAdmission(t *testing.T) {
 	t.Parallel()
 	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 2, MaxReserved: 2, Shards: 2})
-	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 2, nil) // both rows created, drained
-	require.NoError(t, err)
-	require.Equal(t, []int{0, 1}, r.Shards)
-	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := e.holdBoth()
+	holder := e.chargeAndHold(2) // both rows created, drained
 
-	first := e.limitN(e.ctx, 1, true)
-	eventually(t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
-	refused, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
-	require.NoError(t, err)
-	require.False(t, refused.OK)
-	require.Equal(t, 30*time.Second, refused.RetryAfter(), "the two shards, each refilled 1 token a minute, hold 1 together")
-	second := e.limitN(e.ctx, 1, true)
-	eventually(t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
-	require.Equal(t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+	// The refused Limit's RetryAt: the two shards, each refilled 1 token a minute, hold 1 together.
+	first, second := e.reserveAroundRefusals(1, 1, 30*time.Second)
 
 	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
 	defer cancel()
-	r, err = e.lim.Limit(soon, e.pool, "s", "k", nil)
+	r, err := e.lim.Limit(soon, e.pool, "s", "k", nil)
 	require.NoError(t, err, "the refused key lets the call through without a slot")
 	require.False(t, r.OK)
 	require.NoError(t, holder.Rollback(e.ctx))
@@ -1022,25 +1039,11 @@ func TestShardRefusalsPassAdmission(t *testing.T) {
 func TestShardRefusalOpensOnlyForCallsLikeIt(t *testing.T) {
 	t.Parallel()
 	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 4, MaxReserved: 2, Shards: 2})
-	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created full, left at 0.5 each
-	require.NoError(t, err)
-	require.Equal(t, []int{0, 1}, r.Shards)
-	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := e.holdBoth()
+	holder := e.chargeAndHold(3) // both rows created full, left at 0.5 each
 
-	first := e.limitN(e.ctx, 1, true)
-	eventually(t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
-	for range 2 { // the first takes the free slot and opens the key, the second passes it
-		soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
-		r, err = e.lim.LimitN(soon, e.pool, "s", "k", 2, nil)
-		cancel()
-		require.NoError(t, err)
-		require.False(t, r.OK)
-		require.Equal(t, 30*time.Second, r.RetryAfter(), "each shard needs half a token more, at 1/min")
-	}
-	second := e.limitN(e.ctx, 1, true)
-	eventually(t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
-	require.Equal(t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+	// Of the two refused LimitN of 2, the first takes the free slot and opens the key, the second
+	// passes it; each shard needs half a token more, at 1/min.
+	first, second := e.reserveAroundRefusals(2, 2, 30*time.Second)
 
 	gone, cancel := context.WithCancel(e.ctx)
 	more, fewer := e.limitN(gone, 2, true), e.limitN(gone, 1, false)
@@ -1115,24 +1118,17 @@ func TestShardAdmissionFollowsShards(t *testing.T) {
 // once instead of waiting in the process for a slot of the first.
 func TestShardAdmissionIsPerPool(t *testing.T) {
 	t.Parallel()
-	e := newAdmissionEnv(t, shardCfg(2))                    // each shard holds 2
-	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created, each left at 0.5
-	require.NoError(t, err)
-	require.Equal(t, []int{0, 1}, r.Shards)
-	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
+	e := newAdmissionEnv(t, shardCfg(2)) // each shard holds 2
+	holder := e.chargeAndHold(3)         // both rows created, each left at 0.5
+	e.set(shardAt(1), [2]int{0, 1})      // each at 1.5
 	other := testdb.Pool(t, &testdb.Options{MaxConns: 2})
-
-	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := e.holdBoth()
 	calls := []<-chan bOutcome{e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)}
 	eventually(t, "two calls wait in Postgres", func() bool { return e.waiting() == 2 })
 	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
-	defer cancel()
-	r, err = e.lim.Limit(soon, other, "s", "k", nil)
+	r, err := e.lim.Limit(soon, other, "s", "k", nil)
+	cancel()
 	require.NoError(t, err, "the call on the other pool waited for a slot of the first")
-	require.True(t, r.OK)
-	require.Equal(t, []int{0}, r.Shards, "both full: the first pick")
-	require.Equal(t, 1+2.0, r.Value)
+	require.Equal(t, [3]any{true, []int{0}, 1 + 2.0}, [3]any{r.OK, r.Shards, r.Value}, "both full: granted on the first pick")
 
 	require.NoError(t, holder.Rollback(e.ctx))
 	for _, c := range calls {
