@@ -24,42 +24,58 @@ import (
 // on one key is answered in parallel there (docs/spec.md §7). To keep it so, a key whose call was
 // just refused lets the calls that come after it through without a slot, for as long as the
 // refusal's RetryAt is ahead and admitWait at the most; the next call after that takes a slot
-// again and, refused too, opens the key again.
+// again and, refused too, opens the key again. The opening is for the calls the refusal speaks
+// for, those refused as surely as it was: of its count or more, and reservations only when it was
+// a reservation (a reservation may owe what a plain call may not take). A call of fewer tokens, or
+// a reservation after a plain call's refusal, may be granted, and takes a slot as ever.
 type admission struct {
 	mu   sync.Mutex
 	keys map[admissionKey]*admitted // the keys with a call in flight or waiting
 	wait time.Duration              // the bound of a wait, and of a refusal's opening; 0: admitWait (tests change it)
 }
 
-type admissionKey struct{ name, key string }
+// admissionKey is a key of one pool: the same name and key on another pool (another database or
+// schema, perhaps) is another key, as it is to the steering locks, which are the state table's.
+type admissionKey struct {
+	db        any // poolOf's value: the *pgxpool.Pool, or the *sql.DB
+	name, key string
+}
 
 // admitted is one key's slots: a token in slots per call in flight, users the calls in flight or
 // waiting (the entry is dropped when it comes back to zero), and until when a refusal opened it.
+// The opening lets through the calls of openCount tokens or more, reservations only when
+// openReserve.
 type admitted struct {
-	slots chan struct{}
-	users int
-	open  time.Time
+	slots       chan struct{}
+	users       int
+	open        time.Time
+	openCount   float64
+	openReserve bool
 }
 
 // ticket is a call's admission: leave gives back its slot, if it took one.
 type ticket struct {
-	a    *admission
-	k    admissionKey
-	e    *admitted
-	slot bool
+	a       *admission
+	k       admissionKey
+	e       *admitted
+	slot    bool
+	count   float64 // the call's count and Reserve, which a refusal opens the key for
+	reserve bool
 }
 
-// leave ends the call's admission. refusedFor is how long the key refuses calls like it (its
-// RetryAt less its Time; 0 for a grant or an error).
-func (t ticket) leave(refusedFor time.Duration) {
+// leave ends the call's admission, given the call's answer d (the zero answer after an error): a
+// refusal opens the key for the calls like it, for its RetryAt less its Time (admitWait at most).
+func (t ticket) leave(d answer) {
 	if t.slot {
 		<-t.e.slots
 	}
 	t.a.mu.Lock()
-	if refusedFor > 0 {
+	if refusedFor := d.refusedFor(); refusedFor > 0 {
 		t.e.open = time.Now().Add(min(refusedFor, t.a.bound()))
+		t.e.openCount, t.e.openReserve = t.count, t.reserve
 	}
-	if t.e.users--; t.e.users == 0 {
+	// The key's entry may have been replaced by one of another number of slots (enter).
+	if t.e.users--; t.e.users == 0 && t.a.keys[t.k] == t.e {
 		delete(t.a.keys, t.k)
 	}
 	t.a.mu.Unlock()
@@ -75,24 +91,25 @@ func (a *admission) bound() time.Duration {
 // admitWait bounds a wait for a slot: that of a wait for a steering lock (txlimit_await_shard).
 const admitWait = 100 * time.Millisecond
 
-// enter takes one of the n slots of (name, key), waiting for one at most admitWait, and returns
-// the call's ticket, to leave once the call has returned. When the wait times out, or a refusal
-// opened the key, it goes on without a slot; when ctx ends first it returns ctx's error. The first
-// call of a key sets its number of slots; an inline Config that changes Shards takes effect once
-// the key's calls have drained.
-func (a *admission) enter(ctx context.Context, name, key string, n int) (ticket, error) {
-	t := ticket{a: a, k: admissionKey{name, key}}
+// enter takes one of the n slots of (name, key) on db for a call of count tokens (with Reserve when
+// reserve), waiting for one at most admitWait, and returns the call's ticket, to leave once the
+// call has returned. When the wait times out, or a refusal opened the key for calls like this one,
+// it goes on without a slot; when ctx ends first it returns ctx's error. A call whose n differs
+// from the key's number of slots (an inline Config that changes Shards) starts the key afresh with
+// n slots: the calls in flight keep theirs and give them back to the old entry.
+func (a *admission) enter(ctx context.Context, db any, name, key string, n int, count float64, reserve bool) (ticket, error) {
+	t := ticket{a: a, k: admissionKey{db, name, key}, count: count, reserve: reserve}
 	a.mu.Lock()
 	if a.keys == nil {
 		a.keys = map[admissionKey]*admitted{}
 	}
 	t.e = a.keys[t.k]
-	if t.e == nil {
+	if t.e == nil || cap(t.e.slots) != n {
 		t.e = &admitted{slots: make(chan struct{}, n)}
 		a.keys[t.k] = t.e
 	}
 	t.e.users++
-	open := !t.e.open.IsZero() && time.Now().Before(t.e.open)
+	open := time.Now().Before(t.e.open) && count >= t.e.openCount && (!reserve || t.e.openReserve)
 	a.mu.Unlock()
 	if open {
 		return t, nil
@@ -112,7 +129,7 @@ func (a *admission) enter(ctx context.Context, name, key string, n int) (ticket,
 	case <-timer.C:
 		return t, nil
 	case <-ctx.Done():
-		t.leave(0)
+		t.leave(answer{})
 		return ticket{}, ctx.Err()
 	}
 }

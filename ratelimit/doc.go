@@ -106,10 +106,14 @@
 // costs nothing, instead of on a backend of its own for a steering lock. That wait, too, is a hint:
 // it lasts at most 100 ms, then the call goes on without a slot (so a slot held by a call that
 // waits for a row the waiting caller's own transaction holds delays it, never deadlocks it), and it
-// ends with the caller's context. A refused call opens its key: the calls that come after it take
+// ends with the caller's context. A refused call opens its key: the calls that come after it and
+// that it speaks for (of its count or more, and reservations only after a refused reservation) take
 // no slot while its RetryAt is ahead (100 ms at the most), so that a flood of refused calls is
-// still answered in parallel. Calls in a transaction or on a single connection take no slot; each
-// process admits its own callers.
+// still answered in parallel. A key's slots are those of its pool (the same name and key on another
+// pool are another key) and of its number of shards (a call whose inline Config changes Shards
+// starts the key afresh with that many). Calls in a transaction or on a single connection (a
+// *pgx.Conn, a *sql.Conn, a Batcher's) take no slot; each Limiter admits its own callers. The wait
+// counts in txlimit.decision.duration.
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with

@@ -99,12 +99,12 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
-		if s.shards >= 2 && !c.dry && pooled(db) {
-			t, err := l.admission.enter(ctx, s.name, s.key, s.shards)
+		if pool := poolOf(db); pool != nil && s.shards >= 2 && !c.dry {
+			t, err := l.admission.enter(ctx, pool, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
 			if err != nil {
 				return nil, err
 			}
-			defer func() { t.leave(d.refusedFor()) }()
+			defer func() { t.leave(d) }()
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
@@ -131,17 +131,17 @@ type answer struct {
 	retryAtUs, nowUs, tsUs  int64
 }
 
-// pooled reports whether db is a pool whose every statement is a transaction of its own: a
-// *pgxpool.Pool, or another driver's pool (driver.Pooled: database/sql's *sql.DB, through
-// package sqldb).
-func pooled(db Executor) bool {
+// poolOf returns the pool db is, when each of its statements is a transaction of its own (a
+// *pgxpool.Pool, or another driver's pool, driver.Pooled: database/sql's *sql.DB through package
+// sqldb), as a value equal for every handle of that pool; nil for a transaction or a connection.
+func poolOf(db Executor) any {
 	switch d := db.(type) {
 	case *pgxpool.Pool:
-		return true
+		return d
 	case driver.Pooled:
-		return d.Pooled()
+		return d.Pool()
 	}
-	return false
+	return nil
 }
 
 // refusedFor is how long the answer says its key refuses such a request: RetryAt less the

@@ -14,16 +14,20 @@ func SetShardPicker(l *Limiter, pick func(n int) (a, b int)) { l.pick = pick }
 func SetAdmissionWait(l *Limiter, d time.Duration) { l.admission.wait = d }
 
 // Pooled reports whether l's calls on db take admission slots (a pool's).
-func Pooled(db Executor) bool { return pooled(db) }
+func Pooled(db Executor) bool { return poolOf(db) != nil }
 
-// Admitted returns how many of l's calls on (name, key) hold or wait for an admission slot.
-func Admitted(l *Limiter, name, key string) int {
+// Admitted returns how many of l's calls on (name, key), on any pool, hold or wait for an
+// admission slot or passed a refusal's opening. The calls of an entry replaced after a change of
+// Shards are not counted.
+func Admitted(l *Limiter, name, key string) (n int) {
 	l.admission.mu.Lock()
 	defer l.admission.mu.Unlock()
-	if e := l.admission.keys[admissionKey{name, key}]; e != nil {
-		return e.users
+	for k, e := range l.admission.keys {
+		if k.name == name && k.key == key {
+			n += e.users
+		}
 	}
-	return 0
+	return n
 }
 
 // ListCall is one call of a list decided by DecideList: a group of requests, all or nothing.

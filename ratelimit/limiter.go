@@ -45,7 +45,8 @@ type LimiterConfig struct {
 	//     "closed" (a Batcher after Close) or "database"; an invalid call carries no limit name,
 	//     which may be the invalid input).
 	//   - txlimit.decision.duration is the time a call took, in seconds, by call and outcome of
-	//     the call as a whole, in buckets from 100 µs to 10 s (a View can set others).
+	//     the call as a whole (a wait for an admission slot of a sharded key included: the
+	//     package documentation, "Shards"), in buckets from 100 µs to 10 s (a View can set others).
 	//   - txlimit.tx.retries counts the transactions InSerializableTx ran again after a
 	//     serialization failure or deadlock, a *BusyError's rerun after its wait included (with
 	//     this Limiter in TxOpts.Limiter), and the batches a Batcher ran again (with this Limiter

@@ -914,6 +914,39 @@ func (e *admissionEnv) limitN(ctx context.Context, count float64, reserve bool) 
 	})
 }
 
+// chargeAndHold creates both rows of the key with a LimitN of count, which takes both shards (its
+// picks, 0 and 1: count is more than either holds), has calls wait for a slot a minute at most,
+// and holds both rows (holdBoth).
+func (e *admissionEnv) chargeAndHold(count float64) pgx.Tx {
+	e.t.Helper()
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", count, nil)
+	require.NoError(e.t, err)
+	require.Equal(e.t, []int{0, 1}, r.Shards)
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	return e.holdBoth()
+}
+
+// reserveAroundRefusals, both rows held, has a reservation of 1 wait in Postgres, then makes
+// times LimitN calls of count, each refused at once with RetryAfter retryAfter, then a second
+// reservation that waits in Postgres too; it returns the two reservations.
+func (e *admissionEnv) reserveAroundRefusals(count float64, times int, retryAfter time.Duration) (first, second <-chan bOutcome) {
+	e.t.Helper()
+	first = e.limitN(e.ctx, 1, true)
+	eventually(e.t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
+	for range times {
+		soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+		r, err := e.lim.LimitN(soon, e.pool, "s", "k", count, nil)
+		cancel()
+		require.NoError(e.t, err)
+		require.False(e.t, r.OK)
+		require.Equal(e.t, retryAfter, r.RetryAfter())
+	}
+	second = e.limitN(e.ctx, 1, true)
+	eventually(e.t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
+	require.Equal(e.t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+	return first, second
+}
+
 // holdBoth locks both shards' rows in a transaction of its own, rolled back at the latest when the
 // test ends.
 func (e *admissionEnv) holdBoth() pgx.Tx {
@@ -934,14 +967,9 @@ func (e *admissionEnv) holdBoth() pgx.Tx {
 // short, a third call goes on to Postgres without a slot.
 func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 	t.Parallel()
-	e := newAdmissionEnv(t, shardCfg(2))                    // each shard holds 2
-	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // both rows created, each left at 0.5
-	require.NoError(t, err)
-	require.Equal(t, []int{0, 1}, r.Shards)
-	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
-
-	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := e.holdBoth()
+	e := newAdmissionEnv(t, shardCfg(2)) // each shard holds 2
+	holder := e.chargeAndHold(3)         // both rows created, each left at 0.5
+	e.set(shardAt(1), [2]int{0, 1})      // each at 1.5
 	first, second := e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)
 	eventually(t, "two calls wait in Postgres", func() bool { return e.waiting() == 2 })
 	gone, cancel := context.WithCancel(e.ctx)
@@ -975,7 +1003,12 @@ func TestShardPoolCallsWaitInTheProcess(t *testing.T) {
 // pooledHandle stands for another driver's handle (sqldb.Wrap's) that says whether it is a pool.
 type pooledHandle bool
 
-func (p pooledHandle) Pooled() bool { return bool(p) }
+func (p pooledHandle) Pool() any {
+	if p {
+		return p
+	}
+	return nil
+}
 
 // Only calls on a pool, each a transaction of its own, take admission slots: a *pgxpool.Pool, and
 // another driver's handle that says it is a pool (sqldb.Wrap of a *sql.DB: sqldb's TestPooled);
@@ -1003,25 +1036,14 @@ func TestShardAdmissionOnPoolsOnly(t *testing.T) {
 func TestShardRefusalsPassAdmission(t *testing.T) {
 	t.Parallel()
 	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 2, MaxReserved: 2, Shards: 2})
-	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 2, nil) // both rows created, drained
-	require.NoError(t, err)
-	require.Equal(t, []int{0, 1}, r.Shards)
-	ratelimit.SetAdmissionWait(e.lim, time.Minute)
-	holder := e.holdBoth()
+	holder := e.chargeAndHold(2) // both rows created, drained
 
-	first := e.limitN(e.ctx, 1, true)
-	eventually(t, "a reservation waits in Postgres", func() bool { return e.waiting() == 1 })
-	refused, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
-	require.NoError(t, err)
-	require.False(t, refused.OK)
-	require.Equal(t, 30*time.Second, refused.RetryAfter(), "the two shards, each refilled 1 token a minute, hold 1 together")
-	second := e.limitN(e.ctx, 1, true)
-	eventually(t, "two reservations wait in Postgres", func() bool { return e.waiting() == 2 })
-	require.Equal(t, 2, ratelimit.Admitted(e.lim, "s", "k"))
+	// The refused Limit's RetryAt: the two shards, each refilled 1 token a minute, hold 1 together.
+	first, second := e.reserveAroundRefusals(1, 1, 30*time.Second)
 
 	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
 	defer cancel()
-	r, err = e.lim.Limit(soon, e.pool, "s", "k", nil)
+	r, err := e.lim.Limit(soon, e.pool, "s", "k", nil)
 	require.NoError(t, err, "the refused key lets the call through without a slot")
 	require.False(t, r.OK)
 	require.NoError(t, holder.Rollback(e.ctx))
@@ -1029,6 +1051,117 @@ func TestShardRefusalsPassAdmission(t *testing.T) {
 		out := <-c
 		require.NoError(t, out.err)
 		require.True(t, out.res.OK && out.res.Reserved, "%+v", out.res)
+	}
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
+// A refusal opens its key only for the calls it speaks for: those of at least its count, and
+// reservations only when it was a reservation refused. A call of fewer tokens, or a reservation
+// after a plain call's refusal, may be granted where the refused call was not, so it takes a slot
+// as ever. A 2-shard key of 2/min, capacity 4 (each shard 2, refilling 1/min, owing at most 1),
+// left at 0.5 and 0.5, both rows held: a reservation waits in Postgres, a LimitN of 2 is refused
+// (RetryAt 30 s ahead) and opens the key, a second LimitN of 2 passes and is refused at once, a
+// second reservation takes the other slot; then a reservation of 2 and a Limit of 1, which would
+// both be granted, wait for a slot in the process (until cancelled) instead of in Postgres.
+func TestShardRefusalOpensOnlyForCallsLikeIt(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 4, MaxReserved: 2, Shards: 2})
+	holder := e.chargeAndHold(3) // both rows created full, left at 0.5 each
+
+	// Of the two refused LimitN of 2, the first takes the free slot and opens the key, the second
+	// passes it; each shard needs half a token more, at 1/min.
+	first, second := e.reserveAroundRefusals(2, 2, 30*time.Second)
+
+	gone, cancel := context.WithCancel(e.ctx)
+	more, fewer := e.limitN(gone, 2, true), e.limitN(gone, 1, false)
+	eventually(t, "two more calls wait for a slot", func() bool { return ratelimit.Admitted(e.lim, "s", "k") == 4 })
+	time.Sleep(300 * time.Millisecond) // time to reach Postgres, were they let through
+	require.Equal(t, 2, e.waiting(), "calls the refusal does not speak for wait in the process")
+	cancel()
+	for _, c := range []<-chan bOutcome{more, fewer} {
+		require.ErrorIs(t, (<-c).err, context.Canceled)
+	}
+
+	require.NoError(t, holder.Rollback(e.ctx))
+	a, b := <-first, <-second
+	require.NoError(t, a.err)
+	require.NoError(t, b.err)
+	require.True(t, a.res.OK && b.res.OK)
+	require.Equal(t, [][]int{{0, 1}, {0, 1}}, [][]int{a.res.Shards, b.res.Shards}, "neither shard alone holds 1")
+	require.ElementsMatch(t, []float64{0, -1}, []float64{a.res.Value, b.res.Value}, "the first took both shards to 0, the second to -0.5")
+	require.ElementsMatch(t, []bool{false, true}, []bool{a.res.Reserved, b.res.Reserved})
+	s, err := e.lim.State(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.Equal(t, -1.0, s.Value)
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
+// A key's number of slots follows its Shards: calls made with an inline Config of 4 shards while
+// calls of the registered 2 are still in flight get the slots of 4, instead of waiting for the
+// 2-shard calls to drain (which, on a hot key, they never do). Every row held: the two 2-shard calls
+// wait in Postgres, and so do the two 4-shard calls after them, steered to shards 2 and 3.
+func TestShardAdmissionFollowsShards(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, shardCfg(2)) // each shard holds 2, at either shard count
+	four := shardCfg(4)
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, nil) // rows 0 and 1 created, left at 0.5
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards)
+	e.set(shardT0, [2]int{2, 3})
+	r, err = e.lim.LimitN(e.ctx, e.pool, "s", "k", 3, &ratelimit.LimitOpts{Config: &four}) // rows 2 and 3
+	require.NoError(t, err)
+	require.Equal(t, []int{2, 3}, r.Shards)
+	e.set(shardAt(1), [2]int{0, 1}) // each at 1.5
+
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	holder := e.holdBoth()
+	testdb.LockRow(t, holder, "s", "k", 2)
+	testdb.LockRow(t, holder, "s", "k", 3)
+	calls := []<-chan bOutcome{e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)}
+	eventually(t, "the 2-shard calls wait in Postgres", func() bool { return e.waiting() == 2 })
+	e.set(shardAt(1), [2]int{2, 3})
+	for range 2 {
+		calls = append(calls, bAsync(func() (ratelimit.Result, error) {
+			return e.lim.LimitN(e.ctx, e.pool, "s", "k", 1, &ratelimit.LimitOpts{Config: &four})
+		}))
+	}
+	eventually(t, "the 4-shard calls wait in Postgres too", func() bool { return e.waiting() == 4 })
+
+	require.NoError(t, holder.Rollback(e.ctx))
+	var shards []int
+	for _, c := range calls {
+		out := <-c
+		require.NoError(t, out.err)
+		require.True(t, out.res.OK)
+		shards = append(shards, out.res.Shards...)
+	}
+	require.ElementsMatch(t, []int{0, 1, 2, 3}, shards, "one call per shard")
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
+// A key's slots are those of the pool its calls run on: the same name and key in another
+// database or schema (another pool) is another key, as its steering locks are. Both rows of the
+// key held on one pool, two calls wait there in Postgres; the call on another pool is granted at
+// once instead of waiting in the process for a slot of the first.
+func TestShardAdmissionIsPerPool(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, shardCfg(2)) // each shard holds 2
+	holder := e.chargeAndHold(3)         // both rows created, each left at 0.5
+	e.set(shardAt(1), [2]int{0, 1})      // each at 1.5
+	other := testdb.Pool(t, &testdb.Options{MaxConns: 2})
+	calls := []<-chan bOutcome{e.limitN(e.ctx, 1, false), e.limitN(e.ctx, 1, false)}
+	eventually(t, "two calls wait in Postgres", func() bool { return e.waiting() == 2 })
+	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+	r, err := e.lim.Limit(soon, other, "s", "k", nil)
+	cancel()
+	require.NoError(t, err, "the call on the other pool waited for a slot of the first")
+	require.Equal(t, [3]any{true, []int{0}, 1 + 2.0}, [3]any{r.OK, r.Shards, r.Value}, "both full: granted on the first pick")
+
+	require.NoError(t, holder.Rollback(e.ctx))
+	for _, c := range calls {
+		out := <-c
+		require.NoError(t, out.err)
+		require.True(t, out.res.OK)
 	}
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }

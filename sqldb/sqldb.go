@@ -29,6 +29,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"reflect"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -77,11 +78,14 @@ var (
 	_ driver.Pooled   = (*executor)(nil)
 )
 
-// Pooled reports whether db is a pool: a *sql.DB, or a handle that embeds one (a *sqlx.DB), whose
-// statements each run in a transaction of their own.
-func (e *executor) Pooled() bool {
-	_, ok := e.db.(interface{ Stats() sql.DBStats })
-	return ok
+// Pool returns db when it is a pool: a *sql.DB, or a handle that embeds one (a *sqlx.DB), whose
+// statements each run in a transaction of their own. A handle of a type that cannot be compared
+// (a struct holding a slice, say) is left out, since Pool's result is compared.
+func (e *executor) Pool() any {
+	if _, ok := e.db.(interface{ Stats() sql.DBStats }); !ok || !reflect.TypeOf(e.db).Comparable() {
+		return nil
+	}
+	return e.db
 }
 
 // queries is stateless: sqlc's methods take the handle as an argument.

@@ -39,6 +39,7 @@ type Executor interface {
 // ratelimit admits the lone calls of a sharded key on such a handle as it does those on a
 // *pgxpool.Pool (ratelimit/admission.go).
 type Pooled interface {
-	// Pooled reports whether the handle is such a pool.
-	Pooled() bool
+	// Pool returns the pool the handle is, as a value that is equal (==) for every Executor of
+	// that pool, so that their calls share a key's slots; nil when the handle is not such a pool.
+	Pool() any
 }
