@@ -6,7 +6,7 @@ import (
 	"time"
 )
 
-// admission keeps the lone calls that one Limiter runs on a *pgxpool.Pool for one key of a sharded
+// admission keeps the lone calls that one Limiter runs on a pool (poolOf) for one key of a sharded
 // limit from outnumbering the key's shards in Postgres. Steering already lets one transaction at a
 // time decide on a shard (txlimit_steer): a caller beyond the shards can only wait there, on a
 // backend of its own, for a candidate's advisory lock, plan again after it, and burn the
