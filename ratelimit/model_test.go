@@ -22,6 +22,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -54,7 +56,8 @@ type modelLimit struct {
 	maxRes    float64 // MaxReserved/N; +Inf for Unbounded
 	noReserve bool    // MaxReserved is 0: a request with Reserve is an argument error
 	periodUs  int64
-	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs; in (-periodUs, 0]
+	anchorUs  int64            // fixed window grid: windows start at anchorUs + k*periodUs; in (-periodUs, 0]
+	inForce   ratelimit.Config // the config with its defaults applied (Result.Config)
 }
 
 // Model errors: the classes of typed error the library must return (docs/spec.md §5).
@@ -149,6 +152,7 @@ func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
 		maxRes:    cfg.MaxReserved / float64(n),
 		noReserve: cfg.MaxReserved == 0,
 		periodUs:  int64(cfg.Period / time.Microsecond),
+		inForce:   inForce(*cfg),
 	}
 	if m.fixed {
 		if !cfg.Start.IsZero() {
@@ -384,7 +388,11 @@ type modelResult struct {
 	Reserved  bool
 	RetryAt   int64
 	Value     float64
+	// TS is the ts the one row a grant charged is left with (Result.TS); < 0: the zero time, when
+	// denied, when two shards were charged, or when the call's group was denied.
+	TS        int64
 	Shards    []int
+	Config    ratelimit.Config
 	Time      int64
 	okNow     bool
 	retryStep int64 // 1µs, or the period of a fixed window
@@ -452,7 +460,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 	for i, r := range reqs {
 		p := plans[i]
 		res := modelResult{Name: r.lim.name, Key: r.lim.key, OK: p.okNow || p.reserved, Reserved: p.reserved,
-			RetryAt: -1, Time: now, okNow: p.okNow, retryStep: 1}
+			RetryAt: -1, TS: -1, Config: r.lim.inForce, Time: now, okNow: p.okNow, retryStep: 1}
 		if r.lim.fixed {
 			res.retryStep = r.lim.periodUs
 		}
@@ -469,6 +477,12 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 					res.Shards = append(res.Shards, r.b)
 				}
 				slices.Sort(res.Shards) // Result.Shards is ascending
+				switch p.ch {
+				case 1:
+					res.TS = p.tsA
+				case 2:
+					res.TS = p.tsB
+				}
 			}
 		} else {
 			res.Value = p.la
@@ -687,5 +701,177 @@ func TestModelSpecNumbers(t *testing.T) {
 	// the hash itself.
 	if h := fnv1a([]byte("a")); h != 0xaf63dc4c8601ec8c {
 		t.Errorf("fnv1a(a) = %#x", h)
+	}
+}
+
+// specStep is one call of a docs/spec.md worked example and what the spec says it returns.
+type specStep struct {
+	at       time.Duration // after shardT0
+	op       shardOp       // LimitN (default), CheckN or Credit
+	pick     [2]int        // candidate shards of a sharded limit
+	count    float64
+	reserve  bool
+	ok       bool
+	reserved bool
+	retryUs  int64   // RetryAt - shardT0 in µs; 0: no wait
+	value    float64 // Result.Value, or CreditResult.Value
+	credited float64
+	shards   []int // Result.Shards
+}
+
+// specExample is one worked example: a config, the rows it starts from (shard -> value, stamped
+// at shardT0) and its calls, then the State the spec gives.
+type specExample struct {
+	name   string
+	cfg    ratelimit.Config
+	rows   map[int]float64
+	steps  []specStep
+	state  []float64         // State().Shards after the steps
+	stTS   time.Duration     // State().TS - shardT0
+	readAs *ratelimit.Config // State read with this config (a config change); nil: cfg
+}
+
+// TestSpecWorkedNumbers runs every worked number of docs/spec.md §3-§8 on the engine and on the
+// reference model, so that neither can drift from the spec in the same way: the fuzz target only
+// compares the two with each other.
+func TestSpecWorkedNumbers(t *testing.T) {
+	t.Parallel()
+	const ms = int64(1000)
+	s := int64(1_000_000)
+	reserve5 := ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}
+	twoShards := ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2}
+	twoShardsRes := ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 2}
+	grow2 := ratelimit.Config{Rate: 4, Period: time.Second, Capacity: 4, Shards: 2}
+	grow4 := grow2
+	grow4.Shards = 4
+	less := -3.0 // float64 operations as the rule performs them, not constant arithmetic
+	at99999 := less + float64(99_999*10)/1e6
+	for _, ex := range []specExample{
+		{name: "§3 table", cfg: reserve5, rows: map[int]float64{0: 0}, steps: []specStep{
+			{count: 3, retryUs: 300 * ms},
+			{count: 3, reserve: true, ok: true, reserved: true, value: -3, retryUs: 300 * ms, shards: []int{0}},
+			{count: 3, reserve: true, value: -3, retryUs: 100 * ms},
+			{count: 3, value: -3, retryUs: 600 * ms},
+			{at: 99_999 * time.Microsecond, count: 3, reserve: true, value: at99999, retryUs: 100 * ms},
+			{at: 100 * time.Millisecond, count: 3, reserve: true, ok: true, reserved: true, value: -5, retryUs: 600 * ms, shards: []int{0}},
+		}, state: []float64{-5}, stTS: 100 * time.Millisecond},
+		{name: "§3 10/min holding 0.5", cfg: ratelimit.Config{Rate: 10, Period: time.Minute}, rows: map[int]float64{0: 0.5}, steps: []specStep{
+			{count: 1, value: 0.5, retryUs: 3 * s},
+		}, state: []float64{0.5}},
+		{name: "§4 fixed window", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: shardT0}, steps: []specStep{
+			{count: 5, ok: true, value: 0, shards: []int{0}},
+			{at: 3 * time.Second, count: 1, value: 0, retryUs: 10 * s},
+			{at: 10 * time.Second, count: 1, ok: true, value: 4, shards: []int{0}},
+		}, state: []float64{4}, stTS: 10 * time.Second},
+		// §4: a count that needs several windows waits for ceil(count/Rate) of them.
+		{name: "§4 several windows", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 2, Period: 10 * time.Second, Capacity: 5, Start: shardT0}, steps: []specStep{
+			{at: 4 * time.Second, count: 5, ok: true, value: 0, shards: []int{0}},
+			{at: 4 * time.Second, count: 5, value: 0, retryUs: 30 * s},
+			{at: 29 * time.Second, count: 5, value: 4, retryUs: 30 * s},
+			{at: 30 * time.Second, count: 5, ok: true, value: 0, shards: []int{0}},
+		}, state: []float64{0}, stTS: 30 * time.Second},
+		{name: "§6 credit", cfg: ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}, rows: map[int]float64{0: -5}, steps: []specStep{
+			{op: shardCredit, count: 20, credited: 15, value: 10},
+		}, state: []float64{10}},
+		{name: "§8 4 and 3", cfg: twoShards, rows: map[int]float64{0: 4, 1: 3}, steps: []specStep{
+			{pick: [2]int{0, 1}, count: 5, ok: true, value: 2, shards: []int{0, 1}},
+		}, state: []float64{1, 1}},
+		{name: "§8 0.2 and 0.2", cfg: twoShards, rows: map[int]float64{0: 0.2, 1: 0.2}, steps: []specStep{
+			{pick: [2]int{1, 0}, count: 1, value: 0.4, retryUs: 60 * ms},
+		}, state: []float64{0.2, 0.2}},
+		{name: "§8 0.5 and -3", cfg: twoShardsRes, rows: map[int]float64{0: 0.5, 1: -3}, steps: []specStep{
+			{pick: [2]int{1, 0}, count: 1, reserve: true, ok: true, reserved: true, value: -3.5, retryUs: 100 * ms, shards: []int{0}},
+		}, state: []float64{-0.5, -3}},
+		{name: "§8 grow 2 to 4", cfg: grow2, rows: map[int]float64{0: 0, 1: 1.5}, readAs: &grow4, state: []float64{0, 1, 1, 1}},
+	} {
+		t.Run(ex.name, func(t *testing.T) {
+			t.Parallel()
+			e := newShardEnv(t, nil)
+			md := newModel()
+			key := ex.name
+			lim, err := modelResolve("spec", key, &ex.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			base := shardT0.UnixMicro()
+			for sh, v := range ex.rows {
+				if _, err := e.pool.Exec(e.ctx, `INSERT INTO txlimit_state (name, key, shard, value, ts) VALUES ('spec', $1, $2, $3, $4)`,
+					key, sh, v, base); err != nil {
+					t.Fatal(err)
+				}
+				md.rows[modelRowKey{"spec", key, sh}] = modelRow{v, base}
+			}
+			for i, st := range ex.steps {
+				e.set(shardT0.Add(st.at), st.pick)
+				now := base + st.at.Microseconds()
+				wantRetry := int64(-1)
+				if st.retryUs != 0 {
+					wantRetry = base + st.retryUs
+				}
+				opts := &ratelimit.LimitOpts{Config: &ex.cfg, Reserve: st.reserve}
+				if st.op == shardCredit {
+					got, err := e.lim.Credit(e.ctx, e.pool, "spec", key, st.count, opts)
+					require.NoError(t, err)
+					mc := md.credit(now, lim, st.count)
+					for who, g := range map[string][2]float64{"engine": {got.Credited, got.Value}, "model": {mc.Credited, mc.Value}} {
+						if g != [2]float64{st.credited, st.value} {
+							t.Errorf("step %d: %s: Credit(%g) credited %g value %g; the spec says credited %g value %g",
+								i, who, st.count, g[0], g[1], st.credited, st.value)
+						}
+					}
+					continue
+				}
+				var got ratelimit.Result
+				if st.op == shardCheck {
+					got, err = e.lim.CheckN(e.ctx, e.pool, "spec", key, st.count, opts)
+				} else {
+					got, err = e.lim.LimitN(e.ctx, e.pool, "spec", key, st.count, opts)
+				}
+				require.NoError(t, err, "step %d", i)
+				req := modelReq{lim: lim, count: st.count, reserve: st.reserve, a: 0, b: -1}
+				if lim.shards >= 2 {
+					req.a, req.b = st.pick[0], st.pick[1]
+				}
+				m := md.decide(now, []modelReq{req}, st.op == shardCheck).Results[0]
+				mAt := time.Time{}
+				if m.RetryAt >= 0 {
+					mAt = time.UnixMicro(m.RetryAt)
+				}
+				wantAt := time.Time{}
+				if wantRetry >= 0 {
+					wantAt = time.UnixMicro(wantRetry)
+				}
+				for who, g := range map[string]ratelimit.Result{"engine": got,
+					"model": {OK: m.OK, Reserved: m.Reserved, RetryAt: mAt, Value: m.Value, Shards: m.Shards}} {
+					if g.OK != st.ok || g.Reserved != st.reserved || !g.RetryAt.Equal(wantAt) || g.Value != st.value ||
+						!slices.Equal(g.Shards, st.shards) {
+						t.Errorf("step %d at t0+%v: %s: %s(%g, reserve=%v) = ok %v reserved %v retryAt %s value %v shards %v; "+
+							"the spec says ok %v reserved %v retryAt %s value %v shards %v", i, st.at, who, st.op, st.count, st.reserve,
+							g.OK, g.Reserved, fmtRetry(g.RetryAt), g.Value, g.Shards, st.ok, st.reserved, fmtRetry(wantAt), st.value, st.shards)
+					}
+				}
+			}
+			read := ex.cfg
+			if ex.readAs != nil {
+				read = *ex.readAs
+				if lim, err = modelResolve("spec", key, &read); err != nil {
+					t.Fatal(err)
+				}
+			}
+			now := base
+			if n := len(ex.steps); n > 0 {
+				now += ex.steps[n-1].at.Microseconds()
+			}
+			st, err := e.lim.State(e.ctx, e.pool, "spec", key, &ratelimit.LimitOpts{Config: &read})
+			require.NoError(t, err)
+			mst := md.value(now, lim)
+			wantTS := base + ex.stTS.Microseconds()
+			if !slices.Equal(st.Shards, ex.state) || !st.TS.Equal(time.UnixMicro(wantTS)) {
+				t.Errorf("engine: State shards %v ts %s; the spec says %v ts %s", st.Shards, fmtRetry(st.TS), ex.state, fmtRetry(time.UnixMicro(wantTS)))
+			}
+			if !slices.Equal(mst.Shards, ex.state) || mst.TS != wantTS {
+				t.Errorf("model: State shards %v ts %d; the spec says %v ts %d", mst.Shards, mst.TS-base, ex.state, wantTS-base)
+			}
+		})
 	}
 }
