@@ -600,8 +600,9 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 			}
 		}
 	}
-	if !sameTime(got.RetryAt, wantAt) {
-		r.fail("%s: got retryAt=%s, want %s", op, fmtTime(r.sc.base, got.RetryAt), fmtModelTime(r.sc.base, wantAt))
+	if !sameTime(got.RetryAt, wantAt) || !sameTime(got.Time, r.now) {
+		r.fail("%s: got retryAt=%s time=%s, want %s time=%s", op, fmtTime(r.sc.base, got.RetryAt), fmtTime(r.sc.base, got.Time),
+			fmtModelTime(r.sc.base, wantAt), fmtModelTime(r.sc.base, r.now))
 	}
 }
 
@@ -693,8 +694,9 @@ func (r *fzRunner) list(op fzOp) {
 		for j := range want.Results {
 			r.compareResult(fmt.Sprintf("List call %d result %d", i, j), got[i].Results[j], want.Results[j])
 		}
-		if !sameTime(got[i].RetryAt, want.RetryAt) {
-			r.fail("List call %d: got retryAt=%s, want %s", i, fmtTime(r.sc.base, got[i].RetryAt), fmtModelTime(r.sc.base, want.RetryAt))
+		if !sameTime(got[i].RetryAt, want.RetryAt) || !sameTime(got[i].Time, r.now) {
+			r.fail("List call %d: got retryAt=%s time=%s, want %s time=%s", i, fmtTime(r.sc.base, got[i].RetryAt),
+				fmtTime(r.sc.base, got[i].Time), fmtModelTime(r.sc.base, want.RetryAt), fmtModelTime(r.sc.base, r.now))
 		}
 	}
 }
@@ -1234,6 +1236,15 @@ func fzSeeds() []fzSeed {
 			op(fzOpCheck|fzBitTx, -3000000, fzQ("b", 1, 2, fzPicks(3, 2, 0))).
 			op(fzOpValue, 10000000, fzQ("b", 1, 1)).
 			op(fzOpMany|fzBitTx, 0, fzQ("a", 1, 7, fzPicks(4, 1, 2))).b}, // a LimitMany of one sharded request
+		// A list deciding one key under two configs, call after call (docs/spec.md §7): a fixed
+		// window and a token bucket, then 4 shards and 1.
+		{"list_config_change", fzNewSeed(41, fzC(fw, 3, 10*sec, 5, 2, 1, 2, 0), fzC(tb, 2, sec, 0, inf, 1, 0, 0), fzC(tb, 10, sec, 20, inf, 4, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 4), fzQ("a", 0, 1, fzSwap), fzQ("a", 0, 1)).
+			op(fzOpList|fzBit4|fzBit5, 500000, fzQ("a", 0, 2, fzReserve, fzSwap), fzQ("a", 0, 2, fzReserve), fzQ("a", 0, 1, fzSwap)).
+			op(fzOpList|fzBit4, 0, fzQ("c", 1, 8, fzPicks(4, 3, 2)), fzQ("c", 1, 5, fzSwap, fzPicks(4, 0, 1)), fzQ("c", 1, 5, fzPicks(4, 1, 2))).
+			op(fzOpList|fzBit4|fzBit6, 250000, fzQ("c", 1, 3, fzSwap, fzPicks(4, 1, 0)), fzQ("b", 1, 1), fzQ("c", 1, 4, fzPicks(4, 0, 3))).
+			op(fzOpValue, 0, fzQ("c", 1, 1)).
+			op(fzOpValue, 0, fzQ("c", 1, 1, fzSwap)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
 			op(fzOpMany|fzBit4, 0, fzQ("a", 0, 3, fzPicks(4, 0, 1)), fzQ("a", 1, 1.5, fzPicks(4, 2, 3)), fzQ("b", 0, 7)).
 			op(fzOpResetCredit|fzBit4, 1, fzQ("a", 0, 1)).

@@ -15,6 +15,7 @@ package ratelimit_test
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"slices"
 	"sort"
@@ -370,6 +371,28 @@ func (m modelLimit) firstGrant(count, allow float64, two bool, a, b modelRow, fr
 	return hi
 }
 
+// retryAt is firstGrant checked against what docs/spec.md §3 says of its answer, independently of
+// how the search found it: granted at the answer and refused one microsecond earlier (unless it
+// is from, or the bound from + 2^61 µs), and refused at from and at every instant 2^k µs before
+// the answer (a grant there would make the answer not the first; the rule is monotone in time on
+// one row, while on two rows the charge can switch between combining and the fuller alone).
+func (m modelLimit) retryAt(count, allow float64, two bool, a, b modelRow, from int64) int64 {
+	t := m.firstGrant(count, allow, two, a, b, from)
+	if t == from || t == from+modelMaxWait {
+		return t
+	}
+	if !m.grantsAt(count, allow, two, a, b, t) {
+		panic(fmt.Sprintf("model: RetryAt %d after from is refused (count %v, allow %v, two %v, rows %+v %+v)", t-from, count, allow, two, a, b))
+	}
+	for d := int64(1); d <= t-from; d *= 2 {
+		if m.grantsAt(count, allow, two, a, b, t-d) {
+			panic(fmt.Sprintf("model: RetryAt %d after from is not the first grant: %d µs earlier grants too (count %v, allow %v, two %v, rows %+v %+v)",
+				t-from, d, count, allow, two, a, b))
+		}
+	}
+	return t
+}
+
 // modelReq is one request of a decision; a and b are the candidate shards (b < 0 unsharded).
 type modelReq struct {
 	lim     modelLimit
@@ -493,15 +516,15 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 		switch {
 		case !res.OK:
 			// Refused: when the same request is granted.
-			res.RetryAt = r.lim.firstGrant(r.count, r.allow(), p.two, p.ra, p.rb, now)
+			res.RetryAt = r.lim.retryAt(r.count, r.allow(), p.two, p.ra, p.rb, now)
 		case p.reserved:
 			// Reserved: when every charged row is out of debt.
 			at := int64(math.MinInt64)
 			if p.ch == 1 || p.ch == 3 {
-				at = max(at, r.lim.firstGrant(0, 0, false, modelRow{p.ea, p.tsA}, modelRow{}, now))
+				at = max(at, r.lim.retryAt(0, 0, false, modelRow{p.ea, p.tsA}, modelRow{}, now))
 			}
 			if p.ch == 2 || p.ch == 3 {
-				at = max(at, r.lim.firstGrant(0, 0, false, modelRow{p.eb, p.tsB}, modelRow{}, now))
+				at = max(at, r.lim.retryAt(0, 0, false, modelRow{p.eb, p.tsB}, modelRow{}, now))
 			}
 			res.RetryAt = at
 		}
