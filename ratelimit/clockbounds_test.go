@@ -115,3 +115,49 @@ func TestInjectedClockBounds(t *testing.T) {
 		}
 	}
 }
+
+// Readings before the Unix epoch are accepted (above), and the rules depend only on differences
+// of time (docs/spec.md §3, §4): a sequence of calls gives the same answers, relative to its clock,
+// at t0 as 100 days before the epoch. There, too, a missing row is full with its ts at the reading
+// (token bucket) or at the start of the window holding it (fixed window, §4), not at the epoch: a
+// fresh limit refills from its first call on, not from 1970.
+func TestClockBeforeTheEpoch(t *testing.T) {
+	t.Parallel()
+	type answer struct {
+		ok        bool
+		value     float64
+		retry, ts time.Duration // after the base; -1: zero
+	}
+	rel := func(at, base time.Time) time.Duration {
+		if at.IsZero() {
+			return -1
+		}
+		return at.Sub(base)
+	}
+	run := func(base time.Time) []answer {
+		clock := &testClock{t: base}
+		b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+			"tb": {Rate: 1, Period: time.Second},
+			// Start at the base: windows [base + k s, base + (k+1) s).
+			"fw": {Kind: ratelimit.FixedWindow, Rate: 1, Period: time.Second, Start: base},
+		}})
+		var out []answer
+		for _, name := range []string{"tb", "fw"} {
+			for _, at := range []time.Duration{500 * ms, 500 * ms, 1500 * ms, 2 * time.Second} {
+				clock.Set(base.Add(at))
+				r, err := b.lim.Limit(b.ctx, b.pool, name, "k", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out = append(out, answer{r.OK, r.Value, rel(r.RetryAt, base), rel(r.TS, base)})
+			}
+		}
+		return out
+	}
+	after, before := run(t0), run(time.Unix(-100*86400, 0).UTC())
+	for i := range after {
+		if after[i] != before[i] {
+			t.Errorf("call %d: at t0 %+v, 100 days before the epoch %+v", i, after[i], before[i])
+		}
+	}
+}

@@ -95,7 +95,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	if s.shards < 2 && !c.dry {
 		a, err = via(on(db), ctx, dbsqlc.DecideOneRowParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0),
-			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.missingTS(now),
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
@@ -108,7 +108,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
-			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.missingTS(now),
 			Shards: l.candidates(c, s, true), LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
 	}
@@ -220,7 +220,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 			p.Rate = append(p.Rate, s.rate)
 			p.PeriodUs = append(p.PeriodUs, s.periodUs)
 			p.Cap = append(p.Cap, s.capacity)
-			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
+			p.AnchorUs = append(p.AnchorUs, s.missingTS(p.NowUs))
 			p.RowA = append(p.RowA, row(rowID{s.name, s.key, cands[0]}))
 			b := int32(-1)
 			if len(cands) > 1 {

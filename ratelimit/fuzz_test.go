@@ -48,7 +48,8 @@ var (
 		3600000000, 86400000000, 123456, 654321, 100,
 		-1, -2, -999, -1000, -100000, -250000, -500000, -1000000, -1500000, -3000000, -60000000, -3600000000,
 		200, 300, 1234, 20000, 50000, 75000, 400000, 600000, 700000, 800000, 900000, 1200000, 2500000,
-		4000000, 7000000, 20000000, 0, 1}
+		4000000, 7000000, 20000000, 0, 1,
+		-1 << 51, 1 << 51} // about 71 years: before the epoch (docs/spec.md §5 accepts readings down to -2^62 µs) and back
 	fzNames = []string{"a", "b", "c", "x"} // "x" is not registered: it needs an inline config
 	fzKeys  = []string{"", "k1", "ü-key"}
 	// Keys that must be rejected (docs/spec.md §5): too long, a NUL byte, not UTF-8.
@@ -340,9 +341,9 @@ func errClass(err error) string {
 
 func sameFloat(a, b float64) bool { return math.Float64bits(a) == math.Float64bits(b) }
 
-// sameTime compares a library time with a model time in µs (< 0: the zero time).
+// sameTime compares a library time with a model time in µs (modelNoTime: the zero time).
 func sameTime(got time.Time, want int64) bool {
-	if want < 0 {
+	if want == modelNoTime {
 		return got.IsZero()
 	}
 	return !got.IsZero() && got.Equal(time.UnixMicro(want))
@@ -356,7 +357,7 @@ func fmtTime(base int64, got time.Time) string {
 }
 
 func fmtModelTime(base, want int64) string {
-	if want < 0 {
+	if want == modelNoTime {
 		return "zero"
 	}
 	return fmt.Sprintf("%+dµs", want-base)
@@ -367,7 +368,7 @@ func (r *fzRunner) sameRetry(got time.Time, want modelResult) bool {
 	if sameTime(got, want.RetryAt) {
 		return true
 	}
-	if fzBugRetryAtOvershoot && !r.strict && want.RetryAt >= 0 && sameTime(got, want.RetryAt+want.retryStep) {
+	if fzBugRetryAtOvershoot && !r.strict && want.RetryAt != modelNoTime && sameTime(got, want.RetryAt+want.retryStep) {
 		r.overshoots++
 		return true
 	}
@@ -413,7 +414,7 @@ func (r *fzRunner) compareLimited(err error, results []modelResult, all []rateli
 		r.compareResult(fmt.Sprintf("LimitedError.Denied[%d]", i), le.Denied[i], denied[i])
 	}
 	// The denied RetryAts are checked against the model above; the error carries their latest.
-	at := int64(-1)
+	at := modelNoTime
 	for _, d := range le.Denied {
 		at = max(at, d.RetryAt.UnixMicro())
 	}
@@ -593,7 +594,7 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	// ManyResult.RetryAt is the latest RetryAt of the results (each checked against the model).
 	wantAt := want.RetryAt
 	if r.overshoots > 0 {
-		wantAt = -1
+		wantAt = modelNoTime
 		for _, g := range got.Results {
 			if !g.RetryAt.IsZero() {
 				wantAt = max(wantAt, g.RetryAt.UnixMicro())
@@ -722,7 +723,7 @@ func (r *fzRunner) credit(q fzReq) {
 	}
 	want := r.md.credit(r.now, m, q.count)
 	if fzBugCreditTimeZeroWithoutRows && !r.strict && !hasRows && got.Time.IsZero() {
-		want.Time = -1
+		want.Time = modelNoTime
 	}
 	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> credited=%v value=%v", want.Credited, want.Value)
 	if got.Name != name || got.Key != key || !sameFloat(got.Credited, want.Credited) || !sameFloat(got.Value, want.Value) ||
@@ -1245,6 +1246,25 @@ func fzSeeds() []fzSeed {
 			op(fzOpList|fzBit4|fzBit6, 250000, fzQ("c", 1, 3, fzSwap, fzPicks(4, 1, 0)), fzQ("b", 1, 1), fzQ("c", 1, 4, fzPicks(4, 0, 3))).
 			op(fzOpValue, 0, fzQ("c", 1, 1)).
 			op(fzOpValue, 0, fzQ("c", 1, 1, fzSwap)).b},
+		// Readings before the epoch: a fresh row refills from its first call on (its ts at the
+		// reading, or its window's start), not from 1970; rows written in 2026 are decided at their
+		// ts (docs/spec.md §2).
+		{"before_the_epoch", fzNewSeed(43, fzC(tb, 10, sec, 0, 2, 1, 0, 0), fzC(fw, 2, 10*sec, 0, inf, 1, 0, 0), fzC(fw, 3, 250*time.Millisecond, 0, inf, 3, 3, 9)).
+			op(fzOpLimit, 0, fzQ("a", 0, 10)).
+			op(fzOpLimit, -1<<51, fzQ("a", 1, 10)).
+			op(fzOpLimit, 100000, fzQ("a", 1, 1)).
+			op(fzOpReserve, 0, fzQ("a", 1, 2)).
+			op(fzOpLimit, 0, fzQ("a", 0, 1)). // written in 2026: no refill
+			op(fzOpLimit, 0, fzQ("b", 1, 2)).
+			op(fzOpLimit, 10000000, fzQ("b", 1, 1)).
+			op(fzOpCheck, 0, fzQ("b", 1, 2)).
+			op(fzOpLimit, 0, fzQ("c", 2, 2, fzPicks(3, 0, 1))).
+			op(fzOpLimit, 250000, fzQ("c", 2, 1.5, fzPicks(3, 1, 2))).
+			op(fzOpMany, 1, fzQ("c", 1, 1, fzPicks(3, 2, 0)), fzQ("b", 2, 2)).
+			op(fzOpCredit, 0, fzQ("a", 1, 1)).
+			op(fzOpValue, 0, fzQ("b", 1, 1)).
+			op(fzOpLimit, 1<<51, fzQ("a", 1, 3)).
+			op(fzOpValue, 0, fzQ("c", 2, 1)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
 			op(fzOpMany|fzBit4, 0, fzQ("a", 0, 3, fzPicks(4, 0, 1)), fzQ("a", 1, 1.5, fzPicks(4, 2, 3)), fzQ("b", 0, 7)).
 			op(fzOpResetCredit|fzBit4, 1, fzQ("a", 0, 1)).

@@ -204,7 +204,7 @@ func (m modelLimit) neverGranted(count float64, reserve bool) bool {
 	if reserve {
 		allow = m.maxRes
 	}
-	full := m.missingRow()
+	full := m.missingRow(0)
 	return !m.grantsAt(count, allow, m.shards >= 2, full, full, full.ts)
 }
 
@@ -231,13 +231,19 @@ func (m modelLimit) level(r modelRow, now int64) (float64, int64) {
 	return v, ts
 }
 
-// missingRow is how a missing row is evaluated: full, stamped so that it refills nothing and its
-// ts moves to now (token bucket) or to the start of now's window (fixed window).
-func (m modelLimit) missingRow() modelRow {
+// missingRow is how a missing row is evaluated at now: full, stamped so that it refills nothing and
+// its ts moves to now (token bucket) or to the start of now's window (fixed window): at the
+// grid's last start at or before the epoch, or, for a reading before that (docs/spec.md §5 accepts
+// readings down to -2^62 µs), at the start of the step holding now.
+func (m modelLimit) missingRow(now int64) modelRow {
+	stamp, step := int64(0), int64(1)
 	if m.fixed {
-		return modelRow{m.cap, m.anchorUs}
+		stamp, step = m.anchorUs, m.periodUs
 	}
-	return modelRow{m.cap, 0}
+	if now < stamp {
+		stamp -= (stamp - now + step - 1) / step * step
+	}
+	return modelRow{m.cap, stamp}
 }
 
 // charge is txlimit_charge with a free choice: 1 (row a), 2 (row b) or 3 (both).
@@ -299,6 +305,10 @@ func (m modelLimit) grantsAt(count, allow float64, two bool, a, b modelRow, t in
 	ch := charge(la, lb, two, count)
 	return grantedBy(ch, left(0, ch, la, lb, count), left(1, ch, la, lb, count), allow)
 }
+
+// modelNoTime stands for the zero time.Time in the model's results (times in µs since the epoch,
+// which may be negative: docs/spec.md §5 accepts readings down to -2^62 µs).
+const modelNoTime = int64(math.MinInt64)
 
 // modelMaxWait is ratelimit.MaxRetryWaitMicros.
 const modelMaxWait = int64(1) << 61
@@ -404,14 +414,14 @@ type modelReq struct {
 	snapshot bool
 }
 
-// modelResult mirrors ratelimit.Result. RetryAt < 0 means the zero time.
+// modelResult mirrors ratelimit.Result. A time of modelNoTime is the zero time.Time.
 type modelResult struct {
 	Name, Key string
 	OK        bool
 	Reserved  bool
 	RetryAt   int64
 	Value     float64
-	// TS is the ts the one row a grant charged is left with (Result.TS); < 0: the zero time, when
+	// TS is the ts the one row a grant charged is left with (Result.TS); modelNoTime when
 	// denied, when two shards were charged, or when the call's group was denied.
 	TS        int64
 	Shards    []int
@@ -424,7 +434,7 @@ type modelResult struct {
 // modelMany mirrors ratelimit.ManyResult.
 type modelMany struct {
 	OK      bool
-	RetryAt int64 // < 0: zero time
+	RetryAt int64 // modelNoTime: the zero time
 	Results []modelResult
 }
 
@@ -448,7 +458,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 			if row, ok := md.rows[modelRowKey{r.lim.name, r.lim.key, shard}]; ok {
 				return row
 			}
-			return r.lim.missingRow()
+			return r.lim.missingRow(now)
 		}
 		p.ra = row(r.a)
 		p.la, p.tsA = r.lim.level(p.ra, now)
@@ -465,7 +475,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 			granted = false
 		}
 	}
-	out := modelMany{RetryAt: -1, Results: make([]modelResult, len(reqs))}
+	out := modelMany{RetryAt: modelNoTime, Results: make([]modelResult, len(reqs))}
 	if dry {
 		out.OK = granted
 	} else if granted {
@@ -483,7 +493,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 	for i, r := range reqs {
 		p := plans[i]
 		res := modelResult{Name: r.lim.name, Key: r.lim.key, OK: p.okNow || p.reserved, Reserved: p.reserved,
-			RetryAt: -1, TS: -1, Config: r.lim.inForce, Time: now, okNow: p.okNow, retryStep: 1}
+			RetryAt: modelNoTime, TS: modelNoTime, Config: r.lim.inForce, Time: now, okNow: p.okNow, retryStep: 1}
 		if r.lim.fixed {
 			res.retryStep = r.lim.periodUs
 		}
@@ -548,7 +558,7 @@ func (r modelReq) allow() float64 {
 // modelState mirrors ratelimit.State.
 type modelState struct {
 	Value  float64
-	TS     int64 // < 0: zero time (no row)
+	TS     int64 // modelNoTime: the zero time (no row)
 	Shards []float64
 	Time   int64
 }
@@ -556,7 +566,7 @@ type modelState struct {
 // value is Limiter.State: every configured shard evaluated at now, missing ones full, summed in
 // shard order (docs/spec.md §6).
 func (md *model) value(now int64, m modelLimit) modelState {
-	st := modelState{TS: -1, Time: now, Shards: make([]float64, m.shards)}
+	st := modelState{TS: modelNoTime, Time: now, Shards: make([]float64, m.shards)}
 	for s := range st.Shards {
 		st.Shards[s] = m.cap
 		if row, ok := md.rows[modelRowKey{m.name, m.key, s}]; ok {
@@ -665,10 +675,10 @@ func TestModelSpecNumbers(t *testing.T) {
 	// docs/spec.md §3: 10/min, cap 10, holding 0.5 after 9.5 taken: a call for 1 waits (1-0.5)/(10/60s) = 3s.
 	tb := lim(ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: ratelimit.Unbounded}, "k")
 	md := newModel()
-	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, -1, 0.5)
+	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, modelNoTime, 0.5)
 	expect("deny 1", one(md, base, tb, 1, false, false), false, false, base+3*s, 0.5)
 	// Refill with cap (docs/spec.md §3 min(.., cap)): an hour later the bucket holds 10, not 600.5.
-	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, -1, 9)
+	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, modelNoTime, 9)
 	// Reservation with MaxReserved Unbounded: 10 + 5 leaves -5, paid after 5/(10/60s) = 30s.
 	expect("reserve", one(md, base+3600*s, tb, 15, true, false), true, true, base+3630*s, -5)
 	// Time going backwards (docs/spec.md §2): evaluated at ts, so no refill: still -5.
@@ -682,9 +692,9 @@ func TestModelSpecNumbers(t *testing.T) {
 	// window; three windows later the value is min(0 + 3·5, 5) = 5.
 	fw := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: time.UnixMicro(base)}, "k")
 	md = newModel()
-	expect("fw take 5", one(md, base+4*s, fw, 5, false, false), true, false, -1, 0)
+	expect("fw take 5", one(md, base+4*s, fw, 5, false, false), true, false, modelNoTime, 0)
 	expect("fw deny", one(md, base+9*s, fw, 1, false, false), false, false, base+10*s, 0)
-	expect("fw rollover", one(md, base+30*s, fw, 1, false, false), true, false, -1, 4)
+	expect("fw rollover", one(md, base+30*s, fw, 1, false, false), true, false, modelNoTime, 4)
 	// MaxReserved 3: a debt of 3 is granted, RetryAt = ts' + 10s·ceil(3/5); a debt of 4 is not.
 	fwr := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, MaxReserved: 3, Start: time.UnixMicro(base)}, "r")
 	md = newModel()
@@ -827,7 +837,7 @@ func TestSpecWorkedNumbers(t *testing.T) {
 			for i, st := range ex.steps {
 				e.set(shardT0.Add(st.at), st.pick)
 				now := base + st.at.Microseconds()
-				wantRetry := int64(-1)
+				wantRetry := modelNoTime
 				if st.retryUs != 0 {
 					wantRetry = base + st.retryUs
 				}
@@ -857,11 +867,11 @@ func TestSpecWorkedNumbers(t *testing.T) {
 				}
 				m := md.decide(now, []modelReq{req}, st.op == shardCheck).Results[0]
 				mAt := time.Time{}
-				if m.RetryAt >= 0 {
+				if m.RetryAt != modelNoTime {
 					mAt = time.UnixMicro(m.RetryAt)
 				}
 				wantAt := time.Time{}
-				if wantRetry >= 0 {
+				if wantRetry != modelNoTime {
 					wantAt = time.UnixMicro(wantRetry)
 				}
 				for who, g := range map[string]ratelimit.Result{"engine": got,
