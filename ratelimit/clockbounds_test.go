@@ -161,3 +161,37 @@ func TestClockBeforeTheEpoch(t *testing.T) {
 		}
 	}
 }
+
+// A RetryAt or a TS that falls on the Unix epoch itself is an instant like any other, not "none":
+// a denial at a reading 1 s before it, on a 1/s limit just emptied, waits until the epoch; a
+// reservation there is due at the epoch; a grant at the epoch leaves its row's ts at the epoch.
+func TestRetryAtAndTSAtTheEpoch(t *testing.T) {
+	t.Parallel()
+	epoch := time.Unix(0, 0).UTC()
+	clock := &testClock{t: epoch.Add(-time.Second)}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"tb": {Rate: 1, Period: time.Second, MaxReserved: 1},
+	}})
+	r, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", nil)
+	if err != nil || !r.OK || !r.TS.Equal(epoch.Add(-time.Second)) {
+		t.Fatalf("first call: %+v, %v", r, err)
+	}
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", nil)
+	if err != nil || r.OK || !r.RetryAt.Equal(epoch) || r.RetryAfter() != time.Second {
+		t.Errorf("denial: ok %v retryAt %v retryAfter %v (%v); want a wait until the epoch, 1s", r.OK, r.RetryAt, r.RetryAfter(), err)
+	}
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", &ratelimit.LimitOpts{Reserve: true})
+	if err != nil || !r.Reserved || !r.RetryAt.Equal(epoch) {
+		t.Errorf("reservation: reserved %v retryAt %v (%v); want due at the epoch", r.Reserved, r.RetryAt, err)
+	}
+	clock.Set(epoch.Add(time.Second))
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "j", nil)
+	if err != nil || !r.OK || !r.TS.Equal(epoch.Add(time.Second)) {
+		t.Errorf("grant: %+v, %v", r, err)
+	}
+	clock.Set(epoch)
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "i", nil)
+	if err != nil || !r.OK || !r.TS.Equal(epoch) {
+		t.Errorf("grant at the epoch: ok %v ts %v (%v); want the row's ts, the epoch", r.OK, r.TS, err)
+	}
+}

@@ -313,10 +313,13 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []answer) []o
 				OK: d.ok || d.reserved, Reserved: d.reserved,
 				Value: d.levelSum, Time: usTime(d.nowUs),
 			}
-			if d.retryAtUs != 0 {
+			// The engine sends 0 for "none", but 0 is also the Unix epoch, an instant an injected
+			// clock may reach: a denial and a reservation always carry a RetryAt, a grant that
+			// charged one row always its ts.
+			if !r.OK || r.Reserved {
 				r.RetryAt = usTime(d.retryAtUs)
 			}
-			if r.OK && (d.charged == 1 || d.charged == 2) && d.tsUs != 0 {
+			if r.OK && (d.charged == 1 || d.charged == 2) {
 				r.TS = usTime(d.tsUs)
 			}
 			if r.OK {

@@ -74,7 +74,7 @@ func modelValidate(c ratelimit.Config) error {
 		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || v > ratelimit.MaxAmount {
 			return false
 		}
-		return v > 0 || zeroOK
+		return v >= ratelimit.MinAmount || (v == 0 && zeroOK)
 	}
 	switch {
 	case c.Kind != ratelimit.TokenBucket && c.Kind != ratelimit.FixedWindow,
@@ -102,9 +102,9 @@ func modelCheckText(s string, maxLen int, emptyOK bool) error {
 	return nil
 }
 
-// modelCheckCount checks a count: finite, > 0, at most MaxAmount.
+// modelCheckCount checks a count: finite, at least MinAmount (10^-9), at most MaxAmount (10^15).
 func modelCheckCount(n float64) error {
-	if math.IsNaN(n) || math.IsInf(n, 0) || n <= 0 || n > ratelimit.MaxAmount {
+	if math.IsNaN(n) || math.IsInf(n, 0) || n < ratelimit.MinAmount || n > ratelimit.MaxAmount {
 		return errModelArgument
 	}
 	return nil
