@@ -17,14 +17,17 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -906,5 +909,86 @@ func TestSpecWorkedNumbers(t *testing.T) {
 				t.Errorf("model: State shards %v ts %d; the spec says %v ts %d", mst.Shards, mst.TS-base, ex.state, wantTS-base)
 			}
 		})
+	}
+}
+
+// TestModelExtremes compares the engine with the model where FuzzModel's tables do not reach: the
+// bounds of docs/spec.md §5 (rates, capacities, counts and MaxReserved from 10^-9 to 10^15,
+// periods from 1 µs to 100 years, 1024 shards, any Start), clock readings around and before the
+// epoch and far ahead, and jumps of up to a year. A fixed seed: each run decides the same calls.
+func TestModelExtremes(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, &testdb.Options{MaxConns: 2}, nil)
+	rng := rand.New(rand.NewPCG(7, 11))
+	pick := func(xs ...float64) float64 { return xs[rng.IntN(len(xs))] }
+	var now int64
+	var pa, pb int
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: func() time.Time { return time.UnixMicro(now).UTC() }})
+	require.NoError(t, err)
+	ratelimit.SetShardPicker(lim, func(int) (int, int) { return pa, pb })
+	periods := []time.Duration{time.Microsecond, 3 * time.Microsecond, time.Second, 7919 * time.Millisecond, 24 * time.Hour,
+		365 * 24 * time.Hour, ratelimit.MaxPeriod}
+	for c := 0; c < 250; c++ {
+		cfg := ratelimit.Config{
+			Rate: pick(1e-9, 1e-3, 0.1, 1, 3, 1e6, 1e15), Period: periods[rng.IntN(len(periods))],
+			Capacity: pick(0, 1e-9, 0.3, 1, 7, 1e15), MaxReserved: pick(0, 1e-9, 0.2, 1, 1e15, ratelimit.Unbounded),
+			Shards: []int{0, 1, 2, 3, ratelimit.MaxShards}[rng.IntN(5)],
+		}
+		if rng.IntN(2) == 0 {
+			cfg.Kind = ratelimit.FixedWindow
+			if rng.IntN(2) == 0 {
+				cfg.Start = time.UnixMicro(rng.Int64N(1<<60) - 1<<59).UTC()
+			}
+		}
+		key := fmt.Sprint("k", c)
+		m, err := modelResolve("x", key, &cfg)
+		require.NoError(t, err)
+		md := newModel()
+		now = []int64{0, -1, 1 << 52, -(1 << 40), 1767225600000000, 1<<62 - 1<<61}[rng.IntN(6)]
+		var trace []string
+		for op := 0; op < 20; op++ {
+			now += []int64{0, 1, 1000, 1e6, 1 << 30, -1, -1e6, 365 * 86400e6}[rng.IntN(8)]
+			count := pick(1e-9, 0.3, 1, 2, 1e6, 1e15) * pick(1, 1, m.cap, 2*m.cap)
+			reserve, dry := rng.IntN(2) == 0, rng.IntN(4) == 0
+			if m.shards >= 2 {
+				pa = rng.IntN(m.shards)
+				pb = (pa + 1 + rng.IntN(m.shards-1)) % m.shards
+			}
+			trace = append(trace, fmt.Sprintf("at %dµs: count %v reserve %v dry %v picks %d/%d", now, count, reserve, dry, pa, pb))
+			opts := &ratelimit.LimitOpts{Config: &cfg, Reserve: reserve}
+			var got ratelimit.Result
+			if dry {
+				got, err = lim.CheckN(b.ctx, b.pool, "x", key, count, opts)
+			} else {
+				got, err = lim.LimitN(b.ctx, b.pool, "x", key, count, opts)
+			}
+			wantErr := modelCheckCount(count) != nil || m.neverGranted(count, reserve) || (reserve && m.noReserve)
+			require.Equal(t, wantErr, err != nil, "config %v: error %v\n%s", cfg, err, strings.Join(trace, "\n"))
+			if err != nil {
+				continue
+			}
+			req := modelReq{lim: m, count: count, reserve: reserve, a: 0, b: -1}
+			if m.shards >= 2 {
+				req.a, req.b = pa, pb
+			}
+			w := md.decide(now, []modelReq{req}, dry).Results[0]
+			if got.OK != w.OK || got.Reserved != w.Reserved || !sameTime(got.RetryAt, w.RetryAt) || !sameFloat(got.Value, w.Value) ||
+				!sameTime(got.TS, w.TS) || !slices.Equal(got.Shards, w.Shards) {
+				t.Fatalf("config %v:\n got  ok %v reserved %v retryAt %v value %v ts %v shards %v\n want ok %v reserved %v retryAt %d value %v ts %d shards %v\n%s",
+					cfg, got.OK, got.Reserved, got.RetryAt.UnixMicro(), got.Value, got.TS.UnixMicro(), got.Shards,
+					w.OK, w.Reserved, w.RetryAt, w.Value, w.TS, w.Shards, strings.Join(trace, "\n"))
+			}
+			if rng.IntN(4) == 0 {
+				cr, err := lim.Credit(b.ctx, b.pool, "x", key, count, &ratelimit.LimitOpts{Config: &cfg})
+				require.NoError(t, err)
+				wc := md.credit(now, m, count)
+				require.True(t, sameFloat(cr.Credited, wc.Credited) && sameFloat(cr.Value, wc.Value),
+					"config %v: Credit(%v) got %v/%v, want %v/%v\n%s", cfg, count, cr.Credited, cr.Value, wc.Credited, wc.Value, strings.Join(trace, "\n"))
+			}
+		}
+		st, err := lim.State(b.ctx, b.pool, "x", key, &ratelimit.LimitOpts{Config: &cfg})
+		require.NoError(t, err)
+		ws := md.value(now, m)
+		require.True(t, sameFloat(st.Value, ws.Value) && sameTime(st.TS, ws.TS), "config %v: State %v/%v, want %v/%v", cfg, st.Value, st.TS, ws.Value, ws.TS)
 	}
 }
