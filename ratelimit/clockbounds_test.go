@@ -195,3 +195,31 @@ func TestRetryAtAndTSAtTheEpoch(t *testing.T) {
 		t.Errorf("grant at the epoch: ok %v ts %v (%v); want the row's ts, the epoch", r.OK, r.TS, err)
 	}
 }
+
+// Readings before year 1 (the zero time.Time) are accepted too (docs/spec.md §5: down to -2^62
+// µs): a denied LimitMany there still carries the RetryAt of its denial, and so does its error.
+func TestManyRetryAtBeforeYearOne(t *testing.T) {
+	t.Parallel()
+	at := time.Date(-1000, 1, 1, 0, 0, 0, 0, time.UTC)
+	clock := &testClock{t: at}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"tb": {Rate: 1, Period: time.Second, MaxReserved: 5},
+	}})
+	reqs := []ratelimit.Request{{Name: "tb", Key: "a"}, {Name: "tb", Key: "b"}}
+	if m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, nil); err != nil || !m.OK {
+		t.Fatalf("first: %+v, %v", m, err)
+	}
+	m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, &ratelimit.LimitOpts{AsError: true})
+	var le *ratelimit.LimitedError
+	if !errors.As(err, &le) || m.OK || !m.Results[0].RetryAt.Equal(at.Add(time.Second)) {
+		t.Fatalf("second: %+v, %v", m, err)
+	}
+	if !m.RetryAt.Equal(at.Add(time.Second)) || m.RetryAfter() != time.Second || !le.RetryAt.Equal(at.Add(time.Second)) {
+		t.Errorf("ManyResult.RetryAt %v (RetryAfter %v), LimitedError.RetryAt %v; want %v", m.RetryAt, m.RetryAfter(), le.RetryAt, at.Add(time.Second))
+	}
+	// A reservation there is due when its row is out of debt.
+	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{{Name: "tb", Key: "a", Reserve: true}}, nil)
+	if err != nil || !m.OK || !m.RetryAt.Equal(at.Add(time.Second)) {
+		t.Errorf("reservation: ok %v RetryAt %v (%v); want %v", m.OK, m.RetryAt, err, at.Add(time.Second))
+	}
+}

@@ -340,16 +340,17 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []answer) []o
 			out[g].err = busy
 			continue
 		}
+		waits := false // whether res.RetryAt is set: a RetryAt can lie before year 1, the zero time.Time
 		for i := range res.Results {
 			r := &res.Results[i]
 			if !res.OK && !c.dry {
 				r.Shards, r.TS = nil, time.Time{} // nothing was consumed
 			}
 			// Granted: act when the last reservation is due. Denied: retry when the last denial clears.
-			if (res.OK || !r.OK) && r.RetryAt.After(res.RetryAt) {
-				res.RetryAt = r.RetryAt
+			if (res.OK || !r.OK) && (!r.OK || r.Reserved) && (!waits || r.RetryAt.After(res.RetryAt)) {
+				res.RetryAt, waits = r.RetryAt, true
 			}
-			if res.Time.IsZero() {
+			if i == 0 {
 				res.Time = r.Time
 			}
 		}
