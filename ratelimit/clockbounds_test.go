@@ -197,8 +197,9 @@ func TestRetryAtAndTSAtTheEpoch(t *testing.T) {
 }
 
 // Readings before year 1 (the zero time.Time) are accepted too (docs/spec.md §5: down to -2^62
-// µs): a denied LimitMany there still carries the RetryAt of its denial, and so does its error.
-func TestManyRetryAtBeforeYearOne(t *testing.T) {
+// µs): a denied LimitMany there still carries the RetryAt of its denial, and so does its error;
+// State's TS is the row's.
+func TestTimesBeforeYearOne(t *testing.T) {
 	t.Parallel()
 	at := time.Date(-1000, 1, 1, 0, 0, 0, 0, time.UTC)
 	clock := &testClock{t: at}
@@ -208,6 +209,9 @@ func TestManyRetryAtBeforeYearOne(t *testing.T) {
 	reqs := []ratelimit.Request{{Name: "tb", Key: "a"}, {Name: "tb", Key: "b"}}
 	if m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, nil); err != nil || !m.OK {
 		t.Fatalf("first: %+v, %v", m, err)
+	}
+	if st, err := b.lim.State(b.ctx, b.pool, "tb", "a", nil); err != nil || !st.TS.Equal(at) {
+		t.Errorf("State: TS %v (%v), want the row's %v", st.TS, err, at)
 	}
 	m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, &ratelimit.LimitOpts{AsError: true})
 	var le *ratelimit.LimitedError

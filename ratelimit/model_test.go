@@ -944,7 +944,7 @@ func TestModelExtremes(t *testing.T) {
 		m, err := modelResolve("x", key, &cfg)
 		require.NoError(t, err)
 		md := newModel()
-		now = []int64{0, -1, 1 << 52, -(1 << 40), 1767225600000000, 1<<62 - 1<<61}[rng.IntN(6)]
+		now = []int64{0, -1, 1 << 52, -(1 << 40), -(1 << 56), -(1 << 62) + 1<<50, 1767225600000000, 1<<62 - 1<<61}[rng.IntN(8)]
 		var trace []string
 		for op := 0; op < 20; op++ {
 			now += []int64{0, 1, 1000, 1e6, 1 << 30, -1, -1e6, 365 * 86400e6}[rng.IntN(8)]
