@@ -914,8 +914,9 @@ func TestSpecWorkedNumbers(t *testing.T) {
 
 // TestModelExtremes compares the engine with the model where FuzzModel's tables do not reach: the
 // bounds of docs/spec.md §5 (rates, capacities, counts and MaxReserved from 10^-9 to 10^15,
-// periods from 1 µs to 100 years, 1024 shards, any Start), clock readings around and before the
-// epoch and far ahead, and jumps of up to a year. A fixed seed: each run decides the same calls.
+// periods from 1 µs to 100 years, 1024 shards, any Start), clock readings around the epoch, before
+// it down to -2^62 µs (before year 1, the zero time.Time) and far ahead, and jumps of up to a
+// year. A fixed seed: each run decides the same calls.
 func TestModelExtremes(t *testing.T) {
 	t.Parallel()
 	b := setupDB(t, &testdb.Options{MaxConns: 2}, nil)
