@@ -275,9 +275,10 @@ func newSpec(name, key string, cfg Config) spec {
 	}
 	if cfg.Kind == FixedWindow {
 		s.stepUs = s.periodUs
-		// A missing row is stamped at this anchor, so it must not lie after any clock reading: the
+		// A missing row is stamped at this anchor, so it must not lie after the clock reading: the
 		// grid start at or before the epoch, not the phase after it (a period of 80 years with a
-		// phase in 2040 would stamp a row in the future, and its first window would last two).
+		// phase in 2040 would stamp a row in the future, and its first window would last two); a
+		// reading before the epoch gets the window holding it instead (missingTS).
 		if s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs); s.anchorUs > 0 {
 			s.anchorUs -= s.periodUs
 		}
