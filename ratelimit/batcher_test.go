@@ -329,7 +329,7 @@ func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
 				if len(w.Shards) > 0 {
 					require.Equal(t, w.Shards, r.Shards, what+": Shards")
 				}
-				if w.RetryAt < 0 {
+				if w.RetryAt == modelNoTime {
 					require.True(t, r.RetryAt.IsZero(), what+": RetryAt %v, want zero", r.RetryAt)
 				} else {
 					require.Equal(t, w.RetryAt, r.RetryAt.UnixMicro(), what+": RetryAt")

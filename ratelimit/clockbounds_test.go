@@ -115,3 +115,115 @@ func TestInjectedClockBounds(t *testing.T) {
 		}
 	}
 }
+
+// Readings before the Unix epoch are accepted (above), and the rules depend only on differences
+// of time (docs/spec.md §3, §4): a sequence of calls gives the same answers, relative to its clock,
+// at t0 as 100 days before the epoch. There, too, a missing row is full with its ts at the reading
+// (token bucket) or at the start of the window holding it (fixed window, §4), not at the epoch: a
+// fresh limit refills from its first call on, not from 1970.
+func TestClockBeforeTheEpoch(t *testing.T) {
+	t.Parallel()
+	type answer struct {
+		ok        bool
+		value     float64
+		retry, ts time.Duration // after the base; -1: zero
+	}
+	rel := func(at, base time.Time) time.Duration {
+		if at.IsZero() {
+			return -1
+		}
+		return at.Sub(base)
+	}
+	run := func(base time.Time) []answer {
+		clock := &testClock{t: base}
+		b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+			"tb": {Rate: 1, Period: time.Second},
+			// Start at the base: windows [base + k s, base + (k+1) s).
+			"fw": {Kind: ratelimit.FixedWindow, Rate: 1, Period: time.Second, Start: base},
+		}})
+		var out []answer
+		for _, name := range []string{"tb", "fw"} {
+			for _, at := range []time.Duration{500 * ms, 500 * ms, 1500 * ms, 2 * time.Second} {
+				clock.Set(base.Add(at))
+				r, err := b.lim.Limit(b.ctx, b.pool, name, "k", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out = append(out, answer{r.OK, r.Value, rel(r.RetryAt, base), rel(r.TS, base)})
+			}
+		}
+		return out
+	}
+	after, before := run(t0), run(time.Unix(-100*86400, 0).UTC())
+	for i := range after {
+		if after[i] != before[i] {
+			t.Errorf("call %d: at t0 %+v, 100 days before the epoch %+v", i, after[i], before[i])
+		}
+	}
+}
+
+// A RetryAt or a TS that falls on the Unix epoch itself is an instant like any other, not "none":
+// a denial at a reading 1 s before it, on a 1/s limit just emptied, waits until the epoch; a
+// reservation there is due at the epoch; a grant at the epoch leaves its row's ts at the epoch.
+func TestRetryAtAndTSAtTheEpoch(t *testing.T) {
+	t.Parallel()
+	epoch := time.Unix(0, 0).UTC()
+	clock := &testClock{t: epoch.Add(-time.Second)}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"tb": {Rate: 1, Period: time.Second, MaxReserved: 1},
+	}})
+	r, err := b.lim.Limit(b.ctx, b.pool, "tb", "k", nil)
+	if err != nil || !r.OK || !r.TS.Equal(epoch.Add(-time.Second)) {
+		t.Fatalf("first call: %+v, %v", r, err)
+	}
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", nil)
+	if err != nil || r.OK || !r.RetryAt.Equal(epoch) || r.RetryAfter() != time.Second {
+		t.Errorf("denial: ok %v retryAt %v retryAfter %v (%v); want a wait until the epoch, 1s", r.OK, r.RetryAt, r.RetryAfter(), err)
+	}
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", &ratelimit.LimitOpts{Reserve: true})
+	if err != nil || !r.Reserved || !r.RetryAt.Equal(epoch) {
+		t.Errorf("reservation: reserved %v retryAt %v (%v); want due at the epoch", r.Reserved, r.RetryAt, err)
+	}
+	clock.Set(epoch.Add(time.Second))
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "j", nil)
+	if err != nil || !r.OK || !r.TS.Equal(epoch.Add(time.Second)) {
+		t.Errorf("grant: %+v, %v", r, err)
+	}
+	clock.Set(epoch)
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "i", nil)
+	if err != nil || !r.OK || !r.TS.Equal(epoch) {
+		t.Errorf("grant at the epoch: ok %v ts %v (%v); want the row's ts, the epoch", r.OK, r.TS, err)
+	}
+}
+
+// Readings before year 1 (the zero time.Time) are accepted too (docs/spec.md §5: down to -2^62
+// µs): a denied LimitMany there still carries the RetryAt of its denial, and so does its error;
+// State's TS is the row's.
+func TestTimesBeforeYearOne(t *testing.T) {
+	t.Parallel()
+	at := time.Date(-1000, 1, 1, 0, 0, 0, 0, time.UTC)
+	clock := &testClock{t: at}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"tb": {Rate: 1, Period: time.Second, MaxReserved: 5},
+	}})
+	reqs := []ratelimit.Request{{Name: "tb", Key: "a"}, {Name: "tb", Key: "b"}}
+	if m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, nil); err != nil || !m.OK {
+		t.Fatalf("first: %+v, %v", m, err)
+	}
+	if st, err := b.lim.State(b.ctx, b.pool, "tb", "a", nil); err != nil || !st.TS.Equal(at) {
+		t.Errorf("State: TS %v (%v), want the row's %v", st.TS, err, at)
+	}
+	m, err := b.lim.LimitMany(b.ctx, b.pool, reqs, &ratelimit.LimitOpts{AsError: true})
+	var le *ratelimit.LimitedError
+	if !errors.As(err, &le) || m.OK || !m.Results[0].RetryAt.Equal(at.Add(time.Second)) {
+		t.Fatalf("second: %+v, %v", m, err)
+	}
+	if !m.RetryAt.Equal(at.Add(time.Second)) || m.RetryAfter() != time.Second || !le.RetryAt.Equal(at.Add(time.Second)) {
+		t.Errorf("ManyResult.RetryAt %v (RetryAfter %v), LimitedError.RetryAt %v; want %v", m.RetryAt, m.RetryAfter(), le.RetryAt, at.Add(time.Second))
+	}
+	// A reservation there is due when its row is out of debt.
+	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{{Name: "tb", Key: "a", Reserve: true}}, nil)
+	if err != nil || !m.OK || !m.RetryAt.Equal(at.Add(time.Second)) {
+		t.Errorf("reservation: ok %v RetryAt %v (%v); want %v", m.OK, m.RetryAt, err, at.Add(time.Second))
+	}
+}

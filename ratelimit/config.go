@@ -7,6 +7,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5/pgtype"
+
 	"github.com/txlimit/txlimit/internal/countbound"
 )
 
@@ -273,14 +275,29 @@ func newSpec(name, key string, cfg Config) spec {
 	}
 	if cfg.Kind == FixedWindow {
 		s.stepUs = s.periodUs
-		// A missing row is stamped at this anchor, so it must not lie after any clock reading: the
+		// A missing row is stamped at this anchor, so it must not lie after the clock reading: the
 		// grid start at or before the epoch, not the phase after it (a period of 80 years with a
-		// phase in 2040 would stamp a row in the future, and its first window would last two).
+		// phase in 2040 would stamp a row in the future, and its first window would last two); a
+		// reading before the epoch gets the window holding it instead (missingTS).
 		if s.anchorUs = windowPhase(name, key, cfg.Start, s.periodUs); s.anchorUs > 0 {
 			s.anchorUs -= s.periodUs
 		}
 	}
 	return s
+}
+
+// missingTS is the ts a missing row of this spec is evaluated (and, to lock it, stamped) with
+// at the reading now (NULL: the database's clock): the anchor, so that it evaluates as a missing
+// row at every later reading; for a reading before the anchor (an injected clock before 1970),
+// the start of the step holding the reading (the reading itself for a token bucket, its
+// window's start for a fixed window), so that a fresh row refills from its first call on, not
+// from the epoch (docs/spec.md §1, §4).
+func (s spec) missingTS(now pgtype.Int8) int64 {
+	if !now.Valid || now.Int64 >= s.anchorUs {
+		return s.anchorUs
+	}
+	d := now.Int64 - s.anchorUs // < 0, and at least -2^62 - 100 years
+	return s.anchorUs + (d-(s.stepUs-1))/s.stepUs*s.stepUs
 }
 
 // windowPhase returns where in [0, periodUs) microseconds after the Unix epoch the window grid of

@@ -95,7 +95,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	if s.shards < 2 && !c.dry {
 		a, err = via(on(db), ctx, dbsqlc.DecideOneRowParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0),
-			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.missingTS(now),
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
@@ -108,7 +108,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
-			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.anchorUs,
+			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.missingTS(now),
 			Shards: l.candidates(c, s, true), LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
 	}
@@ -220,7 +220,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 			p.Rate = append(p.Rate, s.rate)
 			p.PeriodUs = append(p.PeriodUs, s.periodUs)
 			p.Cap = append(p.Cap, s.capacity)
-			p.AnchorUs = append(p.AnchorUs, s.anchorUs)
+			p.AnchorUs = append(p.AnchorUs, s.missingTS(p.NowUs))
 			p.RowA = append(p.RowA, row(rowID{s.name, s.key, cands[0]}))
 			b := int32(-1)
 			if len(cands) > 1 {
@@ -313,10 +313,13 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []answer) []o
 				OK: d.ok || d.reserved, Reserved: d.reserved,
 				Value: d.levelSum, Time: usTime(d.nowUs),
 			}
-			if d.retryAtUs != 0 {
+			// The engine sends 0 for "none", but 0 is also the Unix epoch, an instant an injected
+			// clock may reach: a denial and a reservation always carry a RetryAt, a grant that
+			// charged one row always its ts.
+			if !r.OK || r.Reserved {
 				r.RetryAt = usTime(d.retryAtUs)
 			}
-			if r.OK && (d.charged == 1 || d.charged == 2) && d.tsUs != 0 {
+			if r.OK && (d.charged == 1 || d.charged == 2) {
 				r.TS = usTime(d.tsUs)
 			}
 			if r.OK {
@@ -337,16 +340,17 @@ func (l *Limiter) outcomes(ctx context.Context, calls []*call, got []answer) []o
 			out[g].err = busy
 			continue
 		}
+		waits := false // whether res.RetryAt is set: a RetryAt can lie before year 1, the zero time.Time
 		for i := range res.Results {
 			r := &res.Results[i]
 			if !res.OK && !c.dry {
 				r.Shards, r.TS = nil, time.Time{} // nothing was consumed
 			}
 			// Granted: act when the last reservation is due. Denied: retry when the last denial clears.
-			if (res.OK || !r.OK) && r.RetryAt.After(res.RetryAt) {
-				res.RetryAt = r.RetryAt
+			if (res.OK || !r.OK) && (!r.OK || r.Reserved) && (!waits || r.RetryAt.After(res.RetryAt)) {
+				res.RetryAt, waits = r.RetryAt, true
 			}
-			if res.Time.IsZero() {
+			if i == 0 {
 				res.Time = r.Time
 			}
 		}

@@ -48,7 +48,8 @@ var (
 		3600000000, 86400000000, 123456, 654321, 100,
 		-1, -2, -999, -1000, -100000, -250000, -500000, -1000000, -1500000, -3000000, -60000000, -3600000000,
 		200, 300, 1234, 20000, 50000, 75000, 400000, 600000, 700000, 800000, 900000, 1200000, 2500000,
-		4000000, 7000000, 20000000, 0, 1}
+		4000000, 7000000, 20000000, 0, 1,
+		-1 << 51, 1 << 51} // about 71 years: before the epoch (docs/spec.md §5 accepts readings down to -2^62 µs) and back
 	fzNames = []string{"a", "b", "c", "x"} // "x" is not registered: it needs an inline config
 	fzKeys  = []string{"", "k1", "ü-key"}
 	// Keys that must be rejected (docs/spec.md §5): too long, a NUL byte, not UTF-8.
@@ -134,11 +135,15 @@ type fzReq struct {
 	bad       int // 0..7, selects the bad config
 	inline    bool
 	badConfig bool // with inline: fzBadConfigs[bad]
-	throw     bool
-	reserve   bool
-	count     float64
-	pickA     int
-	pickB     int
+	// swap, with inline: the config of the next name instead ("a" gets b's, "b" c's, "c" a's, "x"
+	// b's), so that one (name, key) is decided under another config: a changed Capacity, Period,
+	// Start, Kind, MaxReserved or Shards (docs/spec.md §1, §4, §8).
+	swap    bool
+	throw   bool
+	reserve bool
+	count   float64
+	pickA   int
+	pickB   int
 }
 
 type fzOp struct {
@@ -186,6 +191,7 @@ func fzDecodeReq(b []byte) fzReq {
 		key:       int((b[0] >> 2) & 3),
 		inline:    b[0]&16 != 0,
 		badConfig: b[0]&0x30 == 0x30 && b[2]&15 == 15, // rare: inline, bit 5 and pick nibble 15
+		swap:      b[0]&0x30 == 0x30 && b[2]&15 != 15, // inline and bit 5
 		throw:     b[0]&64 != 0,
 		reserve:   b[0]&128 != 0,
 		count:     fzCounts[b[1]&31],
@@ -279,6 +285,8 @@ func (r *fzRunner) target(q fzReq) (name, key string, inline *ratelimit.Config, 
 		switch {
 		case q.badConfig:
 			c = fzBadConfigs[q.bad]
+		case q.swap:
+			c = r.sc.cfgs[(q.name+1)%3] // "x" (3) gets b's
 		case q.name < 3:
 			c = r.sc.cfgs[q.name]
 		default:
@@ -333,9 +341,9 @@ func errClass(err error) string {
 
 func sameFloat(a, b float64) bool { return math.Float64bits(a) == math.Float64bits(b) }
 
-// sameTime compares a library time with a model time in µs (< 0: the zero time).
+// sameTime compares a library time with a model time in µs (modelNoTime: the zero time).
 func sameTime(got time.Time, want int64) bool {
-	if want < 0 {
+	if want == modelNoTime {
 		return got.IsZero()
 	}
 	return !got.IsZero() && got.Equal(time.UnixMicro(want))
@@ -349,7 +357,7 @@ func fmtTime(base int64, got time.Time) string {
 }
 
 func fmtModelTime(base, want int64) string {
-	if want < 0 {
+	if want == modelNoTime {
 		return "zero"
 	}
 	return fmt.Sprintf("%+dµs", want-base)
@@ -360,7 +368,7 @@ func (r *fzRunner) sameRetry(got time.Time, want modelResult) bool {
 	if sameTime(got, want.RetryAt) {
 		return true
 	}
-	if fzBugRetryAtOvershoot && !r.strict && want.RetryAt >= 0 && sameTime(got, want.RetryAt+want.retryStep) {
+	if fzBugRetryAtOvershoot && !r.strict && want.RetryAt != modelNoTime && sameTime(got, want.RetryAt+want.retryStep) {
 		r.overshoots++
 		return true
 	}
@@ -375,11 +383,11 @@ func (r *fzRunner) compareResult(what string, got ratelimit.Result, want modelRe
 	}
 	if got.Name != want.Name || got.Key != want.Key || got.OK != want.OK || got.Reserved != want.Reserved ||
 		!r.sameRetry(got.RetryAt, want) || !sameFloat(got.Value, want.Value) || !sameShards ||
-		!sameTime(got.Time, want.Time) {
+		!sameTime(got.Time, want.Time) || !sameTime(got.TS, want.TS) || got.Config != want.Config {
 		b := r.sc.base
-		r.fail("%s:\n got  ok=%v reserved=%v retryAt=%s value=%v (%#x) shards=%v time=%s\n want ok=%v reserved=%v retryAt=%s value=%v (%#x) shards=%v time=%s",
-			what, got.OK, got.Reserved, fmtTime(b, got.RetryAt), got.Value, math.Float64bits(got.Value), got.Shards, fmtTime(b, got.Time),
-			want.OK, want.Reserved, fmtModelTime(b, want.RetryAt), want.Value, math.Float64bits(want.Value), want.Shards, fmtModelTime(b, want.Time))
+		r.fail("%s:\n got  ok=%v reserved=%v retryAt=%s value=%v (%#x) ts=%s shards=%v time=%s config=%v\n want ok=%v reserved=%v retryAt=%s value=%v (%#x) ts=%s shards=%v time=%s config=%v",
+			what, got.OK, got.Reserved, fmtTime(b, got.RetryAt), got.Value, math.Float64bits(got.Value), fmtTime(b, got.TS), got.Shards, fmtTime(b, got.Time), got.Config,
+			want.OK, want.Reserved, fmtModelTime(b, want.RetryAt), want.Value, math.Float64bits(want.Value), fmtModelTime(b, want.TS), want.Shards, fmtModelTime(b, want.Time), want.Config)
 	}
 }
 
@@ -406,7 +414,7 @@ func (r *fzRunner) compareLimited(err error, results []modelResult, all []rateli
 		r.compareResult(fmt.Sprintf("LimitedError.Denied[%d]", i), le.Denied[i], denied[i])
 	}
 	// The denied RetryAts are checked against the model above; the error carries their latest.
-	at := int64(-1)
+	at := modelNoTime
 	for _, d := range le.Denied {
 		at = max(at, d.RetryAt.UnixMicro())
 	}
@@ -586,15 +594,16 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 	// ManyResult.RetryAt is the latest RetryAt of the results (each checked against the model).
 	wantAt := want.RetryAt
 	if r.overshoots > 0 {
-		wantAt = -1
+		wantAt = modelNoTime
 		for _, g := range got.Results {
 			if !g.RetryAt.IsZero() {
 				wantAt = max(wantAt, g.RetryAt.UnixMicro())
 			}
 		}
 	}
-	if !sameTime(got.RetryAt, wantAt) {
-		r.fail("%s: got retryAt=%s, want %s", op, fmtTime(r.sc.base, got.RetryAt), fmtModelTime(r.sc.base, wantAt))
+	if !sameTime(got.RetryAt, wantAt) || !sameTime(got.Time, r.now) {
+		r.fail("%s: got retryAt=%s time=%s, want %s time=%s", op, fmtTime(r.sc.base, got.RetryAt), fmtTime(r.sc.base, got.Time),
+			fmtModelTime(r.sc.base, wantAt), fmtModelTime(r.sc.base, r.now))
 	}
 }
 
@@ -686,8 +695,9 @@ func (r *fzRunner) list(op fzOp) {
 		for j := range want.Results {
 			r.compareResult(fmt.Sprintf("List call %d result %d", i, j), got[i].Results[j], want.Results[j])
 		}
-		if !sameTime(got[i].RetryAt, want.RetryAt) {
-			r.fail("List call %d: got retryAt=%s, want %s", i, fmtTime(r.sc.base, got[i].RetryAt), fmtModelTime(r.sc.base, want.RetryAt))
+		if !sameTime(got[i].RetryAt, want.RetryAt) || !sameTime(got[i].Time, r.now) {
+			r.fail("List call %d: got retryAt=%s time=%s, want %s time=%s", i, fmtTime(r.sc.base, got[i].RetryAt),
+				fmtTime(r.sc.base, got[i].Time), fmtModelTime(r.sc.base, want.RetryAt), fmtModelTime(r.sc.base, r.now))
 		}
 	}
 }
@@ -713,7 +723,7 @@ func (r *fzRunner) credit(q fzReq) {
 	}
 	want := r.md.credit(r.now, m, q.count)
 	if fzBugCreditTimeZeroWithoutRows && !r.strict && !hasRows && got.Time.IsZero() {
-		want.Time = -1
+		want.Time = modelNoTime
 	}
 	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> credited=%v value=%v", want.Credited, want.Value)
 	if got.Name != name || got.Key != key || !sameFloat(got.Credited, want.Credited) || !sameFloat(got.Value, want.Value) ||
@@ -926,6 +936,9 @@ type fzQOpt func(q *[3]byte)
 func fzReserve(q *[3]byte) { q[0] |= 128 }
 func fzThrow(q *[3]byte)   { q[0] |= 64 }
 func fzInline(q *[3]byte)  { q[0] |= 16 }
+
+// fzSwap passes the next name's config inline (fzReq.swap); its picks must not be 15.
+func fzSwap(q *[3]byte) { q[0] |= 0x30 }
 
 // fzPicks makes the shard picker choose a then b of n shards.
 func fzPicks(n, a, b int) fzQOpt {
@@ -1151,6 +1164,107 @@ func fzSeeds() []fzSeed {
 			op(fzOpMany|fzBitTx, 0, fzQ("b", 2, 4, fzPicks(4, 2, 3))).b}, // last: a list of one request
 		{"credit_without_rows", fzNewSeed(0, fzC(tb, 1, time.Hour, 0, inf, 2, 0, 0)).
 			op(fzOpCredit, 50000, fzQ("a", 0, 100)).b},
+		// Config changes (fzSwap: the next name's config inline): a row is read with the config of
+		// each call (docs/spec.md §1), capped at the new capacity, with the new MaxReserved.
+		{"config_change_capacity", fzNewSeed(0, fzC(tb, 10, sec, 20, inf, 1, 0, 0), fzC(tb, 10, sec, 2, 0, 1, 0, 0), fzC(tb, 10, sec, 0, 1, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 5)).                    // 15 of 20
+			op(fzOpValue, 0, fzQ("a", 0, 1, fzSwap)).            // read with capacity 2: 2
+			op(fzOpLimit, 0, fzQ("a", 0, 2, fzSwap)).            // 0
+			op(fzOpLimit, 100000, fzQ("a", 0, 1)).               // back to 20: refilled from 0
+			op(fzOpReserve, 0, fzQ("a", 0, 3, fzSwap)).          // MaxReserved 0 there: argument error
+			op(fzOpReserve, 0, fzQ("a", 0, 5)).                  // Unbounded: -5
+			op(fzOpCheck, 0, fzQ("a", 0, 1, fzSwap)).            // in debt under capacity 2 too
+			op(fzOpReserve, 0, fzQ("c", 2, 33, fzSwap)).         // capacity 20, Unbounded: -13
+			op(fzOpReserve, 0, fzQ("c", 2, 1)).                  // MaxReserved 1: refused until the debt fits
+			op(fzOpLimit, 1500000, fzQ("c", 2, 1)).              // -13 + 15 = 2
+			op(fzOpCredit, 0, fzQ("c", 2, 50, fzSwap)).          // up to 20
+			op(fzOpValue, 0, fzQ("c", 2, 1)).                    // read with capacity 10
+			op(fzOpLimit, 0, fzQ("b", 1, 2)).                    // b's 2: 0
+			op(fzOpCheckReserve, 0, fzQ("b", 1, 10, fzSwap)).b}, // c's: 0 + 1 bounded debt
+		// docs/spec.md §4: a row written under another Period or Start, or by a token bucket,
+		// keeps counting windows from its own ts.
+		{"config_change_window_grid", fzNewSeed(29, fzC(fw, 2, 10*sec, 0, inf, 1, 0, 0), fzC(fw, 2, 3*sec, 5, inf, 1, 2, 1), fzC(tb, 2, sec, 0, inf, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 2)).               // 0 at the start of a's hashed window
+			op(fzOpLimit, 2000000, fzQ("a", 0, 1, fzSwap)). // 3 s windows from that ts
+			op(fzOpCheck, 1000000, fzQ("a", 0, 2, fzSwap)).
+			op(fzOpLimit, 3000000, fzQ("a", 0, 1)). // 10 s windows from the row's ts
+			op(fzOpReserve, 0, fzQ("a", 0, 4, fzSwap)).
+			op(fzOpValue, 10000000, fzQ("a", 0, 1)).
+			op(fzOpValue, 0, fzQ("a", 0, 1, fzSwap)).
+			op(fzOpLimit, 0, fzQ("c", 1, 2)).                // a token bucket row at now
+			op(fzOpLimit, 7000000, fzQ("c", 1, 1, fzSwap)).  // read as a 10 s window from its ts: denied
+			op(fzOpLimit, 3000000, fzQ("c", 1, 1, fzSwap)).  // one window later
+			op(fzOpLimit, 1000, fzQ("c", 1, 2)).             // a token bucket again, from the window's start
+			op(fzOpLimit, -1500000, fzQ("c", 1, 1, fzSwap)). // time backwards under the other kind
+			op(fzOpResetCredit|fzBit4, 0, fzQ("c", 1, 1)).
+			op(fzOpLimit, 0, fzQ("c", 1, 2, fzSwap)). // missing: full at the start of a's grid for c
+			op(fzOpValue, 0, fzQ("c", 1, 1)).b},
+		// docs/spec.md §8: changing Shards reads every row with the new per-shard numbers, missing
+		// shards full, rows of shards >= N ignored until Reset.
+		{"config_change_shards", fzNewSeed(31, fzC(tb, 10, sec, 20, inf, 4, 0, 0), fzC(tb, 10, sec, 20, inf, 2, 0, 0), fzC(tb, 10, sec, 20, inf, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 0, 5, fzPicks(4, 3, 2))).          // shard 3 to 0
+			op(fzOpLimit, 0, fzQ("a", 0, 4, fzPicks(4, 2, 1))).          // shard 2 to 1
+			op(fzOpLimit, 0, fzQ("a", 0, 8, fzPicks(4, 1, 0))).          // both to 1
+			op(fzOpValue, 0, fzQ("a", 0, 1, fzSwap)).                    // 2 shards of 10: 1 + 1
+			op(fzOpLimit, 0, fzQ("a", 0, 15, fzSwap, fzPicks(2, 0, 1))). // denied
+			op(fzOpLimit, 1000000, fzQ("a", 0, 12, fzSwap, fzPicks(2, 1, 0))).
+			op(fzOpCredit, 0, fzQ("a", 0, 20, fzSwap)). // shards 0 and 1 only
+			op(fzOpValue, 0, fzQ("a", 0, 1)).           // 4 shards: capped at 5 each
+			op(fzOpReserve, 0, fzQ("a", 0, 10, fzPicks(4, 2, 3))).
+			op(fzOpLimit, 0, fzQ("b", 1, 15, fzPicks(2, 0, 1))). // 2.5 each
+			op(fzOpLimit, 0, fzQ("b", 1, 3, fzSwap)).            // 1 shard: shard 1 ignored
+			op(fzOpValue, 0, fzQ("b", 1, 1, fzSwap)).
+			op(fzOpCredit, 0, fzQ("b", 1, 20, fzSwap)).
+			op(fzOpValue, 0, fzQ("b", 1, 1)).
+			op(fzOpResetCredit|fzBit4, 0, fzQ("a", 0, 1)).
+			op(fzOpValue, 0, fzQ("a", 0, 1, fzSwap)).b},
+		// Sharded Checks with Reserve, and sharded calls in SERIALIZABLE transactions: a Check
+		// whose first pick serves alone, one that reads the second, a lone Limit (count 1), a
+		// denial as an error; fixed windows too, and time going back.
+		{"sharded_checks_in_tx", fzNewSeed(37, fzC(tb, 10, sec, 20, 10, 4, 0, 0), fzC(fw, 3, 10*sec, 5, 2, 3, 0, 0)).
+			op(fzOpCheckReserve, 0, fzQ("a", 0, 12, fzPicks(4, 0, 1))). // both fresh: -1 each
+			op(fzOpReserve, 0, fzQ("a", 0, 12, fzPicks(4, 0, 1))).
+			op(fzOpCheckReserve, 0, fzQ("a", 0, 4, fzPicks(4, 0, 2))).         // shard 2 alone
+			op(fzOpCheck|fzBitTx, 1000, fzQ("a", 0, 3, fzPicks(4, 2, 0))).     // the first pick alone
+			op(fzOpCheck|fzBitTx, 0, fzQ("a", 0, 6, fzPicks(4, 2, 0))).        // reads the second: denied
+			op(fzOpCheckReserve|fzBitTx, 0, fzQ("a", 0, 6, fzPicks(4, 2, 0))). // reserved
+			op(fzOpThrow, 0, fzQ("a", 0, 9, fzPicks(4, 1, 0))).
+			op(fzOpLimit1|fzBitTx, 0, fzQ("a", 0, 1, fzPicks(4, 3, 1))).
+			op(fzOpReserve|fzBitTx, -1000, fzQ("a", 0, 7, fzPicks(4, 0, 3))).
+			op(fzOpReserve, 0, fzQ("b", 1, 4, fzPicks(3, 2, 0))).
+			op(fzOpCheckReserve, 0, fzQ("b", 1, 4, fzPicks(3, 0, 2))).
+			op(fzOpLimit|fzBitTx, 5000000, fzQ("b", 1, 3, fzPicks(3, 1, 2))).
+			op(fzOpCheck|fzBitTx, -3000000, fzQ("b", 1, 2, fzPicks(3, 2, 0))).
+			op(fzOpValue, 10000000, fzQ("b", 1, 1)).
+			op(fzOpMany|fzBitTx, 0, fzQ("a", 1, 7, fzPicks(4, 1, 2))).b}, // a LimitMany of one sharded request
+		// A list deciding one key under two configs, call after call (docs/spec.md §7): a fixed
+		// window and a token bucket, then 4 shards and 1.
+		{"list_config_change", fzNewSeed(41, fzC(fw, 3, 10*sec, 5, 2, 1, 2, 0), fzC(tb, 2, sec, 0, inf, 1, 0, 0), fzC(tb, 10, sec, 20, inf, 4, 0, 0)).
+			op(fzOpList|fzBit4, 0, fzQ("a", 0, 4), fzQ("a", 0, 1, fzSwap), fzQ("a", 0, 1)).
+			op(fzOpList|fzBit4|fzBit5, 500000, fzQ("a", 0, 2, fzReserve, fzSwap), fzQ("a", 0, 2, fzReserve), fzQ("a", 0, 1, fzSwap)).
+			op(fzOpList|fzBit4, 0, fzQ("c", 1, 8, fzPicks(4, 3, 2)), fzQ("c", 1, 5, fzSwap, fzPicks(4, 0, 1)), fzQ("c", 1, 5, fzPicks(4, 1, 2))).
+			op(fzOpList|fzBit4|fzBit6, 250000, fzQ("c", 1, 3, fzSwap, fzPicks(4, 1, 0)), fzQ("b", 1, 1), fzQ("c", 1, 4, fzPicks(4, 0, 3))).
+			op(fzOpValue, 0, fzQ("c", 1, 1)).
+			op(fzOpValue, 0, fzQ("c", 1, 1, fzSwap)).b},
+		// Readings before the epoch: a fresh row refills from its first call on (its ts at the
+		// reading, or its window's start), not from 1970; rows written in 2026 are decided at their
+		// ts (docs/spec.md §2).
+		{"before_the_epoch", fzNewSeed(43, fzC(tb, 10, sec, 0, 2, 1, 0, 0), fzC(fw, 2, 10*sec, 0, inf, 1, 0, 0), fzC(fw, 3, 250*time.Millisecond, 0, inf, 3, 3, 9)).
+			op(fzOpLimit, 0, fzQ("a", 0, 10)).
+			op(fzOpLimit, -1<<51, fzQ("a", 1, 10)).
+			op(fzOpLimit, 100000, fzQ("a", 1, 1)).
+			op(fzOpReserve, 0, fzQ("a", 1, 2)).
+			op(fzOpLimit, 0, fzQ("a", 0, 1)). // written in 2026: no refill
+			op(fzOpLimit, 0, fzQ("b", 1, 2)).
+			op(fzOpLimit, 10000000, fzQ("b", 1, 1)).
+			op(fzOpCheck, 0, fzQ("b", 1, 2)).
+			op(fzOpLimit, 0, fzQ("c", 2, 2, fzPicks(3, 0, 1))).
+			op(fzOpLimit, 250000, fzQ("c", 2, 1.5, fzPicks(3, 1, 2))).
+			op(fzOpMany, 1, fzQ("c", 1, 1, fzPicks(3, 2, 0)), fzQ("b", 2, 2)).
+			op(fzOpCredit, 0, fzQ("a", 1, 1)).
+			op(fzOpValue, 0, fzQ("b", 1, 1)).
+			op(fzOpLimit, 1<<51, fzQ("a", 1, 3)).
+			op(fzOpValue, 0, fzQ("c", 2, 1)).b},
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
 			op(fzOpMany|fzBit4, 0, fzQ("a", 0, 3, fzPicks(4, 0, 1)), fzQ("a", 1, 1.5, fzPicks(4, 2, 3)), fzQ("b", 0, 7)).
 			op(fzOpResetCredit|fzBit4, 1, fzQ("a", 0, 1)).

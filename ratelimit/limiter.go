@@ -348,7 +348,9 @@ func (l *Limiter) LimitMany(ctx context.Context, db Executor, reqs []Request, op
 	return l.many(ctx, db, "LimitMany", reqs, false, false, opts)
 }
 
-// CheckMany answers what LimitMany would, without consuming anything or taking a lock.
+// CheckMany answers what LimitMany would, without consuming anything or taking a lock. One
+// difference: when the call is denied, a request that alone would be granted keeps in
+// Result.Shards and Result.TS what it would take alone, where LimitMany reports none.
 func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, opts *LimitOpts) (ManyResult, error) {
 	return l.many(ctx, db, "CheckMany", reqs, false, true, opts)
 }

@@ -419,6 +419,41 @@ func TestLimitMany(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalid, "the same limit twice")
 }
 
+// CheckMany answers what LimitMany would (its doc), result for result, with one difference its
+// doc states: in a denied call, a request that alone would be granted keeps the Shards (and TS)
+// it would take alone, where LimitMany, having charged nothing, reports none.
+func TestCheckManyAnswersWhatLimitManyWould(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"perUser": {Rate: 3, Period: time.Second},
+		"daily":   {Kind: ratelimit.FixedWindow, Rate: 4, Period: 24 * time.Hour, Start: t0},
+		"sharded": {Rate: 20, Period: time.Second, Shards: 2},
+	})
+	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 1, 0 }) // the same picks for both calls
+	_, err := b.lim.LimitN(b.ctx, b.pool, "perUser", "u1", 3, nil)
+	require.NoError(t, err)
+	b.clock.Set(t0.Add(time.Hour))
+	for _, reqs := range [][]ratelimit.Request{
+		{{Name: "daily", Key: "u1", Count: 2}, {Name: "sharded", Key: "u1", Count: 3}},                                // granted
+		{{Name: "daily", Key: "u1", Count: 3}, {Name: "sharded", Key: "u1", Count: 3}},                                // daily denied
+		{{Name: "perUser", Key: "u1", Count: 3}, {Name: "daily", Key: "u1"}, {Name: "sharded"}},                       // perUser refilled
+		{{Name: "perUser", Key: "u2", Count: 2.5}, {Name: "daily", Key: "u1", Count: 3}, {Name: "sharded", Count: 1}}, // denied
+	} {
+		check, err := b.lim.CheckMany(b.ctx, b.pool, reqs, nil)
+		require.NoError(t, err)
+		limit, err := b.lim.LimitMany(b.ctx, b.pool, reqs, nil)
+		require.NoError(t, err)
+		if !check.OK {
+			for i := range check.Results {
+				r := &check.Results[i]
+				require.Equal(t, r.OK, len(r.Shards) > 0, "%s: Shards %v", r.Name, r.Shards)
+				r.Shards, r.TS = nil, time.Time{}
+			}
+		}
+		require.Equal(t, limit, check, "CheckMany and LimitMany answer %v differently", reqs)
+	}
+}
+
 // InSerializableTx gives up with an error that says so and wraps the cause.
 func TestInSerializableTxExhaustion(t *testing.T) {
 	t.Parallel()

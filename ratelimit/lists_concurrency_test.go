@@ -340,12 +340,12 @@ func TestListsMatchModelAnyGroupOrder(t *testing.T) {
 						what, j, r.OK, r.Reserved, sinceT0(r.RetryAt), r.Value, r.Shards, w.OK, w.Reserved, w.RetryAt-t0.UnixMicro(), w.Value, w.Shards)
 				}
 				// TS: the row a grant charged alone, as it was (would be) left.
-				var wantTS int64 = -1
+				wantTS := modelNoTime
 				mr := mreqs[j]
 				if len(w.Shards) == 1 {
 					row, ok := before[modelRowKey{mr.lim.name, mr.lim.key, w.Shards[0]}]
 					if !ok {
-						row = mr.lim.missingRow()
+						row = mr.lim.missingRow(now)
 					}
 					_, wantTS = mr.lim.level(row, now)
 				}

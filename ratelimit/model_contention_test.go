@@ -182,7 +182,7 @@ func TestModelHeldPickChargesTheOther(t *testing.T) {
 	lb, tsB := c.lim.level(md.rows[modelRowKey{"s", "k", 1}], now)
 	eb := left(1, 2, la, lb, 3)
 	require.True(t, grantedBy(2, left(0, 2, la, lb, 3), eb, 0))
-	want := modelResult{OK: true, RetryAt: -1, Value: eb + la, Shards: []int{1}, Time: now}
+	want := modelResult{OK: true, RetryAt: modelNoTime, TS: modelNoTime, Value: eb + la, Shards: []int{1}, Time: now}
 	md.rows[modelRowKey{"s", "k", 1}] = modelRow{eb, tsB}
 	got, err := c.b.lim.LimitN(c.ctx, c.b.pool, "s", "k", 3, nil)
 	require.NoError(t, err)

@@ -15,13 +15,19 @@ package ratelimit_test
 
 import (
 	"errors"
+	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 	"unicode/utf8"
 
+	"github.com/stretchr/testify/require"
+
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -54,7 +60,8 @@ type modelLimit struct {
 	maxRes    float64 // MaxReserved/N; +Inf for Unbounded
 	noReserve bool    // MaxReserved is 0: a request with Reserve is an argument error
 	periodUs  int64
-	anchorUs  int64 // fixed window grid: windows start at anchorUs + k*periodUs; in (-periodUs, 0]
+	anchorUs  int64            // fixed window grid: windows start at anchorUs + k*periodUs; in (-periodUs, 0]
+	inForce   ratelimit.Config // the config with its defaults applied (Result.Config)
 }
 
 // Model errors: the classes of typed error the library must return (docs/spec.md §5).
@@ -70,7 +77,7 @@ func modelValidate(c ratelimit.Config) error {
 		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || v > ratelimit.MaxAmount {
 			return false
 		}
-		return v > 0 || zeroOK
+		return v >= ratelimit.MinAmount || (v == 0 && zeroOK)
 	}
 	switch {
 	case c.Kind != ratelimit.TokenBucket && c.Kind != ratelimit.FixedWindow,
@@ -98,9 +105,9 @@ func modelCheckText(s string, maxLen int, emptyOK bool) error {
 	return nil
 }
 
-// modelCheckCount checks a count: finite, > 0, at most MaxAmount.
+// modelCheckCount checks a count: finite, at least MinAmount (10^-9), at most MaxAmount (10^15).
 func modelCheckCount(n float64) error {
-	if math.IsNaN(n) || math.IsInf(n, 0) || n <= 0 || n > ratelimit.MaxAmount {
+	if math.IsNaN(n) || math.IsInf(n, 0) || n < ratelimit.MinAmount || n > ratelimit.MaxAmount {
 		return errModelArgument
 	}
 	return nil
@@ -149,6 +156,7 @@ func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
 		maxRes:    cfg.MaxReserved / float64(n),
 		noReserve: cfg.MaxReserved == 0,
 		periodUs:  int64(cfg.Period / time.Microsecond),
+		inForce:   inForce(*cfg),
 	}
 	if m.fixed {
 		if !cfg.Start.IsZero() {
@@ -199,7 +207,7 @@ func (m modelLimit) neverGranted(count float64, reserve bool) bool {
 	if reserve {
 		allow = m.maxRes
 	}
-	full := m.missingRow()
+	full := m.missingRow(0)
 	return !m.grantsAt(count, allow, m.shards >= 2, full, full, full.ts)
 }
 
@@ -226,13 +234,19 @@ func (m modelLimit) level(r modelRow, now int64) (float64, int64) {
 	return v, ts
 }
 
-// missingRow is how a missing row is evaluated: full, stamped so that it refills nothing and its
-// ts moves to now (token bucket) or to the start of now's window (fixed window).
-func (m modelLimit) missingRow() modelRow {
+// missingRow is how a missing row is evaluated at now: full, stamped so that it refills nothing and
+// its ts moves to now (token bucket) or to the start of now's window (fixed window): at the
+// grid's last start at or before the epoch, or, for a reading before that (docs/spec.md §5 accepts
+// readings down to -2^62 µs), at the start of the step holding now.
+func (m modelLimit) missingRow(now int64) modelRow {
+	stamp, step := int64(0), int64(1)
 	if m.fixed {
-		return modelRow{m.cap, m.anchorUs}
+		stamp, step = m.anchorUs, m.periodUs
 	}
-	return modelRow{m.cap, 0}
+	if now < stamp {
+		stamp -= (stamp - now + step - 1) / step * step
+	}
+	return modelRow{m.cap, stamp}
 }
 
 // charge is txlimit_charge with a free choice: 1 (row a), 2 (row b) or 3 (both).
@@ -294,6 +308,10 @@ func (m modelLimit) grantsAt(count, allow float64, two bool, a, b modelRow, t in
 	ch := charge(la, lb, two, count)
 	return grantedBy(ch, left(0, ch, la, lb, count), left(1, ch, la, lb, count), allow)
 }
+
+// modelNoTime stands for the zero time.Time in the model's results (times in µs since the epoch,
+// which may be negative: docs/spec.md §5 accepts readings down to -2^62 µs).
+const modelNoTime = int64(math.MinInt64)
 
 // modelMaxWait is ratelimit.MaxRetryWaitMicros.
 const modelMaxWait = int64(1) << 61
@@ -366,6 +384,28 @@ func (m modelLimit) firstGrant(count, allow float64, two bool, a, b modelRow, fr
 	return hi
 }
 
+// retryAt is firstGrant checked against what docs/spec.md §3 says of its answer, independently of
+// how the search found it: granted at the answer and refused one microsecond earlier (unless it
+// is from, or the bound from + 2^61 µs), and refused at from and at every instant 2^k µs before
+// the answer (a grant there would make the answer not the first; the rule is monotone in time on
+// one row, while on two rows the charge can switch between combining and the fuller alone).
+func (m modelLimit) retryAt(count, allow float64, two bool, a, b modelRow, from int64) int64 {
+	t := m.firstGrant(count, allow, two, a, b, from)
+	if t == from || t == from+modelMaxWait {
+		return t
+	}
+	if !m.grantsAt(count, allow, two, a, b, t) {
+		panic(fmt.Sprintf("model: RetryAt %d after from is refused (count %v, allow %v, two %v, rows %+v %+v)", t-from, count, allow, two, a, b))
+	}
+	for d := int64(1); d <= t-from; d *= 2 {
+		if m.grantsAt(count, allow, two, a, b, t-d) {
+			panic(fmt.Sprintf("model: RetryAt %d after from is not the first grant: %d µs earlier grants too (count %v, allow %v, two %v, rows %+v %+v)",
+				t-from, d, count, allow, two, a, b))
+		}
+	}
+	return t
+}
+
 // modelReq is one request of a decision; a and b are the candidate shards (b < 0 unsharded).
 type modelReq struct {
 	lim     modelLimit
@@ -377,14 +417,18 @@ type modelReq struct {
 	snapshot bool
 }
 
-// modelResult mirrors ratelimit.Result. RetryAt < 0 means the zero time.
+// modelResult mirrors ratelimit.Result. A time of modelNoTime is the zero time.Time.
 type modelResult struct {
 	Name, Key string
 	OK        bool
 	Reserved  bool
 	RetryAt   int64
 	Value     float64
+	// TS is the ts the one row a grant charged is left with (Result.TS); modelNoTime when
+	// denied, when two shards were charged, or when the call's group was denied.
+	TS        int64
 	Shards    []int
+	Config    ratelimit.Config
 	Time      int64
 	okNow     bool
 	retryStep int64 // 1µs, or the period of a fixed window
@@ -393,7 +437,7 @@ type modelResult struct {
 // modelMany mirrors ratelimit.ManyResult.
 type modelMany struct {
 	OK      bool
-	RetryAt int64 // < 0: zero time
+	RetryAt int64 // modelNoTime: the zero time
 	Results []modelResult
 }
 
@@ -417,7 +461,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 			if row, ok := md.rows[modelRowKey{r.lim.name, r.lim.key, shard}]; ok {
 				return row
 			}
-			return r.lim.missingRow()
+			return r.lim.missingRow(now)
 		}
 		p.ra = row(r.a)
 		p.la, p.tsA = r.lim.level(p.ra, now)
@@ -434,7 +478,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 			granted = false
 		}
 	}
-	out := modelMany{RetryAt: -1, Results: make([]modelResult, len(reqs))}
+	out := modelMany{RetryAt: modelNoTime, Results: make([]modelResult, len(reqs))}
 	if dry {
 		out.OK = granted
 	} else if granted {
@@ -452,7 +496,7 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 	for i, r := range reqs {
 		p := plans[i]
 		res := modelResult{Name: r.lim.name, Key: r.lim.key, OK: p.okNow || p.reserved, Reserved: p.reserved,
-			RetryAt: -1, Time: now, okNow: p.okNow, retryStep: 1}
+			RetryAt: modelNoTime, TS: modelNoTime, Config: r.lim.inForce, Time: now, okNow: p.okNow, retryStep: 1}
 		if r.lim.fixed {
 			res.retryStep = r.lim.periodUs
 		}
@@ -469,6 +513,12 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 					res.Shards = append(res.Shards, r.b)
 				}
 				slices.Sort(res.Shards) // Result.Shards is ascending
+				switch p.ch {
+				case 1:
+					res.TS = p.tsA
+				case 2:
+					res.TS = p.tsB
+				}
 			}
 		} else {
 			res.Value = p.la
@@ -479,15 +529,15 @@ func (md *model) decide(now int64, reqs []modelReq, dry bool) modelMany {
 		switch {
 		case !res.OK:
 			// Refused: when the same request is granted.
-			res.RetryAt = r.lim.firstGrant(r.count, r.allow(), p.two, p.ra, p.rb, now)
+			res.RetryAt = r.lim.retryAt(r.count, r.allow(), p.two, p.ra, p.rb, now)
 		case p.reserved:
 			// Reserved: when every charged row is out of debt.
 			at := int64(math.MinInt64)
 			if p.ch == 1 || p.ch == 3 {
-				at = max(at, r.lim.firstGrant(0, 0, false, modelRow{p.ea, p.tsA}, modelRow{}, now))
+				at = max(at, r.lim.retryAt(0, 0, false, modelRow{p.ea, p.tsA}, modelRow{}, now))
 			}
 			if p.ch == 2 || p.ch == 3 {
-				at = max(at, r.lim.firstGrant(0, 0, false, modelRow{p.eb, p.tsB}, modelRow{}, now))
+				at = max(at, r.lim.retryAt(0, 0, false, modelRow{p.eb, p.tsB}, modelRow{}, now))
 			}
 			res.RetryAt = at
 		}
@@ -511,7 +561,7 @@ func (r modelReq) allow() float64 {
 // modelState mirrors ratelimit.State.
 type modelState struct {
 	Value  float64
-	TS     int64 // < 0: zero time (no row)
+	TS     int64 // modelNoTime: the zero time (no row)
 	Shards []float64
 	Time   int64
 }
@@ -519,7 +569,7 @@ type modelState struct {
 // value is Limiter.State: every configured shard evaluated at now, missing ones full, summed in
 // shard order (docs/spec.md §6).
 func (md *model) value(now int64, m modelLimit) modelState {
-	st := modelState{TS: -1, Time: now, Shards: make([]float64, m.shards)}
+	st := modelState{TS: modelNoTime, Time: now, Shards: make([]float64, m.shards)}
 	for s := range st.Shards {
 		st.Shards[s] = m.cap
 		if row, ok := md.rows[modelRowKey{m.name, m.key, s}]; ok {
@@ -628,10 +678,10 @@ func TestModelSpecNumbers(t *testing.T) {
 	// docs/spec.md §3: 10/min, cap 10, holding 0.5 after 9.5 taken: a call for 1 waits (1-0.5)/(10/60s) = 3s.
 	tb := lim(ratelimit.Config{Rate: 10, Period: time.Minute, MaxReserved: ratelimit.Unbounded}, "k")
 	md := newModel()
-	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, -1, 0.5)
+	expect("take 9.5", one(md, base, tb, 9.5, false, false), true, false, modelNoTime, 0.5)
 	expect("deny 1", one(md, base, tb, 1, false, false), false, false, base+3*s, 0.5)
 	// Refill with cap (docs/spec.md §3 min(.., cap)): an hour later the bucket holds 10, not 600.5.
-	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, -1, 9)
+	expect("capped", one(md, base+3600*s, tb, 1, true, true), true, false, modelNoTime, 9)
 	// Reservation with MaxReserved Unbounded: 10 + 5 leaves -5, paid after 5/(10/60s) = 30s.
 	expect("reserve", one(md, base+3600*s, tb, 15, true, false), true, true, base+3630*s, -5)
 	// Time going backwards (docs/spec.md §2): evaluated at ts, so no refill: still -5.
@@ -645,9 +695,9 @@ func TestModelSpecNumbers(t *testing.T) {
 	// window; three windows later the value is min(0 + 3·5, 5) = 5.
 	fw := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: time.UnixMicro(base)}, "k")
 	md = newModel()
-	expect("fw take 5", one(md, base+4*s, fw, 5, false, false), true, false, -1, 0)
+	expect("fw take 5", one(md, base+4*s, fw, 5, false, false), true, false, modelNoTime, 0)
 	expect("fw deny", one(md, base+9*s, fw, 1, false, false), false, false, base+10*s, 0)
-	expect("fw rollover", one(md, base+30*s, fw, 1, false, false), true, false, -1, 4)
+	expect("fw rollover", one(md, base+30*s, fw, 1, false, false), true, false, modelNoTime, 4)
 	// MaxReserved 3: a debt of 3 is granted, RetryAt = ts' + 10s·ceil(3/5); a debt of 4 is not.
 	fwr := lim(ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, MaxReserved: 3, Start: time.UnixMicro(base)}, "r")
 	md = newModel()
@@ -687,5 +737,259 @@ func TestModelSpecNumbers(t *testing.T) {
 	// the hash itself.
 	if h := fnv1a([]byte("a")); h != 0xaf63dc4c8601ec8c {
 		t.Errorf("fnv1a(a) = %#x", h)
+	}
+}
+
+// specStep is one call of a docs/spec.md worked example and what the spec says it returns.
+type specStep struct {
+	at       time.Duration // after shardT0
+	op       shardOp       // LimitN (default), CheckN or Credit
+	pick     [2]int        // candidate shards of a sharded limit
+	count    float64
+	reserve  bool
+	ok       bool
+	reserved bool
+	retryUs  int64   // RetryAt - shardT0 in µs; 0: no wait
+	value    float64 // Result.Value, or CreditResult.Value
+	credited float64
+	shards   []int // Result.Shards
+}
+
+// specExample is one worked example: a config, the rows it starts from (shard -> value, stamped
+// at shardT0) and its calls, then the State the spec gives.
+type specExample struct {
+	name   string
+	cfg    ratelimit.Config
+	rows   map[int]float64
+	steps  []specStep
+	state  []float64         // State().Shards after the steps
+	stTS   time.Duration     // State().TS - shardT0
+	readAs *ratelimit.Config // State read with this config (a config change); nil: cfg
+}
+
+// TestSpecWorkedNumbers runs every worked number of docs/spec.md §3-§8 on the engine and on the
+// reference model, so that neither can drift from the spec in the same way: the fuzz target only
+// compares the two with each other.
+func TestSpecWorkedNumbers(t *testing.T) {
+	t.Parallel()
+	const ms = int64(1000)
+	s := int64(1_000_000)
+	reserve5 := ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: 5}
+	twoShards := ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2}
+	twoShardsRes := ratelimit.Config{Rate: 10, Period: time.Second, Shards: 2, MaxReserved: 2}
+	grow2 := ratelimit.Config{Rate: 4, Period: time.Second, Capacity: 4, Shards: 2}
+	grow4 := grow2
+	grow4.Shards = 4
+	less := -3.0 // float64 operations as the rule performs them, not constant arithmetic
+	at99999 := less + float64(99_999*10)/1e6
+	for _, ex := range []specExample{
+		{name: "§3 table", cfg: reserve5, rows: map[int]float64{0: 0}, steps: []specStep{
+			{count: 3, retryUs: 300 * ms},
+			{count: 3, reserve: true, ok: true, reserved: true, value: -3, retryUs: 300 * ms, shards: []int{0}},
+			{count: 3, reserve: true, value: -3, retryUs: 100 * ms},
+			{count: 3, value: -3, retryUs: 600 * ms},
+			{at: 99_999 * time.Microsecond, count: 3, reserve: true, value: at99999, retryUs: 100 * ms},
+			{at: 100 * time.Millisecond, count: 3, reserve: true, ok: true, reserved: true, value: -5, retryUs: 600 * ms, shards: []int{0}},
+		}, state: []float64{-5}, stTS: 100 * time.Millisecond},
+		{name: "§3 10/min holding 0.5", cfg: ratelimit.Config{Rate: 10, Period: time.Minute}, rows: map[int]float64{0: 0.5}, steps: []specStep{
+			{count: 1, value: 0.5, retryUs: 3 * s},
+		}, state: []float64{0.5}},
+		{name: "§4 fixed window", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: 10 * time.Second, Start: shardT0}, steps: []specStep{
+			{count: 5, ok: true, value: 0, shards: []int{0}},
+			{at: 3 * time.Second, count: 1, value: 0, retryUs: 10 * s},
+			{at: 10 * time.Second, count: 1, ok: true, value: 4, shards: []int{0}},
+		}, state: []float64{4}, stTS: 10 * time.Second},
+		// §4: a count that needs several windows waits for ceil(count/Rate) of them.
+		{name: "§4 several windows", cfg: ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 2, Period: 10 * time.Second, Capacity: 5, Start: shardT0}, steps: []specStep{
+			{at: 4 * time.Second, count: 5, ok: true, value: 0, shards: []int{0}},
+			{at: 4 * time.Second, count: 5, value: 0, retryUs: 30 * s},
+			{at: 29 * time.Second, count: 5, value: 4, retryUs: 30 * s},
+			{at: 30 * time.Second, count: 5, ok: true, value: 0, shards: []int{0}},
+		}, state: []float64{0}, stTS: 30 * time.Second},
+		{name: "§6 credit", cfg: ratelimit.Config{Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}, rows: map[int]float64{0: -5}, steps: []specStep{
+			{op: shardCredit, count: 20, credited: 15, value: 10},
+		}, state: []float64{10}},
+		{name: "§8 4 and 3", cfg: twoShards, rows: map[int]float64{0: 4, 1: 3}, steps: []specStep{
+			{pick: [2]int{0, 1}, count: 5, ok: true, value: 2, shards: []int{0, 1}},
+		}, state: []float64{1, 1}},
+		{name: "§8 0.2 and 0.2", cfg: twoShards, rows: map[int]float64{0: 0.2, 1: 0.2}, steps: []specStep{
+			{pick: [2]int{1, 0}, count: 1, value: 0.4, retryUs: 60 * ms},
+		}, state: []float64{0.2, 0.2}},
+		{name: "§8 0.5 and -3", cfg: twoShardsRes, rows: map[int]float64{0: 0.5, 1: -3}, steps: []specStep{
+			{pick: [2]int{1, 0}, count: 1, reserve: true, ok: true, reserved: true, value: -3.5, retryUs: 100 * ms, shards: []int{0}},
+		}, state: []float64{-0.5, -3}},
+		{name: "§8 grow 2 to 4", cfg: grow2, rows: map[int]float64{0: 0, 1: 1.5}, readAs: &grow4, state: []float64{0, 1, 1, 1}},
+	} {
+		t.Run(ex.name, func(t *testing.T) {
+			t.Parallel()
+			e := newShardEnv(t, nil)
+			md := newModel()
+			key := ex.name
+			lim, err := modelResolve("spec", key, &ex.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			base := shardT0.UnixMicro()
+			for sh, v := range ex.rows {
+				if _, err := e.pool.Exec(e.ctx, `INSERT INTO txlimit_state (name, key, shard, value, ts) VALUES ('spec', $1, $2, $3, $4)`,
+					key, sh, v, base); err != nil {
+					t.Fatal(err)
+				}
+				md.rows[modelRowKey{"spec", key, sh}] = modelRow{v, base}
+			}
+			for i, st := range ex.steps {
+				e.set(shardT0.Add(st.at), st.pick)
+				now := base + st.at.Microseconds()
+				wantRetry := modelNoTime
+				if st.retryUs != 0 {
+					wantRetry = base + st.retryUs
+				}
+				opts := &ratelimit.LimitOpts{Config: &ex.cfg, Reserve: st.reserve}
+				if st.op == shardCredit {
+					got, err := e.lim.Credit(e.ctx, e.pool, "spec", key, st.count, opts)
+					require.NoError(t, err)
+					mc := md.credit(now, lim, st.count)
+					for who, g := range map[string][2]float64{"engine": {got.Credited, got.Value}, "model": {mc.Credited, mc.Value}} {
+						if g != [2]float64{st.credited, st.value} {
+							t.Errorf("step %d: %s: Credit(%g) credited %g value %g; the spec says credited %g value %g",
+								i, who, st.count, g[0], g[1], st.credited, st.value)
+						}
+					}
+					continue
+				}
+				var got ratelimit.Result
+				if st.op == shardCheck {
+					got, err = e.lim.CheckN(e.ctx, e.pool, "spec", key, st.count, opts)
+				} else {
+					got, err = e.lim.LimitN(e.ctx, e.pool, "spec", key, st.count, opts)
+				}
+				require.NoError(t, err, "step %d", i)
+				req := modelReq{lim: lim, count: st.count, reserve: st.reserve, a: 0, b: -1}
+				if lim.shards >= 2 {
+					req.a, req.b = st.pick[0], st.pick[1]
+				}
+				m := md.decide(now, []modelReq{req}, st.op == shardCheck).Results[0]
+				mAt := time.Time{}
+				if m.RetryAt != modelNoTime {
+					mAt = time.UnixMicro(m.RetryAt)
+				}
+				wantAt := time.Time{}
+				if wantRetry != modelNoTime {
+					wantAt = time.UnixMicro(wantRetry)
+				}
+				for who, g := range map[string]ratelimit.Result{"engine": got,
+					"model": {OK: m.OK, Reserved: m.Reserved, RetryAt: mAt, Value: m.Value, Shards: m.Shards}} {
+					if g.OK != st.ok || g.Reserved != st.reserved || !g.RetryAt.Equal(wantAt) || g.Value != st.value ||
+						!slices.Equal(g.Shards, st.shards) {
+						t.Errorf("step %d at t0+%v: %s: %s(%g, reserve=%v) = ok %v reserved %v retryAt %s value %v shards %v; "+
+							"the spec says ok %v reserved %v retryAt %s value %v shards %v", i, st.at, who, st.op, st.count, st.reserve,
+							g.OK, g.Reserved, fmtRetry(g.RetryAt), g.Value, g.Shards, st.ok, st.reserved, fmtRetry(wantAt), st.value, st.shards)
+					}
+				}
+			}
+			read := ex.cfg
+			if ex.readAs != nil {
+				read = *ex.readAs
+				if lim, err = modelResolve("spec", key, &read); err != nil {
+					t.Fatal(err)
+				}
+			}
+			now := base
+			if n := len(ex.steps); n > 0 {
+				now += ex.steps[n-1].at.Microseconds()
+			}
+			st, err := e.lim.State(e.ctx, e.pool, "spec", key, &ratelimit.LimitOpts{Config: &read})
+			require.NoError(t, err)
+			mst := md.value(now, lim)
+			wantTS := base + ex.stTS.Microseconds()
+			if !slices.Equal(st.Shards, ex.state) || !st.TS.Equal(time.UnixMicro(wantTS)) {
+				t.Errorf("engine: State shards %v ts %s; the spec says %v ts %s", st.Shards, fmtRetry(st.TS), ex.state, fmtRetry(time.UnixMicro(wantTS)))
+			}
+			if !slices.Equal(mst.Shards, ex.state) || mst.TS != wantTS {
+				t.Errorf("model: State shards %v ts %d; the spec says %v ts %d", mst.Shards, mst.TS-base, ex.state, wantTS-base)
+			}
+		})
+	}
+}
+
+// TestModelExtremes compares the engine with the model where FuzzModel's tables do not reach: the
+// bounds of docs/spec.md §5 (rates, capacities, counts and MaxReserved from 10^-9 to 10^15,
+// periods from 1 µs to 100 years, 1024 shards, any Start), clock readings around the epoch, before
+// it down to -2^62 µs (before year 1, the zero time.Time) and far ahead, and jumps of up to a
+// year. A fixed seed: each run decides the same calls.
+func TestModelExtremes(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, &testdb.Options{MaxConns: 2}, nil)
+	rng := rand.New(rand.NewPCG(7, 11))
+	pick := func(xs ...float64) float64 { return xs[rng.IntN(len(xs))] }
+	var now int64
+	var pa, pb int
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Now: func() time.Time { return time.UnixMicro(now).UTC() }})
+	require.NoError(t, err)
+	ratelimit.SetShardPicker(lim, func(int) (int, int) { return pa, pb })
+	periods := []time.Duration{time.Microsecond, 3 * time.Microsecond, time.Second, 7919 * time.Millisecond, 24 * time.Hour,
+		365 * 24 * time.Hour, ratelimit.MaxPeriod}
+	for c := 0; c < 250; c++ {
+		cfg := ratelimit.Config{
+			Rate: pick(1e-9, 1e-3, 0.1, 1, 3, 1e6, 1e15), Period: periods[rng.IntN(len(periods))],
+			Capacity: pick(0, 1e-9, 0.3, 1, 7, 1e15), MaxReserved: pick(0, 1e-9, 0.2, 1, 1e15, ratelimit.Unbounded),
+			Shards: []int{0, 1, 2, 3, ratelimit.MaxShards}[rng.IntN(5)],
+		}
+		if rng.IntN(2) == 0 {
+			cfg.Kind = ratelimit.FixedWindow
+			if rng.IntN(2) == 0 {
+				cfg.Start = time.UnixMicro(rng.Int64N(1<<60) - 1<<59).UTC()
+			}
+		}
+		key := fmt.Sprint("k", c)
+		m, err := modelResolve("x", key, &cfg)
+		require.NoError(t, err)
+		md := newModel()
+		now = []int64{0, -1, 1 << 52, -(1 << 40), -(1 << 56), -(1 << 62) + 1<<50, 1767225600000000, 1<<62 - 1<<61}[rng.IntN(8)]
+		var trace []string
+		for op := 0; op < 20; op++ {
+			now += []int64{0, 1, 1000, 1e6, 1 << 30, -1, -1e6, 365 * 86400e6}[rng.IntN(8)]
+			count := pick(1e-9, 0.3, 1, 2, 1e6, 1e15) * pick(1, 1, m.cap, 2*m.cap)
+			reserve, dry := rng.IntN(2) == 0, rng.IntN(4) == 0
+			if m.shards >= 2 {
+				pa = rng.IntN(m.shards)
+				pb = (pa + 1 + rng.IntN(m.shards-1)) % m.shards
+			}
+			trace = append(trace, fmt.Sprintf("at %dµs: count %v reserve %v dry %v picks %d/%d", now, count, reserve, dry, pa, pb))
+			opts := &ratelimit.LimitOpts{Config: &cfg, Reserve: reserve}
+			var got ratelimit.Result
+			if dry {
+				got, err = lim.CheckN(b.ctx, b.pool, "x", key, count, opts)
+			} else {
+				got, err = lim.LimitN(b.ctx, b.pool, "x", key, count, opts)
+			}
+			wantErr := modelCheckCount(count) != nil || m.neverGranted(count, reserve) || (reserve && m.noReserve)
+			require.Equal(t, wantErr, err != nil, "config %v: error %v\n%s", cfg, err, strings.Join(trace, "\n"))
+			if err != nil {
+				continue
+			}
+			req := modelReq{lim: m, count: count, reserve: reserve, a: 0, b: -1}
+			if m.shards >= 2 {
+				req.a, req.b = pa, pb
+			}
+			w := md.decide(now, []modelReq{req}, dry).Results[0]
+			if got.OK != w.OK || got.Reserved != w.Reserved || !sameTime(got.RetryAt, w.RetryAt) || !sameFloat(got.Value, w.Value) ||
+				!sameTime(got.TS, w.TS) || !slices.Equal(got.Shards, w.Shards) {
+				t.Fatalf("config %v:\n got  ok %v reserved %v retryAt %v value %v ts %v shards %v\n want ok %v reserved %v retryAt %d value %v ts %d shards %v\n%s",
+					cfg, got.OK, got.Reserved, got.RetryAt.UnixMicro(), got.Value, got.TS.UnixMicro(), got.Shards,
+					w.OK, w.Reserved, w.RetryAt, w.Value, w.TS, w.Shards, strings.Join(trace, "\n"))
+			}
+			if rng.IntN(4) == 0 {
+				cr, err := lim.Credit(b.ctx, b.pool, "x", key, count, &ratelimit.LimitOpts{Config: &cfg})
+				require.NoError(t, err)
+				wc := md.credit(now, m, count)
+				require.True(t, sameFloat(cr.Credited, wc.Credited) && sameFloat(cr.Value, wc.Value),
+					"config %v: Credit(%v) got %v/%v, want %v/%v\n%s", cfg, count, cr.Credited, cr.Value, wc.Credited, wc.Value, strings.Join(trace, "\n"))
+			}
+		}
+		st, err := lim.State(b.ctx, b.pool, "x", key, &ratelimit.LimitOpts{Config: &cfg})
+		require.NoError(t, err)
+		ws := md.value(now, m)
+		require.True(t, sameFloat(st.Value, ws.Value) && sameTime(st.TS, ws.TS), "config %v: State %v/%v, want %v/%v", cfg, st.Value, st.TS, ws.Value, ws.TS)
 	}
 }

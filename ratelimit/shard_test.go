@@ -414,7 +414,7 @@ func TestShardCountChange(t *testing.T) {
 				levels: map[int]float64{0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}},
 		}},
 		{"shrink 4 to 2", "shrink", four, []shardStep{
-			// A call on a missing candidate row first creates both candidates full (1 each here).
+			// Missing candidates are full (1 each here); only the charged one gets a row.
 			{at: 0, pick: [2]int{0, 2}, count: 1, ok: true, charged: []int{0}, value: 1, levels: map[int]float64{0: 0}},
 			{at: 0, pick: [2]int{2, 3}, count: 1, ok: true, charged: []int{2}, value: 1, levels: map[int]float64{0: 0, 2: 0}},
 			{at: 0, pick: [2]int{3, 2}, count: 1.5, reserve: true, ok: true, reserved: true, charged: []int{2, 3}, value: -0.5, retry: 50 * time.Millisecond,
@@ -433,10 +433,10 @@ func TestShardCountChange(t *testing.T) {
 			// too, so read with 4 shards the limit is full.
 			{at: 0, op: shardReset},
 		}},
-		// A call on a missing candidate creates both candidate rows first, full "since the epoch",
-		// so that such a row is full under any config, like a missing one: shard 1, created under 4
-		// shards without being charged, holds the full 2 of a 2-shard config.
-		{"shrink 4 to 2, pre-created row", "shrink", four, []shardStep{
+		// A candidate read but not charged gets no row (only the rows a call charges are created,
+		// docs/spec.md §7): shard 1, looked at under 4 shards, is still missing, so it holds the
+		// full 2 of a 2-shard config.
+		{"shrink 4 to 2, candidate looked at", "shrink", four, []shardStep{
 			{at: 0, pick: [2]int{3, 1}, count: 0.5, ok: true, charged: []int{3}, value: 1.5, levels: map[int]float64{3: 0.5}},
 			{at: 0, cfg: &two, op: shardCheck, pick: [2]int{1, 0}, count: 2, ok: true, charged: []int{1}, value: 2},
 			{at: 0, cfg: &two, pick: [2]int{1, 0}, count: 3, ok: true, charged: []int{0, 1}, value: 1, levels: map[int]float64{0: 0.5, 1: 0.5}},

@@ -53,14 +53,15 @@ func (l *Limiter) State(ctx context.Context, db Executor, name, key string, opts
 	for i := range st.Shards {
 		st.Shards[i] = s.capacity
 	}
+	hasRow := false // whether st.TS is set: a ts can lie before year 1, the zero time.Time
 	for _, row := range rows {
 		st.Time = usTime(row.NowUs)
 		if row.Shard < 0 || int(row.Shard) >= s.shards { // shard -1: the clock-only row of a limit without rows
 			continue
 		}
 		st.Shards[row.Shard] = row.Level
-		if ts := usTime(row.TsUs); ts.After(st.TS) {
-			st.TS = ts
+		if ts := usTime(row.TsUs); !hasRow || ts.After(st.TS) {
+			st.TS, hasRow = ts, true
 		}
 	}
 	for _, v := range st.Shards {
