@@ -539,18 +539,6 @@ BEGIN
         IF NOT p_tried OR p_allow > 0 OR current_setting('transaction_isolation') <> 'read committed' THEN
             sh := p_shards[1];
         END IF;
-    ELSIF p_shards[2] IS NOT NULL AND p_dry AND current_setting('transaction_isolation') <> 'read committed' THEN
-        -- A sharded Check under a snapshot answers what the Limit would: its first pick alone when
-        -- that holds count, the second not read; else both, by the road for lists (below).
-        a := p_shards[1];
-        SELECT s.value, s.ts INTO va, ta FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = a;
-        va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us);
-        lv_a := txlimit_level(va, ta, t, p_rate, p_period_us, p_step_us, p_cap);
-        IF lv_a >= p_count THEN
-            v := txlimit_left(0, 1, lv_a, 0, p_count); vts := txlimit_next_ts(ta, t, p_step_us);
-            RETURN txlimit_written_v1(v, vts, t, a, p_shards[2], 0,
-                                      txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
-        END IF;
     ELSIF p_shards[2] IS NOT NULL AND NOT p_dry THEN
         two := current_setting('transaction_isolation') = 'read committed';
         pos := txlimit_steer(p_name, p_key, p_shards, p_lock_key, NOT two);
@@ -638,25 +626,26 @@ BEGIN
                                   CASE WHEN b IS NULL THEN 0 WHEN sh = a THEN lv_b ELSE lv_a END,
                                   txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
     END IF;
-    IF p_shards[2] IS NULL THEN
+    IF p_shards[2] IS NULL OR p_dry AND current_setting('transaction_isolation') <> 'read committed' THEN
         a := p_shards[1];
         -- Not written (always, for a Check): the plan, on the row as read now. A refusal or a
         -- Check is answered from it; a missing row, or one that grants now, goes to the road for
-        -- lists.
+        -- lists. A sharded Check under a snapshot answers what the Limit would: its first pick
+        -- alone when that holds count (the second not read), else both, by the road for lists.
         SELECT s.value, s.ts INTO va, ta FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = a;
         fa := FOUND;
         va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us); -- a missing row is full
         lv_a := txlimit_level(va, ta, t, p_rate, p_period_us, p_step_us, p_cap);
         v := txlimit_left(0, 1, lv_a, 0, p_count);
-        IF NOT txlimit_granted(1, v, 0, p_allow) THEN
+        IF p_shards[2] IS NULL AND NOT txlimit_granted(1, v, 0, p_allow) THEN
             RETURN txlimit_pack_v1(false, false, false, lv_a, a, -1, 1, txlimit_retry_at(p_rate, p_period_us, p_step_us,
                                    p_cap, p_count, p_allow, false, va, ta, NULL, NULL, t), t, 0);
-        ELSIF p_dry THEN -- a Check answers what the write would
+        ELSIF p_dry AND (p_shards[2] IS NULL OR lv_a >= p_count) THEN -- a Check answers what the write would
             vts := txlimit_next_ts(ta, t, p_step_us);
-            RETURN txlimit_written_v1(v, vts, t, a, -1, 0,
+            RETURN txlimit_written_v1(v, vts, t, a, coalesce(p_shards[2], -1), 0,
                                       txlimit_debt_until(v, vts, t, p_rate, p_period_us, p_step_us, p_cap));
         END IF;
-        held := CASE WHEN fa THEN 1 ELSE 0 END;
+        held := CASE WHEN fa AND NOT p_dry THEN 1 ELSE 0 END;
     END IF;
     -- A missing row, a row changed meanwhile, a charge of both shards, a sharded Check: the road
     -- for lists.
