@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -95,6 +96,34 @@ func TestPooled(t *testing.T) {
 	}
 	// Two wraps of one *sql.DB are one pool: their calls share a key's slots.
 	require.True(t, sqldb.Wrap(db).(driver.Pooled).Pool() == sqldb.Wrap(db).(driver.Pooled).Pool())
+}
+
+// taggedDB is a handle embedding *sql.DB beside a field of interface type: its type is comparable,
+// but a value holding a slice there is not.
+type taggedDB struct {
+	*sql.DB
+	tag any
+}
+
+// A pool's handles are one pool whatever wraps the *sql.DB (driver.Pooled: equal for every
+// Executor of that pool), and a sharded call on a handle whose value cannot be compared is decided,
+// not a panic in the admission's map.
+func TestPooledIdentity(t *testing.T) {
+	t.Parallel()
+	db, _ := testdb.SQLDB(t, "pgx", true)
+	pool := func(h sqldb.Querier) any { return sqldb.Wrap(h).(driver.Pooled).Pool() }
+	require.True(t, pool(db) == pool(&embedsDB{db}), "a handle embedding the *sql.DB is its pool")
+	require.True(t, pool(&embedsDB{db}) == pool(embedsDB{db}), "two handles embedding one *sql.DB are one pool")
+	tagged := taggedDB{db, []string{"x"}}
+	require.True(t, pool(tagged) == pool(db))
+
+	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+		"s": {Rate: 4, Period: time.Minute, Shards: 2},
+	}})
+	require.NoError(t, err)
+	res, err := lim.Limit(context.Background(), sqldb.Wrap(tagged), "s", "k", nil)
+	require.NoError(t, err)
+	require.True(t, res.OK)
 }
 
 // TestWrapNil: a nil handle gives a nil Executor, which every call refuses as bad input; a bare
