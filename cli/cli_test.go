@@ -297,6 +297,13 @@ func TestLoadLimits(t *testing.T) {
 		`null`, // no object at all: it read as no limits
 		`{"a": {"rate": 1, "period": "1s"}, "a": {"rate": 2, "period": "1s"}}`, // the second "a" won, silently
 		`{"a": null}`,
+		`{"a": {"rate": 1, "period": "1s", "rate": 100}}`, // a field given twice: the last won, silently
+		`{"a": {"rate": 1, "period": "1s", "RATE": 100}}`, // the same field, matched without case
+		`{"a": {"Rate": 1, "Period": "1s"}}`,              // not the file's field names
+		`{"a": 5}`,
+		`{"a": [{"rate": 1, "period": "1s"}]}`,
+		`{"a": {"rate": 1, "period": "1s"}`,   // no closing brace
+		`{"a": {"rate": 1, "period": "1s"},}`, // a trailing comma
 	} {
 		_, err := cli.LoadLimits(strings.NewReader(bad))
 		require.Error(t, err, bad)

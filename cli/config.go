@@ -29,12 +29,12 @@ type LimitJSON struct {
 	Start string `json:"start,omitempty"`
 }
 
-// readLimits reads the JSON object of LoadLimits entry by entry, so that a name given twice is an
-// error (encoding/json keeps the last), as are anything but one object (null among it) and an entry
-// that is not an object.
+// readLimits reads the JSON object of LoadLimits entry by entry, and each entry field by field, so
+// that a name or a field given twice is an error (encoding/json keeps the last), as are anything
+// but one object (null among it), an entry that is not an object, and a field whose name is not
+// one of LimitJSON's exactly (encoding/json would match "Rate" or "RATE" to "rate").
 func readLimits(r io.Reader) (map[string]LimitJSON, error) {
 	dec := json.NewDecoder(r)
-	dec.DisallowUnknownFields()
 	if tok, err := dec.Token(); err != nil {
 		return nil, fmt.Errorf("limits: %w", err)
 	} else if tok != json.Delim('{') {
@@ -50,14 +50,11 @@ func readLimits(r io.Reader) (map[string]LimitJSON, error) {
 		if _, dup := raw[name]; dup {
 			return nil, fmt.Errorf("limits: %q is defined twice", name)
 		}
-		var l *LimitJSON
-		if err := dec.Decode(&l); err != nil {
+		l, err := readLimit(dec)
+		if err != nil {
 			return nil, fmt.Errorf("limits: %q: %w", name, err)
 		}
-		if l == nil {
-			return nil, fmt.Errorf("limits: %q: want an object, got null", name)
-		}
-		raw[name] = *l
+		raw[name] = l
 	}
 	if _, err := dec.Token(); err != nil { // the object's closing brace
 		return nil, fmt.Errorf("limits: %w", err)
@@ -66,6 +63,46 @@ func readLimits(r io.Reader) (map[string]LimitJSON, error) {
 		return nil, errors.New("limits: malformed JSON: more after the object")
 	}
 	return raw, nil
+}
+
+// readLimit reads one entry of readLimits: an object of LimitJSON's fields, each at most once.
+func readLimit(dec *json.Decoder) (LimitJSON, error) {
+	var l LimitJSON
+	tok, err := dec.Token()
+	if err != nil {
+		return l, err
+	}
+	if tok != json.Delim('{') {
+		if tok == nil {
+			tok = "null"
+		}
+		return l, fmt.Errorf("want an object, got %v", tok)
+	}
+	fields := map[string]any{
+		"kind": &l.Kind, "rate": &l.Rate, "period": &l.Period, "capacity": &l.Capacity,
+		"max_reserved": &l.MaxReserved, "shards": &l.Shards, "start": &l.Start,
+	}
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return l, err
+		}
+		field := tok.(string) // an object's keys are strings: the decoder checks it
+		dst, ok := fields[field]
+		if !ok {
+			return l, fmt.Errorf("unknown field %q", field)
+		}
+		if seen[field] {
+			return l, fmt.Errorf("field %q is given twice", field)
+		}
+		seen[field] = true
+		if err := dec.Decode(dst); err != nil {
+			return l, fmt.Errorf("%s: %w", field, err)
+		}
+	}
+	_, err = dec.Token() // the entry's closing brace
+	return l, err
 }
 
 // LoadLimits reads a JSON object of named limits, the format of --config, so that an application
@@ -77,9 +114,10 @@ func readLimits(r io.Reader) (map[string]LimitJSON, error) {
 //	  "daily":       {"kind": "fixed-window", "rate": 1000, "period": "24h", "start": "2026-01-01T00:00:00Z"}
 //	}
 //
-// Unknown fields, a name given twice and anything but one object are errors. Each config is validated as ratelimit.New validates it: an invalid
-// one is a *ratelimit.ConfigError (errors.Is(err, ratelimit.ErrInvalid)); malformed JSON or a
-// malformed duration or time is a plain error.
+// Unknown fields (names are matched exactly), a name or a field given twice and anything but one
+// object are errors. Each config is validated as ratelimit.New validates it: an invalid one is a
+// *ratelimit.ConfigError (errors.Is(err, ratelimit.ErrInvalid)); malformed JSON or a malformed
+// duration or time is a plain error.
 func LoadLimits(r io.Reader) (map[string]ratelimit.Config, error) {
 	raw, err := readLimits(r)
 	if err != nil {
