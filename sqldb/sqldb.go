@@ -29,7 +29,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"reflect"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -78,49 +77,14 @@ var (
 	_ driver.Pooled   = (*executor)(nil)
 )
 
-// Pool returns the pool db is: a *sql.DB, or the *sql.DB a handle embeds (a *sqlx.DB, a
-// *bun.DB), so that every handle of one *sql.DB gives the same value and their calls share a
-// key's slots. Another handle with database/sql's Stats method is its own pool when its value can
-// be compared (a struct holding a slice, even in a field of interface type, cannot). Nil for any
-// other handle: a *sql.Tx or a *sql.Conn runs its statements on one connection.
+// Pool returns db when it is a *sql.DB, whose statements each run in a transaction of their own,
+// so that ratelimit admits the lone calls of a sharded key on it as on a *pgxpool.Pool, and every
+// Wrap of one *sql.DB shares the key's slots. Nil for any other handle: a *sql.Tx or *sql.Conn
+// runs its statements on one connection, and a handle that embeds a *sql.DB (a *sqlx.DB) is not
+// looked into; pass its *sql.DB (sqlx: db.DB) for its calls to be admitted.
 func (e *executor) Pool() any {
-	if _, ok := e.db.(interface{ Stats() sql.DBStats }); !ok {
-		return nil
-	}
-	if db := embeddedDB(reflect.ValueOf(e.db), 0); db != nil {
+	if db, ok := e.db.(*sql.DB); ok {
 		return db
-	}
-	if !reflect.ValueOf(e.db).Comparable() {
-		return nil
-	}
-	return e.db
-}
-
-// sqlDBType is the type embeddedDB looks for.
-var sqlDBType = reflect.TypeFor[*sql.DB]()
-
-// embeddedDB returns v when it is a non-nil *sql.DB, else the first such one embedded in the
-// struct v is or points to (depth levels down already; embedding goes at most 8 deep here, which
-// also ends a type that embeds a pointer to itself), else nil.
-func embeddedDB(v reflect.Value, depth int) *sql.DB {
-	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
-		if v.IsNil() {
-			return nil
-		}
-		if v.Type() == sqlDBType {
-			return (*sql.DB)(v.UnsafePointer()) // read so even through an unexported embedded field
-		}
-		v = v.Elem()
-	}
-	if v.Kind() != reflect.Struct || depth >= 8 {
-		return nil
-	}
-	for i := range v.NumField() {
-		if v.Type().Field(i).Anonymous {
-			if db := embeddedDB(v.Field(i), depth+1); db != nil {
-				return db
-			}
-		}
 	}
 	return nil
 }
