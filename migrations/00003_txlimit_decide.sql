@@ -597,9 +597,6 @@ BEGIN
             END LOOP;
             IF NOT got THEN -- both held
                 sh := CASE WHEN ch = 1 THEN a ELSE b END;
-            ELSIF v IS NULL THEN
-                held := CASE WHEN sh = greatest(a, b) THEN 2 ELSE 1 END;
-                sh := NULL;
             END IF;
         END IF;
     END IF;
@@ -615,11 +612,11 @@ BEGIN
           AND txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, t, p_rate, p_period_us, p_step_us,
                                                                   p_cap), 0, p_count), 0, p_allow)
         RETURNING s.value, s.ts INTO v, vts;
-        IF v IS NULL AND b IS NOT NULL THEN
-            -- Not written: having waited for the row, the UPDATE may hold it (the rule refused its
-            -- latest version), so no row before it is waited for.
-            held := CASE WHEN sh = greatest(a, b) THEN 2 ELSE 1 END;
-        END IF;
+    END IF;
+    IF v IS NULL AND b IS NOT NULL AND sh IS NOT NULL THEN
+        -- A shard locked (or waited for) and not written: the rule refused its latest version, and
+        -- this transaction may hold it, so no row before it is waited for.
+        held := CASE WHEN sh = greatest(a, b) THEN 2 ELSE 1 END;
     END IF;
     IF v IS NOT NULL THEN
         RETURN txlimit_written_v1(v, vts, t, sh, CASE WHEN b IS NULL THEN -1 WHEN sh = a THEN b ELSE a END,
@@ -633,8 +630,7 @@ BEGIN
         -- lists. A sharded Check under a snapshot answers what the Limit would: its first pick
         -- alone when that holds count (the second not read), else both, by the road for lists.
         SELECT s.value, s.ts INTO va, ta FROM txlimit_state s WHERE s.name = p_name AND s.key = p_key AND s.shard = a;
-        fa := FOUND;
-        va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us); -- a missing row is full
+        fa := FOUND; va := coalesce(va, p_cap); ta := coalesce(ta, p_anchor_us); -- a missing row is full
         lv_a := txlimit_level(va, ta, t, p_rate, p_period_us, p_step_us, p_cap);
         v := txlimit_left(0, 1, lv_a, 0, p_count);
         IF p_shards[2] IS NULL AND NOT txlimit_granted(1, v, 0, p_allow) THEN
