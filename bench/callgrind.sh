@@ -60,16 +60,14 @@ as_pg "$bin/pg_ctl -D $tmp/data -w stop >/dev/null"
 python3 - "$root" "$tmp" <<'EOF'
 import sys
 root, tmp = sys.argv[1], sys.argv[2]
-src = open(f"{root}/internal/dbsqlc/engine.sql.go").read()
-def query(name):
-    q = src[src.index(f"const {name} = `") + len(f"const {name} = `"):]
-    return " ".join(q[:q.index("`")].split("\n", 1)[1].split())
+sys.path.insert(0, f"{root}/bench")
+from sqlcquery import query
 row_types = "text, text, float8, float8, bigint, float8, bigint, float8, bigint, bigint, bigint, bigint"
 one_types = "bigint, text, text, float8, float8, bool, bigint, float8, bigint, float8, bigint, int[], bigint"
 def one(mode, types, body, args):
     open(f"{tmp}/{mode}.prep", "w").write(f"SET plan_cache_mode = force_generic_plan\nPREPARE d({types}) AS {body}\n")
     open(f"{tmp}/{mode}.stmt", "w").write(f"EXECUTE d({args})\n")
-row, one_q = query("decideOneRow"), query("decideOne")
+row, one_q = query(root, "decideOneRow"), query(root, "decideOne")
 one("decide-one", row_types, row, "'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, NULL, 12345")
 one("one-deny", row_types, row, "'deny', 'KEY', 1, 0, 100000, 10, 1000000, 10, 0, 12345, NULL, 12345")
 one("one-shard", one_types, one_q, "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")

@@ -32,16 +32,11 @@ psql -q -v ON_ERROR_STOP=1 "$url" -f "$tmp/schema.sql" >/dev/null
 python3 - "$root" "$tmp" <<'EOF'
 import re, sys
 root, tmp = sys.argv[1], sys.argv[2]
-src = open(f"{root}/internal/dbsqlc/engine.sql.go").read()
-def query(name):
-    q = src[src.index(f"const {name} = `") + len(f"const {name} = `"):]
-    return " ".join(q[:q.index("`")].split("\n", 1)[1].split())
-def params(name):
-    body = src[src.index(f"type {name[0].upper() + name[1:]}Params struct {{"):]
-    return [l.split()[0] for l in body[:body.index("}")].splitlines()[1:] if l.strip()]
+sys.path.insert(0, f"{root}/bench")
+from sqlcquery import params, query
 def bind(name, values):
-    order = params(name)
-    return re.sub(r"\$(\d+)", lambda m: values[order[int(m.group(1)) - 1]], query(name)) + ";\n"
+    order = params(root, name)
+    return re.sub(r"\$(\d+)", lambda m: values[order[int(m.group(1)) - 1]], query(root, name)) + ";\n"
 common = {"NowUs": "NULL::bigint", "Key": "'hot'", "Count": "1", "Allow": "0", "StepUs": "1", "Rate": "1e9",
           "PeriodUs": "1000000", "Cap": "1e9", "AnchorUs": "0", "LockKey": "12345"}
 open(f"{tmp}/row.sql", "w").write(bind("decideOneRow", {**common, "Name": "'row'", "QueueKey": "(12345 # 524288)"}))
