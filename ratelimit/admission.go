@@ -4,6 +4,9 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // admission keeps the lone calls that one Limiter runs on a pool (poolOf) for one key of a sharded
@@ -131,5 +134,84 @@ func (a *admission) enter(ctx context.Context, db any, name, key string, n int, 
 	case <-ctx.Done():
 		t.leave(answer{})
 		return ticket{}, ctx.Err()
+	}
+}
+
+// txAdmission is the admission of the lone calls of one InSerializableTx attempt on a pool: each is
+// a call in the attempt's transaction, which keeps the shard it decided on (its steering lock) until
+// it ends, so a call's slot is given back when the transaction ends, not when the call returns. A
+// call on a key the transaction already holds a slot of takes none: the transaction has its shard.
+// As everywhere, a wait for a slot lasts admitWait at the most, so a transaction that holds slots
+// and waits for another key's never deadlocks another one that does the same.
+type txAdmission struct {
+	pool any    // the pool InSerializableTx runs on
+	tx   pgx.Tx // the attempt's transaction: only calls on it are admitted here
+
+	mu   sync.Mutex
+	held []heldTicket // the tickets taken, with their calls' answers, given back by leave
+}
+
+// heldTicket is a ticket held until the transaction ends, and its call's answer.
+type heldTicket struct {
+	t ticket
+	d answer
+}
+
+type txAdmissionKey struct{}
+
+// withTxAdmission returns ctx carrying the admission of a transaction of InSerializableTx on db,
+// when db is a pool; else ctx and nil. Its tx is set once the transaction has begun.
+func withTxAdmission(ctx context.Context, db TxBeginner) (context.Context, *txAdmission) {
+	pool, ok := db.(*pgxpool.Pool)
+	if !ok {
+		return ctx, nil
+	}
+	ta := &txAdmission{pool: pool}
+	return context.WithValue(ctx, txAdmissionKey{}, ta), ta
+}
+
+// txAdmissionOf returns the admission of the InSerializableTx transaction that db is, as ctx
+// carries it; nil when db is another handle.
+func txAdmissionOf(ctx context.Context, db Executor) *txAdmission {
+	ta, _ := ctx.Value(txAdmissionKey{}).(*txAdmission)
+	if ta == nil || ta.tx == nil || any(ta.tx) != any(db) {
+		return nil
+	}
+	return ta
+}
+
+// enter admits a call of the transaction on (name, key) through a, as admission.enter does, unless
+// the transaction already holds a slot of that key of a.
+func (ta *txAdmission) enter(ctx context.Context, a *admission, name, key string, n int, count float64, reserve bool) (ticket, error) {
+	k := admissionKey{ta.pool, name, key}
+	ta.mu.Lock()
+	for _, h := range ta.held {
+		if h.t.a == a && h.t.k == k && h.t.slot {
+			ta.mu.Unlock()
+			return ticket{}, nil
+		}
+	}
+	ta.mu.Unlock()
+	return a.enter(ctx, ta.pool, name, key, n, count, reserve)
+}
+
+// keep holds t, with its call's answer d, until the transaction ends.
+func (ta *txAdmission) keep(t ticket, d answer) {
+	if t.a == nil {
+		return
+	}
+	ta.mu.Lock()
+	ta.held = append(ta.held, heldTicket{t, d})
+	ta.mu.Unlock()
+}
+
+// leave gives back every ticket the transaction held; it runs once the transaction has ended.
+func (ta *txAdmission) leave() {
+	ta.mu.Lock()
+	held := ta.held
+	ta.held = nil
+	ta.mu.Unlock()
+	for _, h := range held {
+		h.t.leave(h.d)
 	}
 }

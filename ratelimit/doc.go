@@ -111,9 +111,12 @@
 // no slot while its RetryAt is ahead (100 ms at the most), so that a flood of refused calls is
 // still answered in parallel. A key's slots are those of its pool (the same name and key on another
 // pool are another key) and of its number of shards (a call whose inline Config changes Shards
-// starts the key afresh with that many). Calls in a transaction or on a single connection (a
-// *pgx.Conn, a *sql.Conn, a Batcher's) take no slot; each Limiter admits its own callers. The wait
-// counts in txlimit.decision.duration.
+// starts the key afresh with that many). The calls InSerializableTx's function makes on its
+// transaction, with the context it is given, when InSerializableTx runs on a *pgxpool.Pool, take a
+// slot too and keep it until the transaction ends (its shard stays taken until then); a later call
+// of that transaction on the same key takes no other. Calls in other transactions or on a single
+// connection (a *pgx.Conn, a *sql.Conn, a Batcher's) take no slot; each Limiter admits its own
+// callers. The wait counts in txlimit.decision.duration.
 //
 // Under REPEATABLE READ and SERIALIZABLE the choice is made with one read fewer when it can be: a
 // shard that is read but not charged makes the transaction a reader of whoever charges it, and with

@@ -1166,6 +1166,61 @@ func TestShardAdmissionIsPerPool(t *testing.T) {
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }
 
+// A call in a transaction of InSerializableTx on a pool keeps its shard (its steering lock) until
+// the transaction ends, so it keeps its admission slot until then too, and the calls beyond the
+// key's shards wait in the process, not in Postgres where each would begin and roll back a
+// transaction to wait for a busy shard. A call on a key its transaction already holds a slot of
+// takes no other. Two transactions decide on a 2-shard key and stay open; a third one's call waits
+// for a slot while the first two decide again on their own slots, and goes on once they commit.
+func TestShardAdmissionHeldUntilTxEnds(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 100, Period: time.Second, Capacity: 100, Shards: 2})
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	decided, again := make(chan struct{}, 2), make(chan struct{})
+	var release sync.Once
+	t.Cleanup(func() { release.Do(func() { close(again) }) }) // a failed test lets the transactions end
+	inTx := func(twice bool) <-chan bOutcome {
+		return bAsync(func() (r ratelimit.Result, err error) {
+			err = ratelimit.InSerializableTx(e.ctx, e.pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+				if r, err = e.lim.Limit(ctx, tx, "s", "k", nil); err != nil || !twice {
+					return err
+				}
+				decided <- struct{}{}
+				<-again
+				soon, cancel := context.WithTimeout(ctx, 30*time.Second)
+				defer cancel()
+				r, err = e.lim.Limit(soon, tx, "s", "k", nil)
+				return err
+			})
+			return r, err
+		})
+	}
+	first, second := inTx(true), inTx(true)
+	<-decided
+	<-decided
+	require.Equal(t, 2, ratelimit.Admitted(e.lim, "s", "k"), "both open transactions hold their slots")
+	third := inTx(false)
+	eventually(t, "a third transaction's call waits for a slot", func() bool { return ratelimit.Admitted(e.lim, "s", "k") == 3 })
+	time.Sleep(300 * time.Millisecond) // time to reach Postgres, were it let through
+	select {
+	case out := <-third:
+		t.Fatalf("the third call went on while both slots were held: %+v", out)
+	default:
+	}
+	require.Equal(t, 0, e.waiting(), "nothing waits in Postgres")
+	release.Do(func() { close(again) })
+	var shards []int
+	for _, c := range []<-chan bOutcome{first, second, third} {
+		out := <-c
+		require.NoError(t, out.err, "a call on a key its transaction holds a slot of waited for another")
+		require.True(t, out.res.OK)
+		shards = append(shards, out.res.Shards...)
+	}
+	require.Len(t, shards, 3)
+	require.ElementsMatch(t, []int{0, 1}, shards[:2], "the open transactions decided on a shard each")
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"), "every slot given back when its transaction ended")
+}
+
 // A call that waited for the pick it charges, and found that pick refusing once it held it (the
 // holder emptied it), holds that row without having written it. It then only tries its other
 // pick when that sorts before the held one, so that two calls never wait on each other's shards

@@ -48,6 +48,12 @@ type TxOpts struct {
 // failed attempt: when db can run a statement of its own (a *pgxpool.Pool or *pgx.Conn), the
 // retry waits, outside any transaction, until one of those transactions ends, then runs fn again
 // at once; it costs no attempt, up to 100 such waits (then it counts as a failure like any other).
+//
+// On a *pgxpool.Pool, the context fn is given carries the transaction's admission: a Limiter's
+// lone calls on a sharded key, made with that context on tx, are admitted as its calls on the pool
+// are, and keep their slot until the transaction ends, so that the callers of a hot key beyond its
+// shards wait in this process rather than become busy attempts (the package documentation,
+// "Shards").
 func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	const op = "InSerializableTx"
 	if r := nilarg.Reason(db); r != "" {
@@ -146,9 +152,15 @@ const txWhat = "serializable transaction"
 const maxBusyWaits = 100
 
 func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	ctx, ta := withTxAdmission(ctx, db)
 	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	if err != nil {
 		return err
+	}
+	if ta != nil {
+		// The slots of the transaction's calls on sharded keys are given back once it has ended.
+		ta.tx = tx
+		defer ta.leave()
 	}
 	// Rolls back when fn fails or panics (the panic goes on, the connection is not left in a
 	// transaction); after a commit it does nothing.
