@@ -1265,6 +1265,43 @@ func fzSeeds() []fzSeed {
 			op(fzOpValue, 0, fzQ("b", 1, 1)).
 			op(fzOpLimit, 1<<51, fzQ("a", 1, 3)).
 			op(fzOpValue, 0, fzQ("c", 2, 1)).b},
+		// Seeds for shapes of the road no other seed reached (TestFuzzSeedsCoverEveryShape).
+		// A bad inline config in a LimitMany group and in a list: a config error, nothing decided.
+		{"invalid_config_in_groups", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
+			op(fzOpMany, 0, fzQ("a", 0, 1), fzQ("b", 0, 1, fzBadConfig(2))).
+			op(fzOpList, 0, fzQ("a", 0, 1), fzQ("a", 1, 1, fzBadConfig(4))).
+			op(fzOpValue, 0, fzQ("a", 0, 1)).b},
+		// Reservations on each statement of an unsharded limit: a missing row reserved in a
+		// SERIALIZABLE transaction (created by txlimit_decide_v1), a Check reserving, a list's request
+		// alone on its row reserved by txlimit_alone's UPDATE, a CheckMany reserving.
+		{"unsharded_reservations_each_statement", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
+			op(fzOpReserve|fzBitTx, 0, fzQ("a", 0, 7)).                 // -2
+			op(fzOpCheckReserve, 0, fzQ("a", 1, 7)).                    // missing: would be -2
+			op(fzOpList, 0, fzQ("a", 0, 1, fzReserve), fzQ("a", 1, 1)). // -3; created at 4
+			op(fzOpCheckMany, 0, fzQ("a", 0, 1, fzReserve), fzQ("a", 1, 1)).b},
+		// One pick of a sharded limit charged alone below zero (the other too deep in debt to
+		// combine with), first or second, existing or missing, under READ COMMITTED and in
+		// SERIALIZABLE transactions; both combined there at zero or above; Checks there reading the
+		// second pick. 4 shards of 2.5/s, cap 5.
+		{"sharded_one_pick_reserved", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0), fzC(tb, 10, sec, 20, inf, 4, 0, 0)).
+			op(fzOpReserve, 0, fzQ("b", 1, 20, fzPicks(4, 0, 1))).               // -5, -5
+			op(fzOpReserve, 0, fzQ("b", 1, 20, fzPicks(4, 2, 3))).               // -5, -5
+			op(fzOpReserve, 4000000, fzQ("b", 1, 20, fzPicks(4, 0, 1))).         // all 5 again: 0 and 1 to -5
+			op(fzOpLimit, 0, fzQ("b", 1, 2, fzPicks(4, 0, 2))).                  // -5 and 5: shard 2 alone, 3
+			op(fzOpReserve, 0, fzQ("b", 1, 7, fzPicks(4, 2, 0))).                // 3 and -5: shard 2 alone, -4
+			op(fzOpReserve, 0, fzQ("b", 1, 6, fzPicks(4, 1, 3))).                // -5 and 5: shard 3 alone, -1
+			op(fzOpReserve, 0, fzQ("b", 2, 20, fzPicks(4, 0, 1))).               // a new key: -5, -5
+			op(fzOpReserve, 0, fzQ("b", 2, 7, fzPicks(4, 2, 0))).                // shard 2 missing: alone, -2
+			op(fzOpReserve, 0, fzQ("b", 2, 6, fzPicks(4, 1, 3))).                // shard 3 missing: alone, -1
+			op(fzOpReserve|fzBitTx, 4000000, fzQ("b", 1, 20, fzPicks(4, 0, 1))). // all 5: -5, -5
+			op(fzOpReserve|fzBitTx, 0, fzQ("b", 1, 7, fzPicks(4, 2, 0))).
+			op(fzOpReserve|fzBitTx, 0, fzQ("b", 1, 6, fzPicks(4, 1, 3))).
+			op(fzOpLimit|fzBitTx, 2000000, fzQ("b", 1, 6, fzPicks(4, 2, 3))). // 3 and 4: both, 0.5 each
+			op(fzOpReserve|fzBitTx, 0, fzQ("b", 0, 20, fzPicks(4, 0, 1))).    // a new key
+			op(fzOpReserve|fzBitTx, 0, fzQ("b", 0, 7, fzPicks(4, 2, 0))).
+			op(fzOpReserve|fzBitTx, 0, fzQ("b", 0, 6, fzPicks(4, 1, 3))).
+			op(fzOpCheck|fzBitTx, 2000000, fzQ("b", 0, 4, fzPicks(4, 0, 3))). // 0 and 4: the second alone
+			op(fzOpCheck|fzBitTx, 0, fzQ("b", 0, 6, fzPicks(4, 2, 3))).b},    // 3 and 4: both
 		{"reset_and_rows_appear", fzNewSeed(23, fzC(fw, 3, 250*time.Millisecond, 0, inf, 4, 0, 0), fzC(tb, 7, 7*time.Microsecond, 0, inf, 1, 0, 0)).
 			op(fzOpMany|fzBit4, 0, fzQ("a", 0, 3, fzPicks(4, 0, 1)), fzQ("a", 1, 1.5, fzPicks(4, 2, 3)), fzQ("b", 0, 7)).
 			op(fzOpResetCredit|fzBit4, 1, fzQ("a", 0, 1)).
