@@ -10,6 +10,12 @@ package ratelimit_test
 // (see fzDecode). One database schema serves a whole FuzzModel run (one per fuzz worker process);
 // each input starts by resetting every (name, key) the previous input touched, so inputs are
 // isolated and a failing input replays the same way.
+//
+// TestFuzzSeedsCoverEveryShape runs the committed seed corpus with fzShapes naming the branch of
+// the engine's road (docs/spec.md §7) each decision takes, and fails naming every shape of
+// fzShapeList that no seed reaches: a new branch or a seed removed shows there.
+//
+//	go test ./ratelimit -count=1 -p 1 -run TestFuzzSeedsCoverEveryShape -v  # -v: each shape's count
 
 import (
 	"context"
@@ -18,6 +24,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -249,6 +256,10 @@ type fzRunner struct {
 	skip   string
 	// overshoots counts RetryAts accepted only through fzBugRetryAtOvershoot.
 	overshoots int
+	// shapes, when set, counts the shape of every decision (fzShapes); wrote is the config each
+	// (name, key) was last charged under, to name a config change.
+	shapes map[string]int
+	wrote  map[[2]string]ratelimit.Config
 }
 
 func (r *fzRunner) fail(format string, args ...any) {
@@ -486,10 +497,14 @@ func (r *fzRunner) single(op string, q fzReq, dry, forceReserve, forceThrow, cou
 		got, err = r.lim.LimitN(r.ctx, r.db, name, key, count, opts)
 	}
 	if wantErr != nil {
+		r.record(fzDecision{call: "lone", err: wantErr})
 		r.expectErr(op, err, wantErr)
 		return
 	}
+	d := r.decision("lone", req, dry)
 	want := r.md.decide(r.now, []modelReq{req}, dry).Results[0]
+	d.res, d.groupOK = want, want.OK
+	r.record(d)
 	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> ok=%v reserved=%v value=%v retryAt=%s shards=%v",
 		want.OK, want.Reserved, want.Value, fmtModelTime(r.sc.base, want.RetryAt), want.Shards)
 	if r.picked != len(r.picks) {
@@ -569,13 +584,24 @@ func (r *fzRunner) many(op string, qs []fzReq, dry bool) {
 		got, err = r.lim.LimitMany(r.ctx, r.db, reqs, &ratelimit.LimitOpts{AsError: throw})
 	}
 	if wantErr != nil {
+		r.record(fzDecision{call: "many", err: wantErr})
 		r.expectErr(op, err, wantErr)
 		return
 	}
+	call := "many"
 	if len(mreqs) == 1 { // a list of one request is decided as a lone call
 		mreqs[0].snapshot = r.db != ratelimit.Executor(r.pool)
+		call = "lone"
+	}
+	ds := make([]fzDecision, len(mreqs))
+	for i, mr := range mreqs {
+		ds[i] = r.decision(call, mr, dry)
 	}
 	want := r.md.decide(r.now, mreqs, dry)
+	for i := range ds {
+		ds[i].res, ds[i].groupOK = want.Results[i], want.OK
+		r.record(ds[i])
+	}
 	r.trace[len(r.trace)-1] += fmt.Sprintf(" -> ok=%v retryAt=%s", want.OK, fmtModelTime(r.sc.base, want.RetryAt))
 	if r.picked != len(r.picks) {
 		r.fail("%s: shard picker called %d times, want %d", op, r.picked, len(r.picks))
@@ -620,12 +646,8 @@ func inForce(c ratelimit.Config) ratelimit.Config {
 
 // list runs fzOpList: calls decided as one list, each as if the calls before it had run one by one.
 func (r *fzRunner) list(op fzOp) {
-	type mcall struct {
-		reqs []modelReq
-		dry  bool
-	}
 	var calls []ratelimit.ListCall
-	var mcalls []mcall
+	var mcalls []fzCall
 	var wantErr error
 	r.picks, r.picked = nil, 0
 	groups := [][]fzReq{}
@@ -643,7 +665,7 @@ func (r *fzRunner) list(op fzOp) {
 	for gi, g := range groups {
 		dry := op.code&fzBit5 != 0 && gi == len(groups)-1
 		lc := ratelimit.ListCall{Dry: dry, Single: len(g) == 1}
-		mc := mcall{dry: dry}
+		mc := fzCall{dry: dry}
 		seen := map[[2]string]bool{}
 		for _, q := range g {
 			name, key, inline, cfg := r.target(q)
@@ -677,14 +699,38 @@ func (r *fzRunner) list(op fzOp) {
 		}
 	}
 	got, errs, err := ratelimit.DecideList(r.ctx, r.lim, r.pool, calls)
+	if wantErr != nil {
+		r.record(fzDecision{call: "list", err: wantErr})
+	}
 	if r.expectErr("List", err, wantErr) {
 		return
 	}
 	if r.picked != len(r.picks) {
 		r.fail("List: shard picker called %d times, want %d", r.picked, len(r.picks))
 	}
+	fast := fzFast(mcalls)
+	charged := map[modelRowKey]bool{} // by the calls granted before, in this list
+	alone, written, missing := true, true, false
 	for i, mc := range mcalls {
+		ds := make([]fzDecision, len(mc.reqs))
+		for j, mr := range mc.reqs {
+			ds[j] = r.decision("list", mr, mc.dry)
+			ds[j].fast = fast[i][j]
+			ds[j].after = charged[modelRowKey{mr.lim.name, mr.lim.key, mr.a}] || mr.b >= 0 && charged[modelRowKey{mr.lim.name, mr.lim.key, mr.b}]
+		}
 		want := r.md.decide(r.now, mc.reqs, mc.dry)
+		for j := range ds {
+			ds[j].res, ds[j].groupOK = want.Results[j], want.OK
+			r.record(ds[j])
+			alone = alone && ds[j].fast
+			written = written && ds[j].existA && want.Results[j].OK
+			missing = missing || !ds[j].existA
+			for _, sh := range want.Results[j].Shards {
+				if want.OK && !mc.dry {
+					charged[modelRowKey{mc.reqs[j].lim.name, mc.reqs[j].lim.key, sh}] = true
+				}
+			}
+		}
 		r.trace[len(r.trace)-1] += fmt.Sprintf(" -> %d: ok=%v", i, want.OK)
 		if errs[i] != nil {
 			r.fail("List call %d: unexpected error %v", i, errs[i])
@@ -699,6 +745,13 @@ func (r *fzRunner) list(op fzOp) {
 			r.fail("List call %d: got retryAt=%s time=%s, want %s time=%s", i, fmtTime(r.sc.base, got[i].RetryAt),
 				fmtTime(r.sc.base, got[i].Time), fmtModelTime(r.sc.base, want.RetryAt), fmtModelTime(r.sc.base, r.now))
 		}
+	}
+	switch {
+	case r.shapes == nil || !alone:
+	case written: // every request alone on its row and written: answered from the writes
+		r.shapes["list/all-alone-written"]++
+	case !missing: // every request alone, decided by the UPDATE or on its row as read: no plan
+		r.shapes["list/alone-no-plan"]++
 	}
 }
 
@@ -788,6 +841,7 @@ func (r *fzRunner) run() {
 			}
 			if !r.expectErr("Reset", r.lim.Reset(r.ctx, r.pool, name, key), wantErr) {
 				r.md.reset(name, key)
+				delete(r.wrote, [2]string{name, key})
 			}
 		case c == fzOpValue, c == 15:
 			name, key, inline, cfg := r.target(q)
@@ -831,9 +885,10 @@ func (r *fzRunner) run() {
 
 // fzRun runs one input on a fresh limiter.
 // strictSkip, when set, turns the known-bug tolerances off and a disagreement into a skip.
-func fzRun(t *testing.T, pool *pgxpool.Pool, data []byte, touched map[[2]string]bool, strictSkip string) *fzRunner {
+// shapes, when set, counts the shape of every decision (fzShapes).
+func fzRun(t *testing.T, pool *pgxpool.Pool, data []byte, touched map[[2]string]bool, strictSkip string, shapes map[string]int) *fzRunner {
 	r := &fzRunner{t: t, ctx: context.Background(), pool: pool, sc: fzDecode(data), md: newModel(), touched: touched,
-		strict: strictSkip != "", skip: strictSkip}
+		strict: strictSkip != "", skip: strictSkip, shapes: shapes, wrote: map[[2]string]ratelimit.Config{}}
 	r.now = r.sc.base
 	lim, err := ratelimit.New(&ratelimit.LimiterConfig{
 		Limits: map[string]ratelimit.Config{"a": r.sc.cfgs[0], "b": r.sc.cfgs[1], "c": r.sc.cfgs[2]},
@@ -872,7 +927,7 @@ func TestFuzzModelKnownBugs(t *testing.T) {
 			if tc.bug {
 				skip = "known library bug " + tc.flag + " (see its comment in fuzz_test.go)"
 			}
-			fzRun(t, testdb.Pool(t, &testdb.Options{MaxConns: 2}), data, map[[2]string]bool{}, skip)
+			fzRun(t, testdb.Pool(t, &testdb.Options{MaxConns: 2}), data, map[[2]string]bool{}, skip, nil)
 			if tc.bug {
 				t.Errorf("%s no longer reproduces: the library is fixed, set %s to false", tc.seed, tc.flag)
 			}
@@ -898,8 +953,389 @@ func FuzzModel(f *testing.F) {
 			}
 			delete(touched, nk)
 		}
-		fzRun(t, pool, data, touched, "")
+		fzRun(t, pool, data, touched, "", nil)
 	})
+}
+
+// The shapes of the road. Every decision takes one branch of the engine's one road (docs/spec.md
+// §7): the statement engine.go chooses (DecideOneRow, DecideOne, Decide), then a branch of it.
+// fzShapes names the branch of each decision FuzzModel makes from what the harness knows: the
+// call, the isolation, the model's rows before it, and the model's answer (checked equal to the
+// library's). TestFuzzSeedsCoverEveryShape requires the committed seed corpus to reach every
+// shape of fzShapeList.
+
+// fzCall is one call of a list (fzOpList) as the model decides it.
+type fzCall struct {
+	reqs []modelReq
+	dry  bool
+}
+
+// fzDecision is what the harness knows of one request's decision.
+type fzDecision struct {
+	call           string // "lone" (a list of one request), "many" (LimitMany/CheckMany of 2+), "list" (fzOpList)
+	err            error  // the model's validation error: invalid input, nothing decided
+	tx, dry        bool   // in a SERIALIZABLE transaction; a Check
+	reserve        bool
+	req            modelReq
+	existA, existB bool // the picks' rows existed before the call
+	fast           bool // list: engine.go's fast flag (fzFast)
+	after          bool // list: a row that a call before it in the list charged
+	changed        []string
+	res            modelResult
+	groupOK        bool // its call was granted (all or nothing)
+}
+
+// decision starts the decision of q, from the model's rows before it.
+func (r *fzRunner) decision(call string, q modelReq, dry bool) fzDecision {
+	exists := func(sh int) bool { _, ok := r.md.rows[modelRowKey{q.lim.name, q.lim.key, sh}]; return ok }
+	d := fzDecision{call: call, tx: r.db != ratelimit.Executor(r.pool), dry: dry, reserve: q.reserve, req: q,
+		existA: exists(q.a), existB: q.b >= 0 && exists(q.b)}
+	if w, ok := r.wrote[[2]string{q.lim.name, q.lim.key}]; ok {
+		c := q.lim.inForce
+		for _, f := range []struct {
+			name string
+			diff bool
+		}{{"capacity", w.Capacity != c.Capacity}, {"period", w.Period != c.Period}, {"shards", w.Shards != c.Shards},
+			{"start", !w.Start.Equal(c.Start)}, {"kind", w.Kind != c.Kind}} {
+			if f.diff {
+				d.changed = append(d.changed, f.name)
+			}
+		}
+	}
+	return d
+}
+
+// record counts d's shapes and remembers the config a granted call charged its key under.
+func (r *fzRunner) record(d fzDecision) {
+	if r.shapes == nil {
+		return
+	}
+	for _, s := range fzShapes(d) {
+		r.shapes[s]++
+	}
+	if d.err == nil && !d.dry && d.groupOK {
+		r.wrote[[2]string{d.req.lim.name, d.req.lim.key}] = d.req.lim.inForce
+	}
+}
+
+// fzFast is engine.go's decideList fast flag of each request of a list: a call of one request on
+// an unsharded limit, not a Check, the only request on its row, which sorts before every row that
+// a request neither fast nor a Check may lock.
+func fzFast(calls []fzCall) [][]bool {
+	uses := map[modelRowKey]int{}
+	rows := func(q modelReq) []modelRowKey {
+		ks := []modelRowKey{{q.lim.name, q.lim.key, q.a}}
+		if q.b >= 0 {
+			ks = append(ks, modelRowKey{q.lim.name, q.lim.key, q.b})
+		}
+		return ks
+	}
+	for _, c := range calls {
+		for _, q := range c.reqs {
+			for _, k := range rows(q) {
+				uses[k]++
+			}
+		}
+	}
+	less := func(x, y modelRowKey) bool {
+		return x.name < y.name || x.name == y.name && (x.key < y.key || x.key == y.key && x.shard < y.shard)
+	}
+	fast := make([][]bool, len(calls))
+	var first *modelRowKey // the first row a request neither fast nor a Check may lock
+	for i, c := range calls {
+		fast[i] = make([]bool, len(c.reqs))
+		for j, q := range c.reqs {
+			fast[i][j] = len(c.reqs) == 1 && !c.dry && q.b < 0 && uses[rows(q)[0]] == 1
+			for _, k := range rows(q) {
+				if !fast[i][j] && !c.dry && (first == nil || less(k, *first)) {
+					first = &k
+				}
+			}
+		}
+	}
+	for i, c := range calls {
+		for j, q := range c.reqs {
+			fast[i][j] = fast[i][j] && (first == nil || less(rows(q)[0], *first))
+		}
+	}
+	return fast
+}
+
+// fzShapes names the shapes of one decision: its branch of the road, and, beside it, its kind of
+// limit and any config change since its key was last charged. See fzShapeList.
+func fzShapes(d fzDecision) []string {
+	if d.err != nil {
+		return []string{"invalid/" + d.call + "/" + errClass(d.err)}
+	}
+	iso := "rc"
+	if d.tx {
+		iso = "tx"
+	}
+	out := "granted"
+	switch {
+	case !d.res.OK:
+		out = "refused"
+	case d.res.Reserved:
+		out = "reserved"
+	}
+	kind := "kind/token-bucket/" + out
+	if d.req.lim.fixed {
+		kind = "kind/fixed-window/" + out
+	}
+	pick, created := "", !d.existA
+	switch {
+	case len(d.res.Shards) == 2:
+		pick, created = "both", !d.existA || !d.existB
+	case len(d.res.Shards) == 1 && d.res.Shards[0] == d.req.a:
+		pick = "first"
+	case len(d.res.Shards) == 1:
+		pick, created = "second", !d.existB
+	}
+	if out != "refused" && !d.dry && !d.groupOK {
+		out = "denied"
+	}
+	if created && (out == "granted" || out == "reserved") && !d.dry {
+		out = "created-" + out
+	}
+	var s string
+	switch {
+	case d.call == "lone" && d.req.b < 0 && !d.dry:
+		s = "one-row/" + iso + "/" + out
+		if iso == "rc" && out == "refused" && d.reserve {
+			s += "-reserve"
+		}
+	case d.call == "lone" && d.req.b < 0:
+		s = "check/" + out
+	case d.call == "lone" && !d.dry && out != "refused":
+		s = "sharded/" + iso + "/" + pick + "/" + out
+	case d.call == "lone" && !d.dry:
+		s = "sharded/" + iso + "/refused"
+	case d.call == "lone" && out == "granted":
+		s = "sharded-check/" + iso + "/" + pick
+	case d.call == "lone":
+		s = "sharded-check/" + iso + "/" + out
+	case d.fast && !d.existA:
+		s = "list/alone/missing-row"
+	case d.fast && out == "refused":
+		s = "list/alone/refused"
+	case d.fast:
+		s = "list/alone/written-" + out
+	case d.dry:
+		s = "list/plan/check-" + out
+	default:
+		s = "list/plan/" + out
+	}
+	shapes := []string{s}
+	if d.call != "lone" && !d.fast && !d.dry && d.req.b >= 0 && pick != "" {
+		shapes = append(shapes, "list/plan/sharded-"+pick)
+	}
+	if d.after {
+		shapes = append(shapes, "list/plan/after-an-earlier-call")
+	}
+	if out != "denied" {
+		shapes = append(shapes, kind)
+	}
+	for _, f := range d.changed {
+		shapes = append(shapes, "config-change/"+f)
+	}
+	return shapes
+}
+
+// fzShapeList is every shape a single-goroutine FuzzModel run can take, each with the branch it
+// stands for. D1 is migrations/00003_txlimit_decide.sql:txlimit_decide_one_v1, DV
+// migrations/00003_txlimit_decide.sql:txlimit_decide_v1 (its steps 1-4: plan, lock or create,
+// decide, write; txlimit_answers answers), ALONE migrations/00003_txlimit_decide.sql:txlimit_alone.
+// "created-": a row it charges was missing (txlimit_lock_row inserts it); rc: READ COMMITTED on
+// the pool, tx: a SERIALIZABLE transaction (fzBitTx), named only where the road branches on it.
+//
+// Not listed, impossible by construction: a refusal on missing rows only (they are full: a count
+// no full row grants is an argument error, ratelimit/config.go:checkRequest); under a snapshot, a
+// sharded grant of the first pick alone at zero or above after reading the second (read only when
+// the first cannot serve); a Check that creates a row.
+//
+// Not reachable by one goroutine (each needs a row, a shard or a slot held by another
+// transaction), covered where named:
+//   - DecideOneRow queueing on the row's advisory lock: TestHeldRowQueuesOnAdvisoryLock; a refusal
+//     answered while the row is held: TestFastDenialTakesNoLock (concurrency_test.go); D1 after
+//     DecideOneRow's UPDATE finding an existing row that grants (changed meanwhile), decided by DV:
+//     only in the contention tests, e.g. TestOverGrantPool (concurrency_test.go)
+//   - steering past a taken candidate (txlimit_steer): TestModelSteersPastATakenCandidate
+//     (model_contention_test.go), TestShardSteersClearOfBusyShards (shard_test.go)
+//   - every candidate taken, READ COMMITTED: txlimit_await_shard, then plan again:
+//     TestShardWaitsForATakenShardsSteeringLock, TestShardSteeringWaitIsBounded (shard_test.go),
+//     TestModelSteeringWaitTimesOutThenDecidesOnThePicks (model_contention_test.go)
+//   - every candidate taken or stale under a snapshot: *BusyError: TestModelEveryCandidateTakenUnderSnapshotIsBusy
+//     (model_contention_test.go); a stale shard passed over: TestShardPassesOverStaleShards (shard_test.go)
+//   - the charged pick row-locked: the other pick alone, or a wait when both are held:
+//     TestModelHeldPickChargesTheOther (model_contention_test.go), TestShardSkipsALockedPick (shard_test.go)
+//   - a shard changed between plan and lock, decided again by DV; a waited pick refusing, held:
+//     TestShardWaitedRowChangedIsDecidedAgain, TestShardRedecidesOnLatestLevels, TestShardWaitedPickIsHeldInOrder (shard_test.go)
+//   - a list's rows changed between plan and lock (DV decides again; refused to retry at once),
+//     rows created by two lists at once: TestListsConcurrentLedger, TestListsConcurrentWithCreditsAndNewRows,
+//     TestListsOppositeOrdersOnNewRows (lists_concurrency_test.go)
+//   - a list's row only tried (sorting before a held one) or being created by another transaction
+//     (txlimit_lock_row's p_try): TestBatcherWaitsForARowSortingBeforeAKeyAlone, TestBatcherWaitsForARowBeingCreated (batcher_test.go)
+//   - admission's queue in the process (ratelimit/admission.go): TestShardPoolCallsWaitInTheProcess,
+//     TestShardRefusalsPassAdmission (shard_test.go); a Batcher's queue: TestBatcherBatchesWhileBusy (batcher_test.go)
+var fzShapeList = []string{
+	// Invalid input: a typed error from ratelimit/calls.go:prepareCall, nothing decided.
+	"invalid/lone/argument", // a count, name or key refused, or a count no call could be granted
+	"invalid/lone/config",   // an inline config refused (ratelimit/config.go:validate)
+	"invalid/lone/unknown",  // a name neither registered nor given a config
+	"invalid/many/argument", // LimitMany/CheckMany: the same, and a (name, key) twice
+	"invalid/many/config",
+	"invalid/many/unknown",
+	"invalid/list/argument", // a list (ratelimit/export_test.go:DecideList): any call's error leaves the list undecided
+	"invalid/list/config",
+	"invalid/list/unknown",
+
+	// A lone unsharded Limit/LimitN: engine.go:decideOne sends DecideOneRow (internal/dbsqlc/queries/engine.sql).
+	"one-row/rc/granted",          // DecideOneRow's UPDATE writes the grant (left at zero or above)
+	"one-row/rc/refused",          // D1, p_tried, no allowance: the refusal answered from the row as read
+	"one-row/rc/refused-reserve",  // D1, p_tried with an allowance: its own UPDATE writes nothing, then the read refuses
+	"one-row/rc/reserved",         // D1, p_tried with an allowance: its own UPDATE writes below zero
+	"one-row/rc/created-granted",  // D1: the row missing, the read grants: DV creates it
+	"one-row/rc/created-reserved", // the same, below zero
+	"one-row/tx/granted",          // DecideOneRow's UPDATE reads nothing under a snapshot: D1's UPDATE writes
+	"one-row/tx/reserved",         // D1's UPDATE writes below zero
+	"one-row/tx/refused",          // D1's UPDATE writes nothing: the refusal from the read
+	"one-row/tx/created-granted",  // D1's UPDATE finds no row, the read grants: DV creates it
+	"one-row/tx/created-reserved",
+
+	// A lone unsharded Check/CheckN: DecideOne, D1 answers from the row as read (txlimit_written_v1 or a refusal).
+	"check/granted",
+	"check/reserved",
+	"check/refused",
+
+	// A lone sharded Limit/LimitN (or LimitMany of one): DecideOne, D1 after txlimit_steer took the
+	// first candidate. rc: both picks read; tx: the second read only when the first cannot serve alone.
+	"sharded/rc/refused",                 // D1's plan refuses: answered from it, nothing locked
+	"sharded/rc/first/granted",           // D1: the first pick charged alone, locked (SKIP LOCKED) and written
+	"sharded/rc/first/reserved",          // the same, below zero
+	"sharded/rc/first/created-granted",   // D1: the first pick to charge is missing: DV on both picks creates it
+	"sharded/rc/first/created-reserved",  //
+	"sharded/rc/second/granted",          // D1: the second pick charged alone, locked and written
+	"sharded/rc/second/reserved",         //
+	"sharded/rc/second/created-granted",  // D1: the second pick missing: DV creates it
+	"sharded/rc/second/created-reserved", //
+	"sharded/rc/both/granted",            // D1: a charge of both picks goes to DV
+	"sharded/rc/both/reserved",           //
+	"sharded/rc/both/created-granted",    // DV creates a missing pick
+	"sharded/rc/both/created-reserved",   //
+	"sharded/tx/refused",                 // D1's plan, both picks read, refuses
+	"sharded/tx/first/granted",           // D1: the first pick serves alone, the second never read; locked and written
+	"sharded/tx/first/reserved",          // D1: the first cannot serve, both read, the fuller (first) charged below zero
+	"sharded/tx/first/created-granted",   // D1: the first serves alone but is missing: DV on it alone creates it
+	"sharded/tx/first/created-reserved",  // D1: both read, the first (missing) charged below zero: DV on both
+	"sharded/tx/second/granted",          // D1: the first cannot serve, the second read and charged alone
+	"sharded/tx/second/reserved",         //
+	"sharded/tx/second/created-granted",  // the second missing: DV creates it
+	"sharded/tx/second/created-reserved", //
+	"sharded/tx/both/granted",            // D1: both read, combined: DV
+	"sharded/tx/both/reserved",           //
+	"sharded/tx/both/created-granted",    //
+	"sharded/tx/both/created-reserved",   //
+
+	// A lone sharded Check/CheckN: DecideOne, D1 (no steering, nothing locked).
+	"sharded-check/rc/first",    // D1 hands both picks to DV (dry): the first charged alone
+	"sharded-check/rc/second",   //
+	"sharded-check/rc/both",     //
+	"sharded-check/rc/reserved", // DV: granted below zero
+	"sharded-check/rc/refused",  //
+	"sharded-check/tx/first",    // D1: the first pick serves alone, answered from its read, the second never read
+	"sharded-check/tx/second",   // D1: the first cannot serve: DV on both picks
+	"sharded-check/tx/both",     //
+	"sharded-check/tx/reserved", //
+	"sharded-check/tx/refused",  //
+
+	// Lists (LimitMany/CheckMany of 2+, a Batcher's batch, fzOpList): engine.go:decideList sends Decide, DV.
+	"list/alone/written-granted",      // ALONE: a fast request (engine.go:decideList) written by its one UPDATE
+	"list/alone/written-reserved",     // ALONE's UPDATE writes below zero (it takes the allowance)
+	"list/alone/refused",              // ALONE: not written, refused on its row as read
+	"list/alone/missing-row",          // ALONE: its row missing: planned by DV, which creates it
+	"list/all-alone-written",          // DV: every request fast and written: answered from ALONE's writes
+	"list/alone-no-plan",              // DV: every request fast and decided by ALONE (some refused): txlimit_answers, no plan
+	"list/plan/granted",               // DV: planned, locked, decided, written
+	"list/plan/reserved",              //
+	"list/plan/created-granted",       // DV: txlimit_lock_row creates a missing row
+	"list/plan/created-reserved",      //
+	"list/plan/refused",               // DV: the rules refuse it: its group takes no lock
+	"list/plan/denied",                // DV: the rules grant it but its group is refused: nothing written
+	"list/plan/check-granted",         // DV: a Check (dry), planned only
+	"list/plan/check-reserved",        //
+	"list/plan/check-refused",         //
+	"list/plan/sharded-first",         // DV: txlimit_charge charges a sharded request's first pick alone
+	"list/plan/sharded-second",        //
+	"list/plan/sharded-both",          //
+	"list/plan/after-an-earlier-call", // DV: its row as a call granted before it in the list left it (w_val)
+
+	// Beside the branch: the kind (txlimit_level, txlimit_retry_at step by 1 µs or by windows) ...
+	"kind/token-bucket/granted",
+	"kind/token-bucket/reserved",
+	"kind/token-bucket/refused",
+	"kind/fixed-window/granted",
+	"kind/fixed-window/reserved",
+	"kind/fixed-window/refused",
+	// ... and a key decided under a config other than the one it was last charged under
+	// (docs/spec.md §1, §4, §8: rows read with the call's config).
+	"config-change/capacity",
+	"config-change/period",
+	"config-change/shards",
+	"config-change/start",
+	"config-change/kind",
+}
+
+// TestFuzzSeedsCoverEveryShape runs the committed seed corpus (every file of
+// testdata/fuzz/FuzzModel) as FuzzModel does, with fzShapes naming each decision, and fails
+// naming every shape of fzShapeList no seed reaches (and any shape the list lacks).
+//
+//	go test ./ratelimit -count=1 -p 1 -run TestFuzzSeedsCoverEveryShape -v   # -v: each shape's count
+func TestFuzzSeedsCoverEveryShape(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join("testdata", "fuzz", "FuzzModel", "*"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no seed corpus: %v", err)
+	}
+	pool := testdb.Pool(t, &testdb.Options{MaxConns: 2})
+	resetter, err := ratelimit.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shapes := map[string]int{}
+	touched := map[[2]string]bool{}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lit, ok := strings.CutPrefix(strings.TrimSpace(string(b)), "go test fuzz v1\n[]byte(")
+		data, err := strconv.Unquote(strings.TrimSuffix(lit, ")"))
+		if !ok || err != nil {
+			t.Fatalf("%s: not one []byte: %v", f, err)
+		}
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			for nk := range touched {
+				if err := resetter.Reset(context.Background(), pool, nk[0], nk[1]); err != nil {
+					t.Fatalf("reset %q/%q: %v", nk[0], nk[1], err)
+				}
+				delete(touched, nk)
+			}
+			fzRun(t, pool, []byte(data), touched, "", shapes)
+		})
+	}
+	var missing []string
+	for _, s := range fzShapeList {
+		t.Logf("%5d %s", shapes[s], s)
+		if shapes[s] == 0 {
+			missing = append(missing, s)
+		}
+		delete(shapes, s)
+	}
+	for s := range shapes {
+		t.Errorf("shape %q is not in fzShapeList", s)
+	}
+	if len(missing) > 0 {
+		t.Errorf("no seed reaches %d of %d shapes:\n  %s", len(missing), len(fzShapeList), strings.Join(missing, "\n  "))
+	}
 }
 
 // The seed corpus: each seed is a scenario written with the encoder below, so that it reads as
