@@ -155,8 +155,9 @@ type txAdmission struct {
 	pool any    // the pool InSerializableTx runs on
 	tx   pgx.Tx // the attempt's transaction: only calls on it are admitted here
 
-	mu   sync.Mutex
-	held []ticket // the tickets taken, given back by leave
+	mu    sync.Mutex
+	held  []ticket // the tickets taken, given back by leave
+	ended bool     // leave has run: a call still on tx (it fails) keeps no ticket
 }
 
 type txAdmissionKey struct{}
@@ -183,11 +184,11 @@ func txAdmissionOf(ctx context.Context, db Executor) *txAdmission {
 }
 
 // enter admits a call of the transaction on (name, key) through a, as admission.enter does, unless
-// the transaction already holds a slot of that key of a.
+// the transaction already holds a slot of that key of a, or has ended (the call fails on tx).
 func (ta *txAdmission) enter(ctx context.Context, a *admission, name, key string, n int, count float64, reserve bool) (ticket, error) {
 	k := admissionKey{ta.pool, name, key}
 	ta.mu.Lock()
-	skip := slices.ContainsFunc(ta.held, func(t ticket) bool { return t.a == a && t.k == k && t.slot })
+	skip := ta.ended || slices.ContainsFunc(ta.held, func(t ticket) bool { return t.a == a && t.k == k && t.slot })
 	ta.mu.Unlock()
 	if skip {
 		return ticket{}, nil
@@ -196,7 +197,7 @@ func (ta *txAdmission) enter(ctx context.Context, a *admission, name, key string
 }
 
 // keep holds t until the transaction ends, d being its call's answer: a refusal opens the key at
-// once.
+// once. When the transaction has already ended (a call that outlived it), t is given back at once.
 func (ta *txAdmission) keep(t ticket, d answer) {
 	if t.a == nil {
 		return
@@ -205,15 +206,21 @@ func (ta *txAdmission) keep(t ticket, d answer) {
 	t.opens(d)
 	t.a.mu.Unlock()
 	ta.mu.Lock()
-	ta.held = append(ta.held, t)
+	ended := ta.ended
+	if !ended {
+		ta.held = append(ta.held, t)
+	}
 	ta.mu.Unlock()
+	if ended {
+		t.leave(answer{})
+	}
 }
 
 // leave gives back every ticket the transaction held; it runs once the transaction has ended.
 func (ta *txAdmission) leave() {
 	ta.mu.Lock()
 	held := ta.held
-	ta.held = nil
+	ta.held, ta.ended = nil, true
 	ta.mu.Unlock()
 	for _, t := range held {
 		t.leave(answer{}) // the refusals among their calls opened the key when they returned

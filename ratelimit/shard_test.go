@@ -1255,6 +1255,24 @@ func TestShardTxRefusalOpensItsKey(t *testing.T) {
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
 }
 
+// A call made on an InSerializableTx transaction after it ended (by a goroutine of fn that outlived
+// it, say) fails, and keeps no slot: a slot taken for a transaction that has ended is given back at
+// once, not held for an end that has passed.
+func TestShardTxAdmissionAfterTheTxEnded(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 100, Period: time.Second, Capacity: 100, Shards: 2})
+	var late func() error
+	require.NoError(t, ratelimit.InSerializableTx(e.ctx, e.pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+		late = func() error { _, err := e.lim.Limit(ctx, tx, "s", "k", nil); return err }
+		return nil
+	}))
+	require.ErrorIs(t, late(), pgx.ErrTxClosed)
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"), "no slot kept by a transaction that has ended")
+	r, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+}
+
 // limitInTx runs, in a goroutine, an InSerializableTx on the pool whose function makes a Limit on
 // key "k" of "s" on its transaction, with the context it is given, then sends on decided and keeps
 // the transaction open until end is closed; it returns the Limit's outcome, or the transaction's
