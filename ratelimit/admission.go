@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"time"
 
@@ -73,15 +74,21 @@ func (t ticket) leave(d answer) {
 		<-t.e.slots
 	}
 	t.a.mu.Lock()
-	if refusedFor := d.refusedFor(); refusedFor > 0 {
-		t.e.open = time.Now().Add(min(refusedFor, t.a.bound()))
-		t.e.openCount, t.e.openReserve = t.count, t.reserve
-	}
+	t.opens(d)
 	// The key's entry may have been replaced by one of another number of slots (enter).
 	if t.e.users--; t.e.users == 0 && t.a.keys[t.k] == t.e {
 		delete(t.a.keys, t.k)
 	}
 	t.a.mu.Unlock()
+}
+
+// opens opens the key for the calls like t's when d, its call's answer, is a refusal, from now; the
+// caller holds t.a.mu.
+func (t ticket) opens(d answer) {
+	if refusedFor := d.refusedFor(); refusedFor > 0 {
+		t.e.open = time.Now().Add(min(refusedFor, t.a.bound()))
+		t.e.openCount, t.e.openReserve = t.count, t.reserve
+	}
 }
 
 func (a *admission) bound() time.Duration {
@@ -139,22 +146,18 @@ func (a *admission) enter(ctx context.Context, db any, name, key string, n int, 
 
 // txAdmission is the admission of the lone calls of one InSerializableTx attempt on a pool: each is
 // a call in the attempt's transaction, which keeps the shard it decided on (its steering lock) until
-// it ends, so a call's slot is given back when the transaction ends, not when the call returns. A
-// call on a key the transaction already holds a slot of takes none: the transaction has its shard.
-// As everywhere, a wait for a slot lasts admitWait at the most, so a transaction that holds slots
-// and waits for another key's never deadlocks another one that does the same.
+// it ends, so a call's slot is given back when the transaction ends, not when the call returns; a
+// refusal opens its key when it returns, as on the pool, for the calls after it that it speaks for.
+// A call on a key the transaction already holds a slot of takes none: the transaction has its
+// shard. As everywhere, a wait for a slot lasts admitWait at the most, so a transaction that holds
+// slots and waits for another key's never deadlocks another one that does the same.
 type txAdmission struct {
 	pool any    // the pool InSerializableTx runs on
 	tx   pgx.Tx // the attempt's transaction: only calls on it are admitted here
 
-	mu   sync.Mutex
-	held []heldTicket // the tickets taken, with their calls' answers, given back by leave
-}
-
-// heldTicket is a ticket held until the transaction ends, and its call's answer.
-type heldTicket struct {
-	t ticket
-	d answer
+	mu    sync.Mutex
+	held  []ticket // the tickets taken, given back by leave
+	ended bool     // leave has run: a call still on tx (it fails) keeps no ticket
 }
 
 type txAdmissionKey struct{}
@@ -181,37 +184,45 @@ func txAdmissionOf(ctx context.Context, db Executor) *txAdmission {
 }
 
 // enter admits a call of the transaction on (name, key) through a, as admission.enter does, unless
-// the transaction already holds a slot of that key of a.
+// the transaction already holds a slot of that key of a, or has ended (the call fails on tx).
 func (ta *txAdmission) enter(ctx context.Context, a *admission, name, key string, n int, count float64, reserve bool) (ticket, error) {
 	k := admissionKey{ta.pool, name, key}
 	ta.mu.Lock()
-	for _, h := range ta.held {
-		if h.t.a == a && h.t.k == k && h.t.slot {
-			ta.mu.Unlock()
-			return ticket{}, nil
-		}
-	}
+	skip := ta.ended || slices.ContainsFunc(ta.held, func(t ticket) bool { return t.a == a && t.k == k && t.slot })
 	ta.mu.Unlock()
+	if skip {
+		return ticket{}, nil
+	}
 	return a.enter(ctx, ta.pool, name, key, n, count, reserve)
 }
 
-// keep holds t, with its call's answer d, until the transaction ends.
+// keep holds t until the transaction ends, d being its call's answer: a refusal opens the key at
+// once. When the transaction has already ended (a call that outlived it), t is given back at once.
 func (ta *txAdmission) keep(t ticket, d answer) {
 	if t.a == nil {
 		return
 	}
+	t.a.mu.Lock()
+	t.opens(d)
+	t.a.mu.Unlock()
 	ta.mu.Lock()
-	ta.held = append(ta.held, heldTicket{t, d})
+	ended := ta.ended
+	if !ended {
+		ta.held = append(ta.held, t)
+	}
 	ta.mu.Unlock()
+	if ended {
+		t.leave(answer{})
+	}
 }
 
 // leave gives back every ticket the transaction held; it runs once the transaction has ended.
 func (ta *txAdmission) leave() {
 	ta.mu.Lock()
 	held := ta.held
-	ta.held = nil
+	ta.held, ta.ended = nil, true
 	ta.mu.Unlock()
-	for _, h := range held {
-		h.t.leave(h.d)
+	for _, t := range held {
+		t.leave(answer{}) // the refusals among their calls opened the key when they returned
 	}
 }

@@ -113,8 +113,9 @@
 // pool are another key) and of its number of shards (a call whose inline Config changes Shards
 // starts the key afresh with that many). The calls InSerializableTx's function makes on its
 // transaction, with the context it is given, when InSerializableTx runs on a *pgxpool.Pool, take a
-// slot too and keep it until the transaction ends (its shard stays taken until then); a later call
-// of that transaction on the same key takes no other. Calls in other transactions or on a single
+// slot too and keep it until the transaction ends (its shard stays taken until then; a refused one
+// opens its key when it returns, as on the pool); a later call of that transaction on the same key
+// takes no other. Calls in other transactions or on a single
 // connection (a *pgx.Conn, a *sql.Conn, a Batcher's) take no slot; each Limiter admits its own
 // callers. The wait counts in txlimit.decision.duration.
 //

@@ -1221,6 +1221,76 @@ func TestShardAdmissionHeldUntilTxEnds(t *testing.T) {
 	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"), "every slot given back when its transaction ended")
 }
 
+// A refused call of an InSerializableTx transaction opens its key when it returns, as a refused
+// call on the pool does: the calls after it that it speaks for go on without a slot while its
+// RetryAt is ahead, though the transaction keeps its slot until it ends. A 2-shard key of 2/min
+// drained to 0 and 0: two transactions are refused (RetryAt 30 s ahead) and stay open; a Limit on
+// the pool, which would otherwise wait a minute for a slot, is refused at once.
+func TestShardTxRefusalOpensItsKey(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 2, Period: time.Minute, Capacity: 2, Shards: 2})
+	r, err := e.lim.LimitN(e.ctx, e.pool, "s", "k", 2, nil)
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1}, r.Shards, "both shards drained")
+	ratelimit.SetAdmissionWait(e.lim, time.Minute)
+	decided, end := make(chan struct{}, 2), make(chan struct{})
+	var release sync.Once
+	t.Cleanup(func() { release.Do(func() { close(end) }) }) // a failed test lets the transactions end
+	first := e.limitInTx(decided, end)
+	<-decided
+	second := e.limitInTx(decided, end)
+	<-decided
+	soon, cancel := context.WithTimeout(e.ctx, 10*time.Second)
+	defer cancel()
+	r, err = e.lim.Limit(soon, e.pool, "s", "k", nil)
+	require.NoError(t, err, "the open transactions' refusals let the call through without a slot")
+	require.False(t, r.OK)
+	release.Do(func() { close(end) })
+	for _, c := range []<-chan bOutcome{first, second} {
+		out := <-c
+		require.NoError(t, out.err)
+		require.False(t, out.res.OK)
+		require.Equal(t, 30*time.Second, out.res.RetryAfter())
+	}
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"))
+}
+
+// A call made on an InSerializableTx transaction after it ended (by a goroutine of fn that outlived
+// it, say) fails, and keeps no slot: a slot taken for a transaction that has ended is given back at
+// once, not held for an end that has passed.
+func TestShardTxAdmissionAfterTheTxEnded(t *testing.T) {
+	t.Parallel()
+	e := newAdmissionEnv(t, ratelimit.Config{Rate: 100, Period: time.Second, Capacity: 100, Shards: 2})
+	var late func() error
+	require.NoError(t, ratelimit.InSerializableTx(e.ctx, e.pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+		late = func() error { _, err := e.lim.Limit(ctx, tx, "s", "k", nil); return err }
+		return nil
+	}))
+	require.ErrorIs(t, late(), pgx.ErrTxClosed)
+	require.Equal(t, 0, ratelimit.Admitted(e.lim, "s", "k"), "no slot kept by a transaction that has ended")
+	r, err := e.lim.Limit(e.ctx, e.pool, "s", "k", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+}
+
+// limitInTx runs, in a goroutine, an InSerializableTx on the pool whose function makes a Limit on
+// key "k" of "s" on its transaction, with the context it is given, then sends on decided and keeps
+// the transaction open until end is closed; it returns the Limit's outcome, or the transaction's
+// error.
+func (e *admissionEnv) limitInTx(decided chan<- struct{}, end <-chan struct{}) <-chan bOutcome {
+	return bAsync(func() (r ratelimit.Result, err error) {
+		err = ratelimit.InSerializableTx(e.ctx, e.pool, nil, func(ctx context.Context, tx pgx.Tx) error {
+			if r, err = e.lim.Limit(ctx, tx, "s", "k", nil); err != nil {
+				return err
+			}
+			decided <- struct{}{}
+			<-end
+			return nil
+		})
+		return r, err
+	})
+}
+
 // A call that waited for the pick it charges, and found that pick refusing once it held it (the
 // holder emptied it), holds that row without having written it. It then only tries its other
 // pick when that sorts before the held one, so that two calls never wait on each other's shards
