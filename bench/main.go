@@ -36,8 +36,13 @@ import (
 // Mode is a set of durations.
 type Mode struct {
 	Name string
-	// Cell is how long each throughput cell runs after its warm-up.
+	// Cell is how long each contender's callers decide in a throughput cell, after the warm-ups:
+	// the sum of its Rounds slices.
 	Cell time.Duration
+	// Rounds is how many slices of Cell/Rounds each contender of a throughput cell runs, the
+	// contenders taking turns (cellOrder), so that a slower or faster moment of the machine falls
+	// on all of them alike rather than on whichever ran then.
+	Rounds int
 	// Shard is how long each run of the 1-vs-16-shards SERIALIZABLE comparison lasts.
 	Shard time.Duration
 	// OverGrant is the over-grant test's window: 3 s in every mode.
@@ -47,8 +52,8 @@ type Mode struct {
 }
 
 var (
-	quickMode = Mode{Name: "quick", Cell: 500 * time.Millisecond, Shard: 2 * time.Second, OverGrant: 3 * time.Second, Paired: 1000}
-	fullMode  = Mode{Name: "full", Cell: 3 * time.Second, Shard: 10 * time.Second, OverGrant: 3 * time.Second, Paired: 5000}
+	quickMode = Mode{Name: "quick", Cell: 500 * time.Millisecond, Rounds: 2, Shard: 2 * time.Second, OverGrant: 3 * time.Second, Paired: 1000}
+	fullMode  = Mode{Name: "full", Cell: 3 * time.Second, Rounds: 3, Shard: 10 * time.Second, OverGrant: 3 * time.Second, Paired: 5000}
 )
 
 // Bounds that keep every loop finite whatever the speed of the contender.
@@ -200,16 +205,27 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 		warmShards = max(warmShards, def.Shards)
 	}
 	for ci, cell := range cells {
-		for _, def := range cellDefs {
-			if err := ctx.Err(); err != nil {
-				return err
+		results := map[*Def]*Result{}
+		for round := range mode.Rounds {
+			for _, def := range cellOrder(cellDefs, round) {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				r := RunCell(ctx, env, def, contenders[def.ID], cell, RunOpts{
+					Duration: mode.Cell / time.Duration(mode.Rounds), MaxPerCaller: maxPerCaller,
+					Tag: fmt.Sprintf("c%d-%s", ci, def.ID), WarmShards: warmShards,
+				})
+				if results[def] == nil {
+					results[def] = r
+				} else {
+					results[def].Add(r)
+				}
 			}
+		}
+		for _, def := range cellDefs {
 			done++
-			r := RunCell(ctx, env, def, contenders[def.ID], cell, RunOpts{
-				Duration: mode.Cell, MaxPerCaller: maxPerCaller, Tag: fmt.Sprintf("c%d-%s", ci, def.ID), WarmShards: warmShards,
-			})
-			rep.Results = append(rep.Results, r)
-			progress(fmt.Sprintf("[%d/%d]", done, total), r)
+			rep.Results = append(rep.Results, results[def])
+			progress(fmt.Sprintf("[%d/%d]", done, total), results[def])
 		}
 	}
 
@@ -293,6 +309,19 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s and %s in %s\n", mdPath, svgPath, rep.WallTime.Round(time.Second))
 	return nil
+}
+
+// cellOrder is the order the contenders of a cell run in, in its round-th round (from 0): as
+// listed in even rounds, backwards in odd ones, so that over two rounds each contender's slices
+// sit, on average, at the middle of the cell's time, and a machine that speeds up or slows down
+// steadily while the cell runs favours none.
+func cellOrder(defs []*Def, round int) []*Def {
+	if round%2 == 0 {
+		return defs
+	}
+	r := slices.Clone(defs)
+	slices.Reverse(r)
+	return r
 }
 
 func findDef(defs []*Def, id string) *Def {

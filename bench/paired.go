@@ -75,7 +75,7 @@ func (rep *Report) pairedMarkdown() string {
 	w := func(format string, args ...any) string { return fmt.Sprintf(format, args...) }
 	s := w("\n## Latency at 1 caller, side by side (p50)\n\n")
 	s += w("One caller decides once with each of these in turn, the order rotating every round, %d rounds per limit, each on one key of its own. ", rep.Mode.Paired)
-	s += w("The machine's noise (the disk's flush time above all) falls on all of them alike, so these ratios are steadier than those of the table above, whose cells run one after another. ")
+	s += w("The machine's noise (the disk's flush time above all) falls on all of them alike, so these ratios are steadier than those of the table above, whose contenders take turns only slice by slice. ")
 	s += w("The p50 here is that of the exact sample, not a histogram bucket's as above, so the two tables differ a little even for the same contender.\n\n")
 	s += "| contender | allow-heavy | × floor | deny-heavy | × floor |\n|---|--:|--:|--:|--:|\n"
 	find := func(id string, lim Limit) *Paired {

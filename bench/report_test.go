@@ -240,3 +240,53 @@ func TestWarmUps(t *testing.T) {
 		}
 	}
 }
+
+// A cell's contenders take turns, slice by slice (Mode.Rounds): forwards, then backwards.
+func TestCellOrder(t *testing.T) {
+	a, b, c := &Def{ID: "a"}, &Def{ID: "b"}, &Def{ID: "c"}
+	defs := []*Def{a, b, c}
+	if got := cellOrder(defs, 0); !slices.Equal(got, defs) {
+		t.Fatalf("round 0: %v", got)
+	}
+	if got := cellOrder(defs, 1); !slices.Equal(got, []*Def{c, b, a}) {
+		t.Fatalf("round 1: %v", got)
+	}
+	if !slices.Equal(defs, []*Def{a, b, c}) {
+		t.Fatal("cellOrder reordered the cell's own list")
+	}
+}
+
+// A contender's slices of one cell add up to one result: counts, times, round trips, WAL and CPU
+// summed, percentiles over both slices' latencies; a figure one slice did not measure is not
+// measured in the sum.
+func TestResultAdd(t *testing.T) {
+	slice := func(decisions int64, lat time.Duration, trips, wal int64, cpu CPUUse) *Result {
+		r := &Result{Decisions: decisions, Allowed: decisions / 2, Retries: 1, Elapsed: time.Second, Wall: 2 * time.Second,
+			Trips: trips, WAL: wal, CPU: cpu}
+		for range decisions {
+			r.hist.add(lat)
+		}
+		r.P50, r.P99 = r.hist.quantile(0.5), r.hist.quantile(0.99)
+		return r
+	}
+	r := slice(300, time.Millisecond, 300, 3000, CPUUse{OK: true, Self: 1, Server: 2, Idle: 0.5})
+	r.Add(slice(100, time.Second, 200, 1000, CPUUse{OK: true, Self: 3, Server: 4, Idle: 0.25}))
+	if r.Decisions != 400 || r.Allowed != 200 || r.Retries != 2 || r.Elapsed != 2*time.Second || r.Wall != 4*time.Second ||
+		r.Trips != 500 || r.WAL != 4000 || r.CPU != (CPUUse{OK: true, Self: 4, Server: 6, Idle: 0.75}) {
+		t.Fatalf("sum: %+v", r)
+	}
+	if r.PerSecond() != 200 {
+		t.Fatalf("PerSecond %v, want 200", r.PerSecond())
+	}
+	if r.P50 != time.Duration(bucketMid(bucketOf(uint64(time.Millisecond)))) || r.P99 != time.Duration(bucketMid(bucketOf(uint64(time.Second)))) {
+		t.Fatalf("p50 %v, p99 %v: want those of 300 decisions of 1ms and 100 of 1s together", r.P50, r.P99)
+	}
+	r.Add(slice(1, time.Millisecond, -1, 10, CPUUse{OK: true, Self: 1, Server: -1}))
+	if r.Trips != -1 || r.WAL != 4010 || r.CPU.Server != -1 || !r.CPU.OK {
+		t.Fatalf("a slice without round trips or server CPU: %+v", r)
+	}
+	r.Add(slice(1, time.Millisecond, 1, 10, CPUUse{}))
+	if r.CPU.OK {
+		t.Fatalf("a slice without CPU: %+v", r.CPU)
+	}
+}

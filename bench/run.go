@@ -55,6 +55,46 @@ type Result struct {
 	WAL int64
 	// CPU is the processor time the timed part of the cell used (cpu.go).
 	CPU CPUUse
+
+	hist histogram // the latencies P50 and P99 are read from
+}
+
+// Add adds o, the figures of another slice of the same contender in the same cell (Mode.Rounds),
+// to r: counts, times, round trips, WAL and CPU add up, and the percentiles are those of both
+// slices' latencies together. A figure not measured in either slice (-1, or CPU not OK) is not
+// measured in the sum.
+func (r *Result) Add(o *Result) {
+	r.Decisions += o.Decisions
+	r.Allowed += o.Allowed
+	r.Errors += o.Errors
+	r.Retries += o.Retries
+	r.Abandoned += o.Abandoned
+	if r.FirstErr == nil {
+		r.FirstErr = o.FirstErr
+	}
+	r.Elapsed += o.Elapsed
+	r.Wall += o.Wall
+	sumMeasured := func(a, b int64) int64 {
+		if a < 0 || b < 0 {
+			return -1
+		}
+		return a + b
+	}
+	r.Trips = sumMeasured(r.Trips, o.Trips)
+	r.WAL = sumMeasured(r.WAL, o.WAL)
+	if r.CPU.OK && o.CPU.OK {
+		r.CPU.Self += o.CPU.Self
+		r.CPU.Idle += o.CPU.Idle
+		if r.CPU.Server < 0 || o.CPU.Server < 0 {
+			r.CPU.Server = -1
+		} else {
+			r.CPU.Server += o.CPU.Server
+		}
+	} else {
+		r.CPU = CPUUse{}
+	}
+	r.hist.merge(&o.hist)
+	r.P50, r.P99 = r.hist.quantile(0.50), r.hist.quantile(0.99)
 }
 
 // PerSecond is the throughput in decisions per second.
@@ -207,7 +247,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 			}
 		}
 	}
-	var h histogram
+	h := &res.hist
 	for i := range tallies {
 		t := &tallies[i]
 		res.Decisions += t.decisions
