@@ -290,3 +290,26 @@ func TestResultAdd(t *testing.T) {
 		t.Fatalf("a slice without CPU: %+v", r.CPU)
 	}
 }
+
+// Over a mode's Rounds, cellOrder gives every contender of a cell the same mean place in the
+// cell's sequence of slices, so that a machine that speeds up or slows down steadily while the
+// cell runs favours none: forwards then backwards balances only in pairs of rounds.
+func TestCellOrderBalancesEveryMode(t *testing.T) {
+	for _, mode := range []Mode{quickMode, fullMode} {
+		for n := 2; n <= len(contenders); n++ {
+			defs := Defs()[:n]
+			place := map[*Def]int{}
+			for round := range mode.Rounds {
+				for i, d := range cellOrder(defs, round) {
+					place[d] += round*n + i
+				}
+			}
+			for _, d := range defs[1:] {
+				if place[d] != place[defs[0]] {
+					t.Fatalf("%s mode, %d rounds, %d contenders: %s's slices sit at places summing to %d, %s's to %d",
+						mode.Name, mode.Rounds, n, defs[0].ID, place[defs[0]], d.ID, place[d])
+				}
+			}
+		}
+	}
+}
