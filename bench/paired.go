@@ -27,7 +27,8 @@ type Paired struct {
 // each other one as often. A failed decision is counted and left out; the run is bounded like a
 // cell (a minute past a generous budget of 10 ms a decision). Whatever slows the machine down meanwhile (the disk's flush
 // time above all, which moves from one second to the next) falls on all of them alike, so the
-// ratios of their medians are steadier than those of cells measured one after another.
+// ratios of their medians are steadier than those of the throughput cells, whose contenders take
+// turns only slice by slice.
 func RunPaired(ctx context.Context, defs []*Def, contenders map[string]Contender, lim Limit, rounds int) []*Paired {
 	out := make([]*Paired, len(defs))
 	lat := make([][]time.Duration, len(defs))
