@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
@@ -288,6 +289,16 @@ func TestResultAdd(t *testing.T) {
 	r.Add(slice(1, time.Millisecond, 1, 10, CPUUse{}))
 	if r.CPU.OK {
 		t.Fatalf("a slice without CPU: %+v", r.CPU)
+	}
+	// Failures and abandoned calls add up too; the first error is the first slice's that had one.
+	first, second := errors.New("first"), errors.New("second")
+	for i, err := range []error{nil, first, second} {
+		s := slice(1, time.Millisecond, 1, 10, CPUUse{})
+		s.Errors, s.Abandoned, s.FirstErr = int64(i), 2, err
+		r.Add(s)
+	}
+	if r.Errors != 3 || r.Abandoned != 6 || r.FirstErr != first {
+		t.Fatalf("errors %d, abandoned %d, first %v: want 3, 6, %v", r.Errors, r.Abandoned, r.FirstErr, first)
 	}
 }
 
