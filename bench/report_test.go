@@ -64,7 +64,7 @@ func readmeReport(t *testing.T, command string) *Report {
 				if id == "txlimit-batched" && sc == PerUser {
 					decided = 42873
 				}
-				rep.Results = append(rep.Results, &Result{Def: d, Cell: Cell{sc, lim, 64}, Decisions: int64(decided), Elapsed: time.Second})
+				rep.Results = append(rep.Results, &Result{Def: d, Cell: Cell{sc, lim, 64}, Counts: Counts{Decisions: int64(decided)}, Elapsed: time.Second})
 			}
 		}
 	}
@@ -262,7 +262,7 @@ func TestCellOrder(t *testing.T) {
 // measured in the sum.
 func TestResultAdd(t *testing.T) {
 	slice := func(decisions int64, lat time.Duration, trips, wal int64, cpu CPUUse) *Result {
-		r := &Result{Decisions: decisions, Allowed: decisions / 2, Retries: 1, Elapsed: time.Second, Wall: 2 * time.Second,
+		r := &Result{Counts: Counts{Decisions: decisions, Allowed: decisions / 2, Retries: 1}, Elapsed: time.Second, Wall: 2 * time.Second,
 			Trips: trips, WAL: wal, CPU: cpu}
 		for range decisions {
 			r.hist.add(lat)

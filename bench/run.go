@@ -37,11 +37,7 @@ func (c Cell) Mix() string {
 type Result struct {
 	Def  *Def
 	Cell Cell
-	// Decisions counts the decisions that returned (granted or denied); Errors those that failed.
-	Decisions, Allowed, Errors, Retries int64
-	// Abandoned counts decisions given up between two attempts when the window closed.
-	Abandoned int64
-	FirstErr  error
+	Counts
 	// Elapsed runs from the start of the timed loop to the last call that did not end abandoned:
 	// the throughput's denominator. A caller asleep in a retry backoff when the window closes
 	// wakes only to abandon its call (ErrStopped), which would otherwise stretch the cell (by up
@@ -64,14 +60,7 @@ type Result struct {
 // slices' latencies together. A figure not measured in either slice (-1, or CPU not OK) is not
 // measured in the sum.
 func (r *Result) Add(o *Result) {
-	r.Decisions += o.Decisions
-	r.Allowed += o.Allowed
-	r.Errors += o.Errors
-	r.Retries += o.Retries
-	r.Abandoned += o.Abandoned
-	if r.FirstErr == nil {
-		r.FirstErr = o.FirstErr
-	}
+	r.Counts.Add(o.Counts)
 	r.Elapsed += o.Elapsed
 	r.Wall += o.Wall
 	sumMeasured := func(a, b int64) int64 {
@@ -202,7 +191,7 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	trips0 := trips()
 
 	type tally struct {
-		counts
+		Counts
 		h    histogram
 		last time.Time // when the caller's last call that was not abandoned returned
 	}
@@ -249,16 +238,8 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	}
 	h := &res.hist
 	for i := range tallies {
-		t := &tallies[i]
-		res.Decisions += t.decisions
-		res.Allowed += t.allowed
-		res.Errors += t.errors
-		res.Retries += t.retries
-		res.Abandoned += t.abandoned
-		if res.FirstErr == nil {
-			res.FirstErr = t.firstErr
-		}
-		h.merge(&t.h)
+		res.Counts.Add(tallies[i].Counts)
+		h.merge(&tallies[i].h)
 	}
 	res.P50, res.P99 = h.quantile(0.50), h.quantile(0.99)
 	return res
@@ -266,15 +247,13 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 
 // OverGrant is the outcome of the over-grant test (docs/spec.md §7) for one contender.
 type OverGrant struct {
-	Def                        *Def
-	Decisions, Allowed, Errors int64
-	Retries, Abandoned         int64
-	FirstErr                   error
-	Window                     time.Duration // how long callers issued decisions
-	Span                       time.Duration // first to last grant's decision time, on the decider's clock
-	Max                        int64         // Burst + Rate·Span, rounded down
-	Nominal                    int64         // Burst + Rate·Window: 40 for the test's 3 s
-	firstAt, lastAt            time.Time
+	Def *Def
+	Counts
+	Window          time.Duration // how long callers issued decisions
+	Span            time.Duration // first to last grant's decision time, on the decider's clock
+	Max             int64         // Burst + Rate·Span, rounded down
+	Nominal         int64         // Burst + Rate·Window: 40 for the test's 3 s
+	firstAt, lastAt time.Time
 }
 
 // OverGrantPct is (allowed - max)/max in percent: > 0 is over-grant, < 0 under-grant.
@@ -297,7 +276,7 @@ func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key s
 	ctx, cancel := context.WithTimeout(ctx, window+time.Minute)
 	defer cancel()
 	type tally struct {
-		counts
+		Counts
 		first, last time.Time
 	}
 	tallies := make([]tally, callers)
@@ -326,14 +305,7 @@ func RunOverGrant(ctx context.Context, c Contender, def *Def, limit Limit, key s
 	o := &OverGrant{Def: def, Window: window}
 	for i := range tallies {
 		t := &tallies[i]
-		o.Decisions += t.decisions
-		o.Allowed += t.allowed
-		o.Errors += t.errors
-		o.Retries += t.retries
-		o.Abandoned += t.abandoned
-		if o.FirstErr == nil {
-			o.FirstErr = t.firstErr
-		}
+		o.Counts.Add(t.Counts)
 		if !t.first.IsZero() && (o.firstAt.IsZero() || t.first.Before(o.firstAt)) {
 			o.firstAt = t.first
 		}
@@ -415,30 +387,46 @@ func lastReturn[T any](ts []T, last func(T) time.Time) time.Time {
 	return m
 }
 
-// counts tallies one caller's decisions.
-type counts struct {
-	decisions, allowed, errors, retries, abandoned int64
-	firstErr                                       error
+// Counts tallies decisions: one caller's, or a measurement's (Result, OverGrant).
+type Counts struct {
+	// Decisions counts the decisions that returned (granted or denied); Errors those that failed.
+	Decisions, Allowed, Errors, Retries int64
+	// Abandoned counts decisions given up between two attempts when the window closed.
+	Abandoned int64
+	FirstErr  error
 }
 
 // record counts one call's outcome and reports whether it was a decision (granted or denied), as
 // opposed to an error or a call abandoned at the window's end.
-func (t *counts) record(d Decision, err error) bool {
+func (t *Counts) record(d Decision, err error) bool {
 	if errors.Is(err, ErrStopped) {
-		t.abandoned++
+		t.Abandoned++
 		return false
 	}
 	if err != nil {
-		t.errors++
-		if t.firstErr == nil {
-			t.firstErr = err
+		t.Errors++
+		if t.FirstErr == nil {
+			t.FirstErr = err
 		}
 		return false
 	}
-	t.retries += int64(d.Retries) // per decision: an error's or an abandoned call's attempts are not counted
-	t.decisions++
+	t.Retries += int64(d.Retries) // per decision: an error's or an abandoned call's attempts are not counted
+	t.Decisions++
 	if d.Allowed {
-		t.allowed++
+		t.Allowed++
 	}
 	return true
+}
+
+// Add adds o, another caller's or another slice's counts, to t's; t's first error stays when it
+// has one.
+func (t *Counts) Add(o Counts) {
+	t.Decisions += o.Decisions
+	t.Allowed += o.Allowed
+	t.Errors += o.Errors
+	t.Retries += o.Retries
+	t.Abandoned += o.Abandoned
+	if t.FirstErr == nil {
+		t.FirstErr = o.FirstErr
+	}
 }
