@@ -215,7 +215,7 @@ func run(ctx context.Context, mode Mode, command, only string, lanes int, mdPath
 				}
 				r := RunCell(ctx, env, def, contenders[def.ID], cell, RunOpts{
 					Duration: mode.Cell / time.Duration(mode.Rounds), MaxPerCaller: maxPerCaller,
-					Tag: fmt.Sprintf("c%d-%s", ci, def.ID), WarmShards: warmShards,
+					Tag: fmt.Sprintf("c%d-%s", ci, def.ID), WarmShards: warmShards, Again: round > 0,
 				})
 				if results[def] == nil {
 					results[def] = r

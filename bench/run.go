@@ -112,6 +112,10 @@ type RunOpts struct {
 	// WarmShards is the most shards of the contenders the cell is run for (warmUps); 0 or 1 when
 	// none is sharded.
 	WarmShards int
+	// Again marks a later slice of the cell (Mode.Rounds): the first slice created its keys' rows,
+	// so it warms up as if no contender were sharded (warmUps of 0 shards: each caller's
+	// connection, and the deny-heavy bucket emptied again of what it refilled meanwhile).
+	Again bool
 }
 
 // warmUps returns how many decisions each caller of the cell makes before the timed loop: one,
@@ -166,7 +170,11 @@ func RunCell(ctx context.Context, env *Env, def *Def, c Contender, cell Cell, op
 	var wg sync.WaitGroup
 	for i := range keys {
 		wg.Go(func() {
-			for range warmUps(max(opts.WarmShards, def.Shards), cell) {
+			shards := max(opts.WarmShards, def.Shards)
+			if opts.Again {
+				shards = 0
+			}
+			for range warmUps(shards, cell) {
 				_, _ = c.Decide(ctx, cell.Limit.Name, keys[i])
 			}
 		})
