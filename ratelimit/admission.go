@@ -24,7 +24,7 @@ import (
 // delays the caller, never deadlocks it. Only calls on a pool take slots: a call in the caller's
 // transaction may hold rows another call needs, and a *pgx.Conn serves one call at a time.
 //
-// A refusal takes no steering lock and waits for nothing in Postgres, so a flood of refused calls
+// A refusal waits for no steering lock nor for anything else in Postgres, so a flood of refused calls
 // on one key is answered in parallel there (docs/spec.md §7). To keep it so, a key whose call was
 // just refused lets the calls that come after it through without a slot, for as long as the
 // refusal's RetryAt is ahead and admitWait at the most; the next call after that takes a slot

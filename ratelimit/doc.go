@@ -38,8 +38,9 @@
 //
 // # One engine, any isolation level
 //
-// Every call is one SQL statement over a list of requests: a Limit is a list of one, a LimitMany
-// a list of one all-or-nothing group. Requests on the same key are decided one after another in
+// Every decision (Limit, LimitN, Check, CheckN, LimitMany, CheckMany, on the Limiter or a Batcher)
+// is one SQL statement over a list of requests: a Limit is a list of one, a LimitMany a list of one
+// all-or-nothing group, a Batcher's batch a list of its callers' groups. Requests on the same key are decided one after another in
 // list order, each group seeing the effect of the groups granted before it. A decision first
 // plans on rows read without a lock; a request that is denied there is answered from that read,
 // taking no lock (this can under-grant against a concurrent Credit or Reset, never over-grant). It
@@ -51,8 +52,9 @@
 // granted. A request alone on its row does all of this as one UPDATE of the row whose condition is
 // the grant rule. So a decision is exact at every isolation level, takes one round trip, never
 // re-runs, and never over-grants: a database error is returned as an error, never as a grant.
-// Every access is a primary-key probe, so under SERIALIZABLE a decision holds predicate locks on
-// the rows it reads only, however small the table. docs/spec.md §7 states it in full.
+// Every access is a primary-key probe, so under SERIALIZABLE a decision holds tuple or page
+// predicate locks only, never one on the whole table, however small the table. docs/spec.md §7
+// states it in full.
 //
 // Pass a pgx.Tx to make a limit part of your transaction: its consumption commits or rolls back
 // with your own writes. Pass a *pgxpool.Pool or *pgx.Conn for a decision of its own. On

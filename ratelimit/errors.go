@@ -33,11 +33,14 @@ func (e *ConfigError) Error() string {
 // Is makes errors.Is(err, ErrInvalid) true.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalid }
 
-// ArgumentError reports a bad argument to a call: a count, key or name. Nothing was written.
+// ArgumentError reports a bad argument to a call: a count, key or name, a handle, an option.
+// Nothing was written. Package scheduler returns it too, for its own calls' arguments.
 type ArgumentError struct {
 	// Op is the call, e.g. "Limit".
 	Op string
-	// Arg is the argument: "count", "key", "name", "db", "requests".
+	// Arg is the argument, e.g. "count", "key", "name", "db", "requests", "opts", "Reserve" or
+	// "LimiterConfig.Now"; a field of an options struct is named with its path
+	// ("HousekeepingConfig.Queue").
 	Arg string
 	// Reason says what is wrong.
 	Reason string

@@ -12,7 +12,7 @@ package ratelimit_test
 // isolated and a failing input replays the same way.
 //
 // TestFuzzSeedsCoverEveryShape runs the committed seed corpus with fzShapes naming the branch of
-// the engine's road (docs/spec.md §7) each decision takes, and fails naming every shape of
+// the engine's road (the top of migrations/00003_txlimit_decide.sql) each decision takes, and fails naming every shape of
 // fzShapeList that no seed reaches: a new branch or a seed removed shows there.
 //
 //	go test ./ratelimit -count=1 -p 1 -run TestFuzzSeedsCoverEveryShape -v  # -v: each shape's count
@@ -957,8 +957,8 @@ func FuzzModel(f *testing.F) {
 	})
 }
 
-// The shapes of the road. Every decision takes one branch of the engine's one road (docs/spec.md
-// §7): the statement engine.go chooses (DecideOneRow, DecideOne, Decide), then a branch of it.
+// The shapes of the road. Every decision takes one branch of the engine's one road (the top of
+// migrations/00003_txlimit_decide.sql): the statement engine.go chooses (DecideOneRow, DecideOne, Decide), then a branch of it.
 // fzShapes names the branch of each decision FuzzModel makes from what the harness knows: the
 // call, the isolation, the model's rows before it, and the model's answer (checked equal to the
 // library's). TestFuzzSeedsCoverEveryShape requires the committed seed corpus to reach every

@@ -70,8 +70,9 @@ type LimiterConfig struct {
 // package). It holds only configuration, so it is cheap, safe for concurrent use, and one per
 // application is enough.
 //
-// Every call takes an Executor and makes one SQL round trip. Decisions are exact at any isolation
-// level: a request is granted only if, at the moment it holds the row lock, the tokens are there.
+// Every call takes an Executor. A decision, State, Credit and Reset are one SQL round trip each;
+// Prune works in rounds of two statements. Decisions are exact at any isolation level: a request
+// is granted only if, at the moment it holds the row lock, the tokens are there.
 type Limiter struct {
 	limits map[string]Config
 	now    func() time.Time

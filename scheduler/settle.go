@@ -25,11 +25,12 @@ import (
 //		Budget scheduler.Settlement `json:"budget"`
 //	}
 type Settlement struct {
-	// Name is the limit's name.
+	// Name is the limit's name. Required: an empty name is an *ratelimit.ArgumentError.
 	Name string `json:"name"`
 	// Key is the limit's key. Defaults to "", the global instance.
 	Key string `json:"key,omitempty"`
-	// Reserved is the count of tokens reserved.
+	// Reserved is the count of tokens reserved. Defaults to 0: nothing was reserved, so Settle
+	// charges the whole actual cost.
 	Reserved float64 `json:"reserved"`
 }
 
