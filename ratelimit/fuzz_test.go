@@ -708,14 +708,18 @@ func (r *fzRunner) list(op fzOp) {
 	if r.picked != len(r.picks) {
 		r.fail("List: shard picker called %d times, want %d", r.picked, len(r.picks))
 	}
+	call := "list"
+	if len(mcalls) == 1 && len(mcalls[0].reqs) == 1 { // a list of one request is decided as a lone call
+		call = "lone"
+	}
 	fast := fzFast(mcalls)
 	charged := map[modelRowKey]bool{} // by the calls granted before, in this list
-	alone, written, missing := true, true, false
+	alone, written, missing := call == "list", true, false
 	for i, mc := range mcalls {
 		ds := make([]fzDecision, len(mc.reqs))
 		for j, mr := range mc.reqs {
-			ds[j] = r.decision("list", mr, mc.dry)
-			ds[j].fast = fast[i][j]
+			ds[j] = r.decision(call, mr, mc.dry)
+			ds[j].fast = fast[i][j] && call == "list"
 			ds[j].after = charged[modelRowKey{mr.lim.name, mr.lim.key, mr.a}] || mr.b >= 0 && charged[modelRowKey{mr.lim.name, mr.lim.key, mr.b}]
 		}
 		want := r.md.decide(r.now, mc.reqs, mc.dry)
@@ -1335,6 +1339,23 @@ func TestFuzzSeedsCoverEveryShape(t *testing.T) {
 	}
 	if len(missing) > 0 {
 		t.Errorf("no seed reaches %d of %d shapes:\n  %s", len(missing), len(fzShapeList), strings.Join(missing, "\n  "))
+	}
+}
+
+// A list of one request (an input may end inside an fzOpList) is decided as a lone call
+// (engine.go:decideCalls sends it to decideOne), not by the road for lists: fzShapes names
+// DecideOneRow's branch.
+func TestFuzzShapesListOfOneIsLone(t *testing.T) {
+	data := fzNewSeed(0, fzC(ratelimit.TokenBucket, 2, time.Second, 5, inf, 1, 0, 0)).op(fzOpList, 0, fzQ("a", 0, 1)).b
+	shapes := map[string]int{}
+	fzRun(t, testdb.Pool(t, &testdb.Options{MaxConns: 2}), data, map[[2]string]bool{}, "", shapes)
+	if shapes["one-row/rc/created-granted"] != 1 {
+		t.Errorf("a list of one request on a missing row: shapes %v, want one-row/rc/created-granted", shapes)
+	}
+	for s := range shapes {
+		if strings.HasPrefix(s, "list/") {
+			t.Errorf("a list of one request named %q: it is not decided by the road for lists", s)
+		}
 	}
 }
 
