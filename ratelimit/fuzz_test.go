@@ -713,6 +713,17 @@ func (r *fzRunner) list(op fzOp) {
 		call = "lone"
 	}
 	fast := fzFast(mcalls)
+	// e: the last row of a fast request that exists (txlimit_alone's e, found by its UPDATE or
+	// read); a fast request's missing row before it is only tried (txlimit_lock_row's p_try).
+	var e *modelRowKey
+	for i, mc := range mcalls {
+		for j, mr := range mc.reqs {
+			k := modelRowKey{mr.lim.name, mr.lim.key, mr.a}
+			if _, ok := r.md.rows[k]; ok && fast[i][j] && (e == nil || fzRowLess(*e, k)) {
+				e = &k
+			}
+		}
+	}
 	charged := map[modelRowKey]bool{} // by the calls granted before, in this list
 	alone, written, missing := call == "list", true, false
 	for i, mc := range mcalls {
@@ -720,6 +731,7 @@ func (r *fzRunner) list(op fzOp) {
 		for j, mr := range mc.reqs {
 			ds[j] = r.decision(call, mr, mc.dry)
 			ds[j].fast = fast[i][j] && call == "list"
+			ds[j].tried = ds[j].fast && !ds[j].existA && e != nil && fzRowLess(modelRowKey{mr.lim.name, mr.lim.key, mr.a}, *e)
 			ds[j].after = charged[modelRowKey{mr.lim.name, mr.lim.key, mr.a}] || mr.b >= 0 && charged[modelRowKey{mr.lim.name, mr.lim.key, mr.b}]
 		}
 		want := r.md.decide(r.now, mc.reqs, mc.dry)
@@ -983,6 +995,7 @@ type fzDecision struct {
 	req            modelReq
 	existA, existB bool // the picks' rows existed before the call
 	fast           bool // list: engine.go's fast flag (fzFast)
+	tried          bool // list: fast, its row missing and sorting before one a fast request found
 	after          bool // list: a row that a call before it in the list charged
 	changed        []string
 	res            modelResult
@@ -1041,9 +1054,6 @@ func fzFast(calls []fzCall) [][]bool {
 			}
 		}
 	}
-	less := func(x, y modelRowKey) bool {
-		return x.name < y.name || x.name == y.name && (x.key < y.key || x.key == y.key && x.shard < y.shard)
-	}
 	fast := make([][]bool, len(calls))
 	var first *modelRowKey // the first row a request neither fast nor a Check may lock
 	for i, c := range calls {
@@ -1051,7 +1061,7 @@ func fzFast(calls []fzCall) [][]bool {
 		for j, q := range c.reqs {
 			fast[i][j] = len(c.reqs) == 1 && !c.dry && q.b < 0 && uses[rows(q)[0]] == 1
 			for _, k := range rows(q) {
-				if !fast[i][j] && !c.dry && (first == nil || less(k, *first)) {
+				if !fast[i][j] && !c.dry && (first == nil || fzRowLess(k, *first)) {
 					first = &k
 				}
 			}
@@ -1059,10 +1069,15 @@ func fzFast(calls []fzCall) [][]bool {
 	}
 	for i, c := range calls {
 		for j, q := range c.reqs {
-			fast[i][j] = fast[i][j] && (first == nil || less(rows(q)[0], *first))
+			fast[i][j] = fast[i][j] && (first == nil || fzRowLess(rows(q)[0], *first))
 		}
 	}
 	return fast
+}
+
+// fzRowLess is the global lock order of rows (name, key, shard, as bytes).
+func fzRowLess(x, y modelRowKey) bool {
+	return x.name < y.name || x.name == y.name && (x.key < y.key || x.key == y.key && x.shard < y.shard)
 }
 
 // fzShapes names the shapes of one decision: its branch of the road, and, beside it, its kind of
@@ -1118,6 +1133,8 @@ func fzShapes(d fzDecision) []string {
 		s = "sharded-check/" + iso + "/" + pick
 	case d.call == "lone":
 		s = "sharded-check/" + iso + "/" + out
+	case d.tried:
+		s = "list/alone/missing-row-tried"
 	case d.fast && !d.existA:
 		s = "list/alone/missing-row"
 	case d.fast && out == "refused":
@@ -1257,6 +1274,7 @@ var fzShapeList = []string{
 	"list/alone/written-reserved",     // ALONE's UPDATE writes below zero (it takes the allowance)
 	"list/alone/refused",              // ALONE: not written, refused on its row as read
 	"list/alone/missing-row",          // ALONE: its row missing: planned by DV, which creates it
+	"list/alone/missing-row-tried",    // the same, its row sorting before one ALONE found: DV only tries it (txlimit_lock_row's p_try), creates it
 	"list/all-alone-written",          // DV: every request fast and written: answered from ALONE's writes
 	"list/alone-no-plan",              // DV: every request fast and decided by ALONE (some refused): txlimit_answers, no plan
 	"list/plan/granted",               // DV: planned, locked, decided, written
@@ -1736,6 +1754,14 @@ func fzSeeds() []fzSeed {
 			op(fzOpCheckReserve, 0, fzQ("a", 1, 7)).                    // missing: would be -2
 			op(fzOpList, 0, fzQ("a", 0, 1, fzReserve), fzQ("a", 1, 1)). // -3; created at 4
 			op(fzOpCheckMany, 0, fzQ("a", 0, 1, fzReserve), fzQ("a", 1, 1)).b},
+		// A list's request alone on its missing row, which sorts before a row another request alone
+		// on it has (written by txlimit_alone's UPDATE, then refused on it as read): txlimit_decide_v1
+		// only tries the missing row (txlimit_lock_row's p_try) and creates it.
+		{"list_missing_row_tried", fzNewSeed(0, fzC(tb, 2, sec, 5, inf, 1, 0, 0)).
+			op(fzOpLimit, 0, fzQ("a", 1, 1)).                   // "k1" created at 4
+			op(fzOpList, 0, fzQ("a", 0, 1), fzQ("a", 1, 1)).    // "" tried and created; "k1" written, 3
+			op(fzOpResetCredit|fzBit4, 0, fzQ("a", 0, 1)).      // "" missing again
+			op(fzOpList, 0, fzQ("a", 0, 2), fzQ("a", 1, 4)).b}, // "" tried and created; "k1" refused
 		// One pick of a sharded limit charged alone below zero (the other too deep in debt to
 		// combine with), first or second, existing or missing, under READ COMMITTED and in
 		// SERIALIZABLE transactions; both combined there at zero or above; Checks there reading the
