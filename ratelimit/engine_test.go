@@ -508,6 +508,39 @@ func TestListRegrantedOnLockedRowsHasNoRetryAt(t *testing.T) {
 	}
 }
 
+// A list's request alone on a missing row that sorts before a row the list's first UPDATE found
+// (txlimit_alone) is only tried (txlimit_lock_row's p_try, docs/spec.md §7): while another
+// transaction is creating that row, the request is refused to retry at once (RetryAt = Time)
+// without waiting for it, and the request alone on the row found is granted.
+func TestListOnlyTriesAMissingRowSortingBeforeOneFound(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"four": {Rate: 4, Period: time.Hour}})
+	b.pool = testdb.Pool(t, &testdb.Options{MaxConns: 4})
+	r, err := b.lim.Limit(b.ctx, b.pool, "four", "b", nil) // 3 left
+	require.NoError(t, err)
+	require.True(t, r.OK)
+
+	creator, err := b.pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer creator.Rollback(b.ctx) //nolint:errcheck
+	// The transaction creates "a" and does not commit yet.
+	r, err = b.lim.Limit(b.ctx, creator, "four", "a", nil)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+
+	res, errs, err := ratelimit.DecideList(b.ctx, b.lim, b.pool, []ratelimit.ListCall{
+		{Single: true, Reqs: []ratelimit.Request{{Name: "four", Key: "a"}}},
+		{Single: true, Reqs: []ratelimit.Request{{Name: "four", Key: "b"}}},
+	})
+	require.NoError(t, err)
+	require.NoError(t, errs[0])
+	require.NoError(t, errs[1])
+	require.False(t, res[0].OK, "the row being created was waited for")
+	require.True(t, res[0].RetryAt.Equal(res[0].Time), "RetryAt %v, Time %v: not refused to retry at once", res[0].RetryAt, res[0].Time)
+	require.True(t, res[1].OK)
+	require.Equal(t, 2.0, res[1].Results[0].Value)
+}
+
 // A fixed window whose grid's phase after the epoch lies after now (a period of 80 years starting
 // in 2040): a missing row is full at the start of the window holding now (1960), its TS is that
 // start, the next window starts in 2040, and then it is full again (docs/spec.md §4). Before, the

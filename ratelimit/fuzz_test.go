@@ -1194,8 +1194,10 @@ func fzShapes(d fzDecision) []string {
 //   - a list's rows changed between plan and lock (DV decides again; refused to retry at once),
 //     rows created by two lists at once: TestListsConcurrentLedger, TestListsConcurrentWithCreditsAndNewRows,
 //     TestListsOppositeOrdersOnNewRows (lists_concurrency_test.go)
-//   - a list's row only tried (sorting before a held one) or being created by another transaction
-//     (txlimit_lock_row's p_try): TestBatcherWaitsForARowSortingBeforeAKeyAlone, TestBatcherWaitsForARowBeingCreated (batcher_test.go)
+//   - a list's row only tried (txlimit_lock_row's p_try) while another transaction creates or holds
+//     it, refused to retry at once: TestListOnlyTriesAMissingRowSortingBeforeOneFound (engine_test.go);
+//     such rows waited for instead of tried: TestBatcherWaitsForARowSortingBeforeAKeyAlone,
+//     TestBatcherWaitsForARowBeingCreated (batcher_test.go)
 //   - admission's queue in the process (ratelimit/admission.go): TestShardPoolCallsWaitInTheProcess,
 //     TestShardRefusalsPassAdmission (shard_test.go); a Batcher's queue: TestBatcherBatchesWhileBusy (batcher_test.go)
 var fzShapeList = []string{
