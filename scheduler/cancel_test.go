@@ -793,6 +793,33 @@ func TestPullForwardShardedKeepsTime(t *testing.T) {
 // job.
 func TestCancelTxRetriedJobPaysAgain(t *testing.T) {
 	t.Parallel()
+	refundedJobRetriedPaysAgain(t, func(ctx context.Context, b *testBundle, tx pgx.Tx, id int64) error {
+		_, err := b.sched.CancelTx(ctx, tx, id)
+		return err
+	})
+}
+
+// TestSettleTxRefundOfRiverCancelledJobRetriedPaysAgain: a job River cancelled before it started
+// (River's own JobCancel, River UI's Cancel) is refunded with SettleTx and 0 used, as the stranded
+// check's fix says; like CancelTx's refund, that removes the job's payment for its first attempt.
+// Before, the payment stayed, so the job brought back with River's JobRetry ran through the Gate
+// over its kind as paid for by the refunded reservation, and the limit over-granted the whole job.
+func TestSettleTxRefundOfRiverCancelledJobRetriedPaysAgain(t *testing.T) {
+	t.Parallel()
+	refundedJobRetriedPaysAgain(t, func(ctx context.Context, b *testBundle, tx pgx.Tx, id int64) error {
+		if _, err := b.client.JobCancelTx(ctx, tx, id); err != nil { // River's own cancel: no refund
+			return err
+		}
+		_, err := b.sched.SettleTx(ctx, tx, id, 0)
+		return err
+	})
+}
+
+// refundedJobRetriedPaysAgain reserves 3 of "calls" (10 per second) with a job behind a Gate over
+// its kind, refunds it with refund, brings it back with River's JobRetry and checks that the Gate
+// took a token of its run.
+func refundedJobRetriedPaysAgain(t *testing.T, refund func(context.Context, *testBundle, pgx.Tx, int64) error) {
+	t.Helper()
 	ctx := context.Background()
 	b := setupCalls(t, tenPerSecond)
 	gate := callsGate(t, b, nil)
@@ -801,11 +828,9 @@ func TestCancelTxRetriedJobPaysAgain(t *testing.T) {
 		river.WorkFunc(func(context.Context, *river.Job[callArgs]) error { ran.Add(1); return nil }))
 	res := reserve(t, b, "calls", "", 3)
 	require.Equal(t, 7.0, value(t, b, "calls", ""))
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-		_, err := b.sched.CancelTx(ctx, tx, res.Job.ID)
-		return err
-	}))
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error { return refund(ctx, b, tx, res.Job.ID) }))
 	require.Equal(t, 10.0, value(t, b, "calls", ""), "refunded")
+	require.Nil(t, metadataValue(t, jobRow(t, b, res.Job.ID).Metadata, scheduler.MetadataKey), "no payment left after the refund")
 
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
@@ -821,7 +846,6 @@ func TestCancelTxRetriedJobPaysAgain(t *testing.T) {
 	require.Equal(t, river.EventKindJobCompleted, wr.EventKind)
 	require.Equal(t, 9.0, st.Value, "the Gate took its token")
 	require.Equal(t, int32(1), ran.Load())
-	require.Nil(t, metadataValue(t, jobRow(t, b, res.Job.ID).Metadata, scheduler.MetadataKey), "no payment left after the cancel")
 }
 
 // An actual that differs from the reservation by float rounding (0.1 + 0.2 for a reservation of

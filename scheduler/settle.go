@@ -181,7 +181,10 @@ type JobSettlement struct {
 // committed, changes nothing and returns the first outcome with Repeated set; one racing with it
 // waits for it (the job's row lock), then does the same. So a retried job, a worker that crashed
 // after settling, or two processes settling at once cannot credit twice. Call it from the worker,
-// ideally in the transaction that completes the job (river.JobCompleteTx).
+// ideally in the transaction that completes the job (river.JobCompleteTx). Settling a job no
+// attempt of which has started (one River cancelled or discarded before it ran: refund it with 0
+// used) also removes its payment for its first attempt ("txlimit_paid"), as CancelTx does: should
+// River bring it back (JobRetry), a Gate over its kind makes it pay.
 //
 // actual must be finite, >= 0 and at most 10^15 (a difference from the reservation under 10^-9
 // tokens is settled as none, as by Settlement.Settle), and tx not nil (nor a nil pointer such as a nil *pgxpool.Tx):

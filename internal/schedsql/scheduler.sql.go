@@ -187,7 +187,8 @@ func (q *Queries) RecordCancellation(ctx context.Context, db DBTX, arg RecordCan
 
 const recordSettlement = `-- name: RecordSettlement :exec
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', $1::text::jsonb, true)
+SET metadata = jsonb_set(CASE WHEN j.attempted_at IS NULL THEN j.metadata - 'txlimit_paid' ELSE j.metadata END,
+                         '{txlimit_settled}', $1::text::jsonb, true)
 WHERE j.id = $2::bigint
 `
 
@@ -196,7 +197,10 @@ type RecordSettlementParams struct {
 	ID      int64
 }
 
-// RecordSettlement stores the outcome of a settlement this transaction claimed.
+// RecordSettlement stores the outcome of a settlement this transaction claimed. On a job no attempt
+// of which has started (one River cancelled or discarded before it ran, refunded with 0 used) it
+// also removes the payment ReserveTx recorded for its first attempt (txlimit_paid), as
+// RecordCancellation does: the job, should River bring it back (JobRetry), pays at its Gates.
 func (q *Queries) RecordSettlement(ctx context.Context, db DBTX, arg RecordSettlementParams) error {
 	_, err := db.Exec(ctx, recordSettlement, arg.Outcome, arg.ID)
 	return err

@@ -30,9 +30,13 @@ FROM river_job j
 WHERE j.id = sqlc.arg('id')::bigint;
 
 -- name: RecordSettlement :exec
--- RecordSettlement stores the outcome of a settlement this transaction claimed.
+-- RecordSettlement stores the outcome of a settlement this transaction claimed. On a job no attempt
+-- of which has started (one River cancelled or discarded before it ran, refunded with 0 used) it
+-- also removes the payment ReserveTx recorded for its first attempt (txlimit_paid), as
+-- RecordCancellation does: the job, should River bring it back (JobRetry), pays at its Gates.
 UPDATE river_job j
-SET metadata = jsonb_set(j.metadata, '{txlimit_settled}', sqlc.arg('outcome')::text::jsonb, true)
+SET metadata = jsonb_set(CASE WHEN j.attempted_at IS NULL THEN j.metadata - 'txlimit_paid' ELSE j.metadata END,
+                         '{txlimit_settled}', sqlc.arg('outcome')::text::jsonb, true)
 WHERE j.id = sqlc.arg('id')::bigint;
 
 -- name: RecordCancellation :exec
