@@ -239,6 +239,19 @@ func TestClientIPWorkIsBoundedByWhatItReads(t *testing.T) {
 	}
 }
 
+// A key is read on every request: it costs the key string alone, not the error of a request that
+// has none (the error for a RemoteAddr that is not an IP was formatted for every request).
+// Not parallel: testing.AllocsPerRun refuses to run in a parallel test.
+func TestClientIPAllocatesOnlyItsKey(t *testing.T) {
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.RemoteAddr = "198.51.100.1:1234"
+	key := httplimit.ClientIP(nil)
+	k, err := key(r)
+	require.NoError(t, err)
+	require.Equal(t, "198.51.100.1", k)
+	require.Equal(t, 1.0, testing.AllocsPerRun(100, func() { _, _ = key(r) }))
+}
+
 // ClientIP reads the header from the right, one entry at a time; its answer is the one
 // realclientip's strategies give on the whole header, for any mix of entries and lines.
 func TestClientIPAgreesWithWholeHeaderStrategies(t *testing.T) {

@@ -61,7 +61,9 @@
 // above), counted (outcome "error") and logged at error level. Config.FailOpen lets the request
 // through instead, counted (outcome "fail_open") and logged at warn level. Neither is silent by
 // default: with Config.Logger nil the record goes to slog.Default(), with Config.MeterProvider
-// nil the count to the global provider.
+// nil the count to the global provider. A database that hangs fails no call: Config.DecisionTimeout
+// bounds the wait, and a decision not made within it failed as above (without it, a request waits
+// until its own context ends, which is no failure: see below).
 // A request whose own context ends before its decision (the client went away, or the request's
 // deadline passed, and the Decider returns context.Canceled or context.DeadlineExceeded) is no
 // failed decision: it is not let through, not even with Config.FailOpen (nobody waits for its

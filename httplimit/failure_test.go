@@ -33,6 +33,15 @@ func (f failing) LimitMany(context.Context, []ratelimit.Request, *ratelimit.Limi
 	return ratelimit.ManyResult{}, f.err
 }
 
+// hanging is a Decider on a database that answers nothing (a network partition, a primary that
+// hangs): its decision fails only when its context ends.
+type hanging struct{}
+
+func (hanging) LimitMany(ctx context.Context, _ []ratelimit.Request, _ *ratelimit.LimitOpts) (ratelimit.ManyResult, error) {
+	<-ctx.Done()
+	return ratelimit.ManyResult{}, ctx.Err()
+}
+
 var errDown = errors.New("ratelimit: LimitMany: failed to connect to `user=postgres database=test`: connection refused")
 
 // records is an slog.Handler that keeps each record as "LEVEL message key=value ...".
@@ -73,12 +82,15 @@ type failureRun struct {
 }
 
 // serveFailing sends one GET /items with header (name, value, ...) through a middleware whose
-// Decider fails, with cfg's other options and a Logger and MeterProvider of its own.
+// Decider fails (cfg.Decider, or failing{errDown} when nil), with cfg's other options and a
+// Logger and MeterProvider of its own.
 func serveFailing(t *testing.T, cfg httplimit.Config, header ...string) failureRun {
 	t.Helper()
 	logs := &records{}
 	reader := sdkmetric.NewManualReader()
-	cfg.Decider = failing{errDown}
+	if cfg.Decider == nil {
+		cfg.Decider = failing{errDown}
+	}
 	cfg.Secret = secret
 	cfg.Logger = slog.New(logs)
 	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
@@ -200,6 +212,32 @@ func TestDecisionFailureDefaults(t *testing.T) {
 		require.Equal(t, int64(1), metrictest.Counter(t, reader, "txlimit.http.requests",
 			attribute.String("txlimit.policy", "defaults"), attribute.String("txlimit.outcome", outcome)), outcome)
 	}
+}
+
+// A database that hangs fails no call: each waited until its request's context ended (for a
+// request without a deadline: until its client gave up), then was answered as a request that
+// ended (no body, outcome "canceled", nothing logged), FailOpen or not, so FailOpen let nothing
+// through on the commonest outage. Config.DecisionTimeout bounds the wait; a decision not made
+// within it failed, as a database error does.
+func TestDecisionTimeoutIsAFailedDecision(t *testing.T) {
+	t.Parallel()
+	policies := []httplimit.Policy{{Name: "perIP", Config: perIP, Key: httplimit.ClientIP(nil)}}
+	const timeout = "httplimit: no decision within Config.DecisionTimeout (1ms): context deadline exceeded"
+
+	run := serveFailing(t, httplimit.Config{Decider: hanging{}, DecisionTimeout: time.Millisecond, FailOpen: true, Policies: policies})
+	require.Equal(t, http.StatusOK, run.res.status, "FailOpen let the request through")
+	require.Equal(t, int64(1), run.requests("perIP", "fail_open"))
+	require.Equal(t, int64(0), run.requests("perIP", "canceled"))
+	require.Equal(t, []string{"WARN httplimit: rate limit decision failed; request let through (FailOpen) " +
+		"method=GET path=/items policies=[perIP] error=" + timeout}, run.logs)
+
+	run = serveFailing(t, httplimit.Config{Decider: hanging{}, DecisionTimeout: time.Millisecond, Policies: policies})
+	require.Equal(t, http.StatusServiceUnavailable, run.res.status)
+	require.Equal(t, "5", run.res.header.Get("Retry-After"))
+	require.Equal(t, body503, run.res.body)
+	require.Equal(t, int64(1), run.requests("perIP", "error"))
+	require.Equal(t, []string{"ERROR httplimit: rate limit decision failed; request refused with 503 and Retry-After " +
+		"method=GET path=/items policies=[perIP] retry_after=5 error=" + timeout}, run.logs)
 }
 
 // endedRun is what one request whose context had already ended produced.

@@ -109,6 +109,17 @@ type Config struct {
 	// Decider decides the policies. Required when a Policy has a Key. Defaults to nil.
 	Decider Decider
 
+	// DecisionTimeout bounds the wait for the Decider's decision: one not made within it (a
+	// database that hangs, unreachable behind a network partition, or too slow) is a failed
+	// decision, let through with FailOpen (or Shadow), else refused with 503 (FailClosedRetryAfter),
+	// and counted and logged as any other. Through a Batcher, a request whose batch was already
+	// deciding may have been charged nonetheless. The request's own context, when it ends first,
+	// ends the wait as the package doc says ("Errors": outcome "canceled"). Defaults to 0: no
+	// bound but the request's context, so that a database that hangs holds every request until its
+	// context ends (for one without a deadline, until its client gives up), and FailOpen lets none
+	// of them through.
+	DecisionTimeout time.Duration
+
 	// FailClosedRetryAfter is the Retry-After of the 503 answered when the Decider fails and the
 	// request is refused (fail closed), rounded up to whole seconds, plus the jitter of
 	// RetryJitter. Defaults to 0: DefaultFailClosedRetryAfter (5 s).
@@ -254,6 +265,9 @@ func New(cfg *Config) (*Middleware, error) {
 	if cfg.FailClosedRetryAfter < 0 {
 		return nil, fmt.Errorf("httplimit: New: set Config.FailClosedRetryAfter to 0 (the default, %s) or more (got %s)", DefaultFailClosedRetryAfter, cfg.FailClosedRetryAfter)
 	}
+	if cfg.DecisionTimeout < 0 {
+		return nil, fmt.Errorf("httplimit: New: set Config.DecisionTimeout to 0 (the default: no bound but the request's context) or more (got %s)", cfg.DecisionTimeout)
+	}
 	m.jitterS = int64(cfg.RetryJitter / time.Second)
 	m.failRetryS = ceilSeconds(DefaultFailClosedRetryAfter)
 	if cfg.FailClosedRetryAfter > 0 {
@@ -331,7 +345,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		next.ServeHTTP(w, r)
 		return
 	}
-	res, err := m.cfg.Decider.LimitMany(ctx, reqs, nil)
+	res, err := m.decide(ctx, reqs)
 	switch {
 	case err != nil && errors.Is(err, ratelimit.ErrInvalid):
 		m.obs.count(ctx, used, outcomeInvalid)
@@ -380,6 +394,21 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.WriteHeaders(w, res.Results...)
 	}
 	next.ServeHTTP(w, r)
+}
+
+// decide decides reqs with the Decider, within Config.DecisionTimeout when it is set: a decision
+// not made in time is an error that wraps context.DeadlineExceeded, while ctx has not ended.
+func (m *Middleware) decide(ctx context.Context, reqs []ratelimit.Request) (ratelimit.ManyResult, error) {
+	if m.cfg.DecisionTimeout <= 0 {
+		return m.cfg.Decider.LimitMany(ctx, reqs, nil)
+	}
+	dctx, cancel := context.WithTimeout(ctx, m.cfg.DecisionTimeout)
+	defer cancel()
+	res, err := m.cfg.Decider.LimitMany(dctx, reqs, nil)
+	if err != nil && ctx.Err() == nil && dctx.Err() != nil {
+		err = fmt.Errorf("httplimit: no decision within Config.DecisionTimeout (%s): %w", m.cfg.DecisionTimeout, err)
+	}
+	return res, err
 }
 
 // grantsOne returns a *ratelimit.ConfigError when a request for 1 token, the cost without

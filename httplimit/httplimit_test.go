@@ -645,6 +645,8 @@ func TestNewValidates(t *testing.T) {
 	}
 	_, err := httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "a", Config: perIP}}, FailClosedRetryAfter: -time.Second})
 	require.EqualError(t, err, "httplimit: New: set Config.FailClosedRetryAfter to 0 (the default, 5s) or more (got -1s)")
+	_, err = httplimit.New(&httplimit.Config{Policies: []httplimit.Policy{{Name: "a", Config: perIP}}, DecisionTimeout: -time.Second})
+	require.EqualError(t, err, "httplimit: New: set Config.DecisionTimeout to 0 (the default: no bound but the request's context) or more (got -1s)")
 
 	// A name the header fields cannot carry (RFC 9651 Strings are printable ASCII) is refused
 	// here, not found out later by responses that silently lose their RateLimit fields.

@@ -186,20 +186,13 @@ func ClientIP(opts *IPOpts) KeyFunc {
 		// too. Elsewhere a RemoteAddr that is not an IP (a Unix socket) gives no key, and the
 		// policy's MissingKey decides.
 		peer, peerOK := parseAddr(r.RemoteAddr)
-		noPeer := fmt.Errorf("%w: ClientIP: RemoteAddr %q is not an IP address", ErrNoKey, r.RemoteAddr)
 		client := peer
 		switch {
-		case strategy == nil: // no trusted proxy
+		case strategy == nil, // no trusted proxy
+			len(proxies) > 0 && (!peerOK || !trusted(peer)), // not through a trusted proxy
+			len(r.Header.Values(o.Header)) == 0:             // the trusted peer's own request
 			if !peerOK {
-				return "", noPeer
-			}
-		case len(proxies) > 0 && (!peerOK || !trusted(peer)): // not through a trusted proxy
-			if !peerOK {
-				return "", noPeer
-			}
-		case len(r.Header.Values(o.Header)) == 0: // the trusted peer's own request
-			if !peerOK {
-				return "", noPeer
+				return "", fmt.Errorf("%w: ClientIP: RemoteAddr %q is not an IP address", ErrNoKey, r.RemoteAddr)
 			}
 		default:
 			s := strategy.ClientIP(r.Header, r.RemoteAddr)
