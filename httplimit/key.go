@@ -89,6 +89,10 @@ type IPOpts struct {
 // the policy's MissingKey decides. The header is read from the right one entry at a time, up to the
 // client's: the entries left of it, which the client may have filled at will, are not parsed.
 //
+// RemoteAddr is taken as the peer's address: a middleware in front of this one that rewrites it
+// from a header (chi's middleware.RealIP, gorilla's handlers.ProxyHeaders) lets any client choose
+// its key. Leave RemoteAddr as the connection set it, and name the proxies in IPOpts instead.
+//
 // It panics on invalid options, as regexp.MustCompile does on a bad pattern: the message says
 // what to set.
 func ClientIP(opts *IPOpts) KeyFunc {
