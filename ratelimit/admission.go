@@ -162,14 +162,14 @@ type txAdmission struct {
 
 type txAdmissionKey struct{}
 
-// withTxAdmission returns ctx carrying the admission of a transaction of InSerializableTx on db,
-// when db is a pool; else ctx and nil. Its tx is set once the transaction has begun.
-func withTxAdmission(ctx context.Context, db TxBeginner) (context.Context, *txAdmission) {
+// withTxAdmission returns ctx carrying the admission of tx, a transaction of InSerializableTx begun
+// on db, when db is a pool; else ctx and nil.
+func withTxAdmission(ctx context.Context, db TxBeginner, tx pgx.Tx) (context.Context, *txAdmission) {
 	pool, ok := db.(*pgxpool.Pool)
 	if !ok {
 		return ctx, nil
 	}
-	ta := &txAdmission{pool: pool}
+	ta := &txAdmission{pool: pool, tx: tx}
 	return context.WithValue(ctx, txAdmissionKey{}, ta), ta
 }
 
@@ -177,10 +177,26 @@ func withTxAdmission(ctx context.Context, db TxBeginner) (context.Context, *txAd
 // carries it; nil when db is another handle.
 func txAdmissionOf(ctx context.Context, db Executor) *txAdmission {
 	ta, _ := ctx.Value(txAdmissionKey{}).(*txAdmission)
-	if ta == nil || ta.tx == nil || any(ta.tx) != any(db) {
+	if ta == nil || any(ta.tx) != any(db) {
 		return nil
 	}
 	return ta
+}
+
+// admit admits c, a lone call on the sharded key of s on db (admission.go): on a pool through the
+// Limiter's slots, given back when the call returns; on a transaction of InSerializableTx through
+// its admission, which keeps the slot until the transaction ends. done takes the call's answer
+// (the zero answer after an error); a call on any other handle is not admitted.
+func (l *Limiter) admit(ctx context.Context, db Executor, s *spec, c *call) (done func(answer), err error) {
+	if pool := poolOf(db); pool != nil {
+		t, err := l.admission.enter(ctx, pool, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
+		return t.leave, err
+	}
+	if ta := txAdmissionOf(ctx, db); ta != nil {
+		t, err := ta.enter(ctx, &l.admission, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
+		return func(d answer) { ta.keep(t, d) }, err
+	}
+	return func(answer) {}, nil
 }
 
 // enter admits a call of the transaction on (name, key) through a, as admission.enter does, unless

@@ -100,19 +100,11 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
 	} else {
 		if s.shards >= 2 && !c.dry {
-			if pool := poolOf(db); pool != nil {
-				t, err := l.admission.enter(ctx, pool, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
-				if err != nil {
-					return nil, err
-				}
-				defer func() { t.leave(d) }()
-			} else if ta := txAdmissionOf(ctx, db); ta != nil {
-				t, err := ta.enter(ctx, &l.admission, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
-				if err != nil {
-					return nil, err
-				}
-				defer func() { ta.keep(t, d) }()
+			done, err := l.admit(ctx, db, s, c)
+			if err != nil {
+				return nil, err
 			}
+			defer func() { done(d) }()
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
 			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,

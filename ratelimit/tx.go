@@ -152,14 +152,13 @@ const txWhat = "serializable transaction"
 const maxBusyWaits = 100
 
 func runTx(ctx context.Context, db TxBeginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	ctx, ta := withTxAdmission(ctx, db)
 	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	if err != nil {
 		return err
 	}
+	ctx, ta := withTxAdmission(ctx, db, tx)
 	if ta != nil {
 		// The slots of the transaction's calls on sharded keys are given back once it has ended.
-		ta.tx = tx
 		defer ta.leave()
 	}
 	// Rolls back when fn fails or panics (the panic goes on, the connection is not left in a
