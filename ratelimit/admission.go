@@ -189,11 +189,11 @@ func txAdmissionOf(ctx context.Context, db Executor) *txAdmission {
 // (the zero answer after an error); a call on any other handle is not admitted.
 func (l *Limiter) admit(ctx context.Context, db Executor, s *spec, c *call) (done func(answer), err error) {
 	if pool := poolOf(db); pool != nil {
-		t, err := l.admission.enter(ctx, pool, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
+		t, err := l.admission.enter(ctx, pool, s.name, s.key, s.shards, c.asks[0].count, c.asks[0].reserve)
 		return t.leave, err
 	}
 	if ta := txAdmissionOf(ctx, db); ta != nil {
-		t, err := ta.enter(ctx, &l.admission, s.name, s.key, s.shards, c.counts[0], c.reqs[0].Reserve)
+		t, err := ta.enter(ctx, &l.admission, s.name, s.key, s.shards, c.asks[0].count, c.asks[0].reserve)
 		return func(d answer) { ta.keep(t, d) }, err
 	}
 	return func(answer) {}, nil

@@ -768,6 +768,49 @@ func TestBatcherDeadlineInFailedBatch(t *testing.T) {
 	}
 }
 
+// A call whose caller has left keeps nothing of the caller's: the caller may reuse its []Request at
+// once. Here a LimitMany leaves (its context ends) while its batch waits for a connection, and its
+// caller sets Reserve in the same slice for its next call. Before, the batch read each request's
+// Reserve from that slice when it built its statement (and again on each retry), so the departed
+// call, 2 tokens on a row holding 1, was charged as a reservation it never asked for.
+func TestBatcherKeepsNoRequestOfTheCaller(t *testing.T) {
+	t.Parallel()
+	env := newBundle(t, &testdb.Options{MaxConns: 1}, &ratelimit.LimiterConfig{Limits: bLimits, Now: bFrozen})
+	b, log := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
+	ctx, pool := env.ctx, env.pool
+	_, err := b.LimitN(ctx, "tb", "x", 4, nil) // 1 left
+	require.NoError(t, err)
+
+	held, err := pool.Acquire(ctx) // the only connection
+	require.NoError(t, err)
+	blocker := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 1), "tb", "k", nil) })
+	eventually(t, "blocker taken", func() bool { return log.taken(1) })
+	cctx, cancel := context.WithCancel(bWithID(ctx, 2))
+	defer cancel()
+	reqs := []ratelimit.Request{{Name: "tb", Key: "x", Count: 2}}
+	left := make(chan error, 1)
+	go func() { _, err := b.LimitMany(cctx, reqs, nil); left <- err }()
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 1 })
+	stays := bAsync(func() (ratelimit.Result, error) { return b.Limit(bWithID(ctx, 3), "tb", "y", nil) })
+	eventually(t, "queued", func() bool { return ratelimit.QueuedCalls(b) == 2 })
+	held.Release()                  // the blocker runs; the lane takes [2, 3] as one batch,
+	held2, err := pool.Acquire(ctx) // which then waits for the connection taken back here
+	require.NoError(t, err)
+	require.NoError(t, bWait(t, blocker).err)
+	eventually(t, "batch taken", func() bool { return log.taken(2) && log.taken(3) })
+	cancel()
+	require.ErrorIs(t, <-left, context.Canceled)
+	reqs[0].Reserve = true // the caller's next call
+	held2.Release()
+
+	o := bWait(t, stays)
+	require.NoError(t, o.err)
+	require.Equal(t, 2, o.res.Batched)
+	st, err := env.lim.State(ctx, pool, "tb", "x", nil)
+	require.NoError(t, err)
+	require.Equal(t, 1.0, st.Value, "the departed call (2 tokens, no Reserve, 1 left) was denied: nothing written")
+}
+
 // A Batcher's errors name the call that was made, as the Limiter's do: Limit and Check, not
 // LimitN and CheckN, the calls they are shorthand for (before, a bad key given to Limit was
 // reported as "ratelimit: LimitN: key ...", and a Limit on a closed Batcher as "LimitN" too).

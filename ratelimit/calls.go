@@ -8,13 +8,21 @@ import (
 // call is one caller's decision, validated and resolved: a group of requests decided all or
 // nothing (a single Limit, LimitN, Check or CheckN is a group of one). The engine decides a list
 // of calls in list order, each as if the calls before it had run one by one.
+//
+// A call holds nothing of its caller's (the Batcher may decide it after its caller has left, and the
+// caller may then reuse its []Request): what the engine reads of each request is in specs and asks.
 type call struct {
 	op     string
 	dry    bool
 	single bool // Limit/LimitN/Check/CheckN: the caller's Result is Results[0]
-	reqs   []Request
 	specs  []spec
-	counts []float64
+	asks   []ask
+}
+
+// ask is what one request of a call asks for: its count (a Request's 0 made 1) and its Reserve.
+type ask struct {
+	count   float64
+	reserve bool
 }
 
 // outcome is what the engine decided for one call: its result, or an error of its own (a
@@ -48,7 +56,7 @@ func (l *Limiter) prepareCall(op string, reqs []Request, single, dry bool) (*cal
 			return nil, err
 		}
 	}
-	c := &call{op: op, dry: dry, single: single, reqs: reqs, specs: make([]spec, len(reqs)), counts: make([]float64, len(reqs))}
+	c := &call{op: op, dry: dry, single: single, specs: make([]spec, len(reqs)), asks: make([]ask, len(reqs))}
 	var seen map[[2]string]bool // past a few requests; fewer are compared pairwise
 	if len(reqs) > 8 {
 		seen = make(map[[2]string]bool, len(reqs))
@@ -68,11 +76,11 @@ func (l *Limiter) prepareCall(op string, reqs []Request, single, dry bool) (*cal
 		if seen != nil {
 			seen[[2]string{r.Name, r.Key}] = true
 		}
-		c.counts[i] = r.Count
-		if c.counts[i] == 0 {
-			c.counts[i] = 1
+		c.asks[i] = ask{count: r.Count, reserve: r.Reserve}
+		if c.asks[i].count == 0 {
+			c.asks[i].count = 1
 		}
-		if err := s.checkRequest(op, c.counts[i], r.Reserve); err != nil {
+		if err := s.checkRequest(op, c.asks[i].count, r.Reserve); err != nil {
 			return nil, err
 		}
 		c.specs[i] = s

@@ -72,7 +72,7 @@ func (l *Limiter) candidates(c *call, s *spec, lone bool) []int32 {
 
 // allow returns how far below zero request i of call c may take one shard: 0 without Reserve.
 func (c *call) allow(i int) float64 {
-	if c.reqs[i].Reserve {
+	if c.asks[i].reserve {
 		return c.specs[i].maxRes
 	}
 	return 0
@@ -94,7 +94,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 	var a []byte
 	if s.shards < 2 && !c.dry {
 		a, err = via(on(db), ctx, dbsqlc.DecideOneRowParams{
-			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0),
+			NowUs: now, Name: s.name, Key: s.key, Count: c.asks[0].count, Allow: c.allow(0),
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.missingTS(now),
 			QueueKey: lockKey ^ queueBit, LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOneRow, driver.Executor.DecideOneRow)
@@ -107,7 +107,7 @@ func (l *Limiter) decideOne(ctx context.Context, db Executor, c *call) ([]answer
 			defer func() { done(d) }()
 		}
 		a, err = via(on(db), ctx, dbsqlc.DecideOneParams{
-			NowUs: now, Name: s.name, Key: s.key, Count: c.counts[0], Allow: c.allow(0), Dry: c.dry,
+			NowUs: now, Name: s.name, Key: s.key, Count: c.asks[0].count, Allow: c.allow(0), Dry: c.dry,
 			StepUs: s.stepUs, Rate: s.rate, PeriodUs: s.periodUs, Cap: s.capacity, AnchorUs: s.missingTS(now),
 			Shards: l.candidates(c, s, true), LockKey: lockKey,
 		}, (*dbsqlc.Queries).DecideOne, driver.Executor.DecideOne)
@@ -213,7 +213,7 @@ func (l *Limiter) decideList(ctx context.Context, db Executor, calls []*call) ([
 			s := &c.specs[i]
 			cands := l.candidates(c, s, false)
 			p.Grp = append(p.Grp, g)
-			p.Count = append(p.Count, c.counts[i])
+			p.Count = append(p.Count, c.asks[i].count)
 			p.Allow = append(p.Allow, c.allow(i))
 			p.Dry = append(p.Dry, c.dry)
 			p.StepUs = append(p.StepUs, s.stepUs)
