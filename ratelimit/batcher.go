@@ -11,8 +11,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// ErrBatcherClosed is returned (errors.Is) by every call made to a Batcher after Close began.
-// Nothing was sent to the database for such a call.
+// ErrBatcherClosed is returned (errors.Is) by every call made to a Batcher after Close began,
+// unless its input is bad (its typed error comes first) or its context has already ended
+// (ctx.Err()). Nothing was sent to the database for such a call.
 var ErrBatcherClosed = errors.New("ratelimit: batcher is closed")
 
 // BatcherConfig configures a Batcher. A nil *BatcherConfig is the zero value: every default.
@@ -90,6 +91,7 @@ type Batcher struct {
 	seed     maphash.Seed
 	wg       sync.WaitGroup
 	close    sync.Once
+	closing  atomic.Bool // Close began: calls are refused on every lane, marked closed or not yet
 
 	// observe, when set (tests), sees the contexts of each batch in arrival order before it is decided.
 	observe func(ctxs []context.Context)
@@ -231,7 +233,7 @@ func (b *Batcher) submit(ctx context.Context, c *call, name, key string) (ManyRe
 	ln := b.laneOf(name, key)
 	p := &pending{ctx: ctx, c: c, done: make(chan struct{})}
 	ln.mu.Lock()
-	if ln.closed {
+	if ln.closed || b.closing.Load() {
 		ln.mu.Unlock()
 		return ManyResult{}, fmt.Errorf("ratelimit: %s: %w", c.op, ErrBatcherClosed)
 	}
@@ -481,6 +483,7 @@ func (b *Batcher) decideOnce(ctx context.Context, calls []*call) ([]outcome, err
 // or being decided are decided, and Close returns once every lane's goroutine has ended. It may be
 // called more than once.
 func (b *Batcher) Close() {
+	b.closing.Store(true)
 	b.close.Do(func() {
 		for _, ln := range b.lanes {
 			ln.mu.Lock()

@@ -16,3 +16,27 @@ func QueuedCalls(b *Batcher) int {
 	}
 	return n
 }
+
+// LaneOf returns the index of the lane that decides (name, key).
+func LaneOf(b *Batcher, name, key string) int {
+	ln := b.laneOf(name, key)
+	for i, l := range b.lanes {
+		if l == ln {
+			return i
+		}
+	}
+	return -1
+}
+
+// HoldLane locks lane i's mutex until release is called: a Close marking the lanes stops there.
+func HoldLane(b *Batcher, i int) (release func()) {
+	b.lanes[i].mu.Lock()
+	return b.lanes[i].mu.Unlock
+}
+
+// LaneClosed reports whether Close has marked lane i closed.
+func LaneClosed(b *Batcher, i int) bool {
+	b.lanes[i].mu.Lock()
+	defer b.lanes[i].mu.Unlock()
+	return b.lanes[i].closed
+}

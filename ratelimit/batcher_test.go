@@ -651,6 +651,32 @@ func TestBatcherClose(t *testing.T) {
 	goleak.VerifyNone(t, ignore)
 }
 
+// A call made after Close began is refused whatever its key's lane, although Close marks the lanes
+// closed one at a time: here Close has marked lane 0 and waits for lane 1, and a call on a key of
+// lane 2 is refused, nothing sent.
+func TestBatcherRefusesEveryLaneOnceCloseBegan(t *testing.T) {
+	t.Parallel()
+	env := setupDB(t, nil, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	b, err := ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: 3})
+	require.NoError(t, err)
+	key := ""
+	for i := 0; ratelimit.LaneOf(b, "tb", key) != 2; i++ {
+		key = fmt.Sprint("k", i)
+	}
+	release := ratelimit.HoldLane(b, 1)
+	closed := make(chan struct{})
+	go func() { b.Close(); close(closed) }()
+	eventually(t, "lane 0 closed", func() bool { return ratelimit.LaneClosed(b, 0) })
+	_, err = b.Limit(env.ctx, "tb", key, nil)
+	release()
+	<-closed
+	require.ErrorIs(t, err, ratelimit.ErrBatcherClosed)
+	st, err := env.lim.State(env.ctx, env.pool, "tb", key, nil)
+	require.NoError(t, err)
+	require.Equal(t, 10.0, st.Value, "nothing charged")
+	require.True(t, st.TS.IsZero(), "no row written")
+}
+
 func TestNewBatcherRefusesNil(t *testing.T) {
 	t.Parallel()
 	env := setupDB(t, nil, nil)
