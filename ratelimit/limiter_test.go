@@ -619,6 +619,10 @@ func TestLimitManyRetryAt(t *testing.T) {
 	check("denied", m, false, t0.Add(3*time.Second), []want{
 		{false, false, t0.Add(3 * time.Second), -2}, {false, false, t0.Add(time.Second), -1}, {true, false, time.Time{}, 0},
 		{true, true, t0.Add(time.Minute), -1}})
+	var le *ratelimit.LimitedError
+	require.ErrorAs(t, m.Err(), &le, "ManyResult.Err")
+	require.True(t, le.RetryAt.Equal(t0.Add(3*time.Second)) && le.Name == "a" && len(le.Denied) == 2,
+		"ManyResult.Err: %s/%s retryAt t0+%v, %d denied", le.Name, le.Key, sinceT0(le.RetryAt), len(le.Denied))
 	for name, v := range map[string]float64{"a": -2, "b": -1, "c": 2, "d": 1} {
 		st, err := b.lim.State(b.ctx, b.pool, name, "k", nil)
 		require.NoError(t, err)
