@@ -251,6 +251,35 @@ func TestFixedWindowHashedPhaseExact(t *testing.T) {
 	}
 }
 
+// docs/spec.md §4: a row written under another Start keeps counting windows from its own ts until
+// Reset removes it; then the key is full, at the start of the new grid's window holding now.
+func TestFixedWindowRowKeepsItsGridUntilReset(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0}})
+	moved := &ratelimit.LimitOpts{Config: &ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0.Add(30 * time.Second)}}
+	limit := func(at time.Time, count float64) ratelimit.Result {
+		t.Helper()
+		b.clock.Set(at)
+		r, err := b.lim.LimitN(b.ctx, b.pool, "fw", "k", count, moved)
+		require.NoError(t, err)
+		return r
+	}
+	b.clock.Set(t0.Add(10 * time.Second))
+	r, err := b.lim.LimitN(b.ctx, b.pool, "fw", "k", 5, nil) // the row (0, t0)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	// The new grid started a window at t0 + 30 s, but the row counts from t0: its next is t0 + 1m.
+	r = limit(t0.Add(50*time.Second), 1)
+	require.False(t, r.OK)
+	require.Equal(t, t0.Add(time.Minute), r.RetryAt, "RetryAt t0+%v", sinceT0(r.RetryAt))
+	require.NoError(t, b.lim.Reset(b.ctx, b.pool, "fw", "k"))
+	r = limit(t0.Add(50*time.Second), 5) // missing: full, in the window [t0 + 30 s, t0 + 90 s)
+	require.True(t, r.OK)
+	require.Equal(t, t0.Add(30*time.Second), r.TS, "TS t0+%v", sinceT0(r.TS))
+	r = limit(t0.Add(50*time.Second), 1)
+	require.Equal(t, t0.Add(90*time.Second), r.RetryAt, "RetryAt t0+%v", sinceT0(r.RetryAt))
+}
+
 // docs/spec.md §4: without reservations, at most cap tokens within one window.
 func TestFixedWindowAtMostCapacityPerWindow(t *testing.T) {
 	t.Parallel()
