@@ -202,3 +202,66 @@ func TestCountBoundRoundedUp(t *testing.T) {
 		require.True(t, r.Reserved)
 	}
 }
+
+// docs/spec.md §5: the bounds of the config table and of count are inclusive, at the numbers the
+// spec gives: Rate, Capacity, MaxReserved and count from 1e-9 to 1e15, Period up to 100 × 365 days,
+// Shards up to 1024; the next float64 (or microsecond, or shard) beyond each is an error.
+func TestBoundsAreTheSpecsNumbers(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	const lo, hi = 1e-9, 1e15
+	below, above := math.Nextafter(lo, 0), math.Nextafter(hi, math.Inf(1))
+	century := 100 * 365 * 24 * time.Hour
+	tb := func(rate, capacity, maxReserved float64) ratelimit.Config {
+		return ratelimit.Config{Rate: rate, Period: time.Second, Capacity: capacity, MaxReserved: maxReserved}
+	}
+	for i, c := range []struct {
+		cfg   ratelimit.Config
+		field string // "": valid
+	}{
+		{tb(lo, 0, 0), ""}, {tb(hi, 0, 0), ""}, {tb(below, 0, 0), "Rate"}, {tb(above, 0, 0), "Rate"},
+		{tb(1, lo, 0), ""}, {tb(1, hi, 0), ""}, {tb(1, below, 0), "Capacity"}, {tb(1, above, 0), "Capacity"},
+		{tb(1, 0, lo), ""}, {tb(1, 0, hi), ""}, {tb(1, 0, ratelimit.Unbounded), ""},
+		{tb(1, 0, below), "MaxReserved"}, {tb(1, 0, above), "MaxReserved"},
+		{ratelimit.Config{Rate: 1, Period: century}, ""},
+		{ratelimit.Config{Rate: 1, Period: century + time.Microsecond}, "Period"},
+		{ratelimit.Config{Rate: 1, Period: time.Microsecond}, ""},
+		{ratelimit.Config{Rate: 1, Period: time.Second, Shards: 1024}, ""},
+		{ratelimit.Config{Rate: 1, Period: time.Second, Shards: 1025}, "Shards"},
+	} {
+		_, err := b.lim.Lookup("n", "k", &c.cfg)
+		var ce *ratelimit.ConfigError
+		if c.field == "" {
+			require.NoError(t, err, "step %d: %+v", i, c.cfg)
+		} else if !errors.As(err, &ce) || ce.Field != c.field {
+			t.Errorf("step %d: %+v: got %v, want a *ConfigError naming %s", i, c.cfg, err, c.field)
+		}
+	}
+	unbounded := tb(hi, hi, ratelimit.Unbounded)
+	for i, c := range []struct {
+		count float64
+		ok    bool
+	}{{lo, true}, {hi, true}, {below, false}, {above, false}} {
+		_, err := b.lim.CheckN(b.ctx, b.pool, "n", "k", c.count, &ratelimit.LimitOpts{Config: &unbounded, Reserve: true})
+		var ae *ratelimit.ArgumentError
+		if c.ok {
+			require.NoError(t, err, "step %d: count %g", i, c.count)
+		} else if !errors.As(err, &ae) || ae.Arg != "count" {
+			t.Errorf("step %d: count %g: got %v, want an *ArgumentError naming count", i, c.count, err)
+		}
+	}
+	// The spec's example: 10 per second, capacity 10, bounds a count at 10, and at 5 with Shards 4.
+	for _, c := range []struct {
+		shards int
+		most   float64
+	}{{0, 10}, {4, 5}} {
+		cfg := ratelimit.Config{Rate: 10, Period: time.Second, Shards: c.shards}
+		for _, n := range []float64{c.most, math.Nextafter(c.most, math.Inf(1))} {
+			_, err := b.lim.CheckN(b.ctx, b.pool, "n", "k", n, &ratelimit.LimitOpts{Config: &cfg})
+			var ae *ratelimit.ArgumentError
+			if ok := n == c.most; ok != (err == nil) || (!ok && (!errors.As(err, &ae) || ae.Arg != "count")) {
+				t.Errorf("shards %d: count %g: got %v, want an error only above %g", c.shards, n, err, c.most)
+			}
+		}
+	}
+}

@@ -3,6 +3,7 @@ package ratelimit_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -653,6 +654,51 @@ func TestRollbackRestoresState(t *testing.T) {
 	after, _ := testdb.RowVersion(t, pool, "l", "k", 0)
 	require.Equal(t, version, after)
 	require.Equal(t, 1, testdb.CountRows(t, pool), "rows created in the transaction are gone")
+}
+
+// docs/spec.md §7 (Isolation): under REPEATABLE READ and SERIALIZABLE a row changed since the
+// snapshot, or created since, is a serialization failure (40001), never a grant on the snapshot's
+// tokens: here the snapshot holds 9 tokens (or no row: 10) and the row 0 when the call is made.
+// The lone call (its one UPDATE first) and a list (plan, lock, decide) both fail; nothing is written.
+func TestSnapshotRowChangedSinceIsASerializationFailure(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"l": {Rate: 10, Period: time.Minute}})
+	ctx, pool, lim := b.ctx, b.pool, b.lim
+	calls := map[string]func(tx pgx.Tx, key string) error{
+		"Limit": func(tx pgx.Tx, key string) error { _, err := lim.Limit(ctx, tx, "l", key, nil); return err },
+		"LimitMany": func(tx pgx.Tx, key string) error {
+			_, err := lim.LimitMany(ctx, tx, []ratelimit.Request{{Name: "l", Key: key}, {Name: "l", Key: key + "/other"}}, nil)
+			return err
+		},
+	}
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		for _, created := range []bool{false, true} {
+			for what, call := range calls {
+				key := fmt.Sprintf("%s/%s/%v", iso, what, created)
+				if !created {
+					_, err := lim.Limit(ctx, pool, "l", key, nil) // 9 left
+					require.NoError(t, err)
+				}
+				tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+				require.NoError(t, err)
+				_, err = tx.Exec(ctx, "SELECT 1") // the snapshot
+				require.NoError(t, err)
+				spend := 9.0
+				if created {
+					spend = 10
+				}
+				r, err := lim.LimitN(ctx, pool, "l", key, spend, nil) // committed after the snapshot
+				require.NoError(t, err)
+				require.True(t, r.OK)
+				err = call(tx, key)
+				require.NoError(t, tx.Rollback(ctx))
+				require.True(t, isCode(err, "40001"), "%s: got %v, want a serialization failure (40001)", key, err)
+				st, err := lim.State(ctx, pool, "l", key, nil)
+				require.NoError(t, err)
+				require.Equal(t, 0.0, st.Value, key)
+			}
+		}
+	}
 }
 
 // countingTracer counts the statements a connection sends.

@@ -214,6 +214,72 @@ func TestFixedWindowDerivedPhase(t *testing.T) {
 	require.Greater(t, len(ends), 3, "six keys share %d window ends: phases are not spread", len(ends))
 }
 
+// docs/spec.md §4: without Start the grid's anchor is the 64-bit FNV-1a hash of name, a NUL byte
+// and key, modulo Period, after the Unix epoch, the same for every shard of the key; a missing row is
+// full, at the start of the window holding now.
+func TestFixedWindowHashedPhaseExact(t *testing.T) {
+	t.Parallel()
+	const period = time.Hour
+	b := setup(t, map[string]ratelimit.Config{
+		"fw":  {Kind: ratelimit.FixedWindow, Rate: 1, Period: period},
+		"fws": {Kind: ratelimit.FixedWindow, Rate: 2, Period: period, Shards: 2}, // 1 per shard
+	})
+	window := func(name, key string) (start, end time.Time) {
+		p := period.Microseconds()
+		phase := int64(fnv1a([]byte(name), []byte{0}, []byte(key)) % uint64(p))
+		s := phase + (t0.UnixMicro()-phase)/p*p // t0 is after the phase: no negative division
+		return time.UnixMicro(s).UTC(), time.UnixMicro(s + p).UTC()
+	}
+	picks := [][2]int{{0, 1}, {1, 0}, {0, 1}}
+	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { p := picks[0]; picks = picks[1:]; return p[0], p[1] })
+	for _, c := range []struct {
+		name  string
+		calls int // granted before the denial: the capacity
+	}{{"fw", 1}, {"fws", 2}} {
+		start, end := window(c.name, "k")
+		for i := range c.calls + 1 {
+			r, err := b.lim.Limit(b.ctx, b.pool, c.name, "k", nil)
+			require.NoError(t, err)
+			if granted := i < c.calls; r.OK != granted || (!granted && !r.RetryAt.Equal(end)) {
+				t.Fatalf("%s: call %d: ok %v retryAt %v; want ok %v, a denial until the window's end %v", c.name, i, r.OK, r.RetryAt, granted, end)
+			}
+		}
+		st, err := b.lim.State(b.ctx, b.pool, c.name, "k", nil)
+		require.NoError(t, err)
+		require.True(t, st.TS.Equal(start), "%s: rows stamped %v, want the window's start %v", c.name, st.TS, start)
+		require.Equal(t, make([]float64, c.calls), st.Shards, c.name)
+	}
+}
+
+// docs/spec.md §4: a row written under another Start keeps counting windows from its own ts until
+// Reset removes it; then the key is full, at the start of the new grid's window holding now.
+func TestFixedWindowRowKeepsItsGridUntilReset(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0}})
+	moved := &ratelimit.LimitOpts{Config: &ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Start: t0.Add(30 * time.Second)}}
+	limit := func(at time.Time, count float64) ratelimit.Result {
+		t.Helper()
+		b.clock.Set(at)
+		r, err := b.lim.LimitN(b.ctx, b.pool, "fw", "k", count, moved)
+		require.NoError(t, err)
+		return r
+	}
+	b.clock.Set(t0.Add(10 * time.Second))
+	r, err := b.lim.LimitN(b.ctx, b.pool, "fw", "k", 5, nil) // the row (0, t0)
+	require.NoError(t, err)
+	require.True(t, r.OK)
+	// The new grid started a window at t0 + 30 s, but the row counts from t0: its next is t0 + 1m.
+	r = limit(t0.Add(50*time.Second), 1)
+	require.False(t, r.OK)
+	require.Equal(t, t0.Add(time.Minute), r.RetryAt, "RetryAt t0+%v", sinceT0(r.RetryAt))
+	require.NoError(t, b.lim.Reset(b.ctx, b.pool, "fw", "k"))
+	r = limit(t0.Add(50*time.Second), 5) // missing: full, in the window [t0 + 30 s, t0 + 90 s)
+	require.True(t, r.OK)
+	require.Equal(t, t0.Add(30*time.Second), r.TS, "TS t0+%v", sinceT0(r.TS))
+	r = limit(t0.Add(50*time.Second), 1)
+	require.Equal(t, t0.Add(90*time.Second), r.RetryAt, "RetryAt t0+%v", sinceT0(r.RetryAt))
+}
+
 // docs/spec.md §4: without reservations, at most cap tokens within one window.
 func TestFixedWindowAtMostCapacityPerWindow(t *testing.T) {
 	t.Parallel()
@@ -518,4 +584,119 @@ func TestInSerializableTxInput(t *testing.T) {
 	quick, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	require.NoError(t, ratelimit.InSerializableTx(quick, pool, nil, fn), "the connection was given back")
+}
+
+// docs/spec.md §3: without reservations a token bucket grants at most cap + Rate tokens in any
+// interval of length Period, and reaches that bound: a full bucket emptied at t0 and again at
+// t0 + Period, and not one token more by then.
+func TestTokenBucketAtMostCapPlusRatePerPeriod(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{"tb": {Rate: 10, Period: time.Second}})
+	runSteps(t, b, "tb", "k", []step{
+		{at: t0, count: 10, ok: true, value: 0},
+		{at: t0.Add(time.Second), count: 10, ok: true, value: 0},
+		{at: t0.Add(time.Second), count: 1e-6, retryAt: t0.Add(time.Second + time.Microsecond), value: 0}, // 0.1 µs, rounded up
+	})
+}
+
+// docs/spec.md §6 (LimitMany): granted, ManyResult.RetryAt is the latest RetryAt of its
+// reservations; denied, the latest RetryAt of the denied requests, a request that alone would be
+// granted as a reservation not counting, and each request that alone would be granted reports the
+// Value it would have left, with nothing consumed.
+func TestLimitManyRetryAt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"a": {Rate: 1, Period: time.Second, MaxReserved: ratelimit.Unbounded},
+		"b": {Rate: 2, Period: time.Second, MaxReserved: ratelimit.Unbounded},
+		"c": {Rate: 3, Period: time.Second},
+		"d": {Rate: 1, Period: time.Minute, MaxReserved: ratelimit.Unbounded},
+	})
+	type want struct {
+		ok, reserved bool
+		retryAt      time.Time
+		value        float64
+	}
+	check := func(what string, m ratelimit.ManyResult, ok bool, retryAt time.Time, results []want) {
+		t.Helper()
+		if m.OK != ok || !m.RetryAt.Equal(retryAt) || !m.Time.Equal(t0) {
+			t.Errorf("%s: ok %v retryAt t0+%v time %v; want ok %v retryAt t0+%v", what, m.OK, sinceT0(m.RetryAt), m.Time, ok, sinceT0(retryAt))
+		}
+		for i, w := range results {
+			r := m.Results[i]
+			if r.OK != w.ok || r.Reserved != w.reserved || !r.RetryAt.Equal(w.retryAt) || r.Value != w.value {
+				t.Errorf("%s: step %d (%s): got ok %v reserved %v retryAt t0+%v value %v; want ok %v reserved %v retryAt t0+%v value %v",
+					what, i, r.Name, r.OK, r.Reserved, sinceT0(r.RetryAt), r.Value, w.ok, w.reserved, sinceT0(w.retryAt), w.value)
+			}
+		}
+	}
+	m, err := b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{
+		{Name: "a", Key: "k", Count: 3, Reserve: true}, // −2: out of debt in 2 s
+		{Name: "b", Key: "k", Count: 3, Reserve: true}, // −1: in 500 ms
+		{Name: "c", Key: "k"},                          // 2 left, no wait
+	}, nil)
+	require.NoError(t, err)
+	check("granted", m, true, t0.Add(2*time.Second), []want{
+		{true, true, t0.Add(2 * time.Second), -2}, {true, true, t0.Add(500 * ms), -1}, {true, false, time.Time{}, 2}})
+
+	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{
+		{Name: "a", Key: "k"},                          // −3: denied, 3 s
+		{Name: "b", Key: "k"},                          // −2: denied, 1 s
+		{Name: "c", Key: "k", Count: 2},                // alone: granted, 0 left
+		{Name: "d", Key: "k", Count: 2, Reserve: true}, // alone: reserved at −1, due in a minute
+	}, nil)
+	require.NoError(t, err)
+	check("denied", m, false, t0.Add(3*time.Second), []want{
+		{false, false, t0.Add(3 * time.Second), -2}, {false, false, t0.Add(time.Second), -1}, {true, false, time.Time{}, 0},
+		{true, true, t0.Add(time.Minute), -1}})
+	var le *ratelimit.LimitedError
+	require.ErrorAs(t, m.Err(), &le, "ManyResult.Err")
+	require.True(t, le.RetryAt.Equal(t0.Add(3*time.Second)) && le.Name == "a" && len(le.Denied) == 2,
+		"ManyResult.Err: %s/%s retryAt t0+%v, %d denied", le.Name, le.Key, sinceT0(le.RetryAt), len(le.Denied))
+	for name, v := range map[string]float64{"a": -2, "b": -1, "c": 2, "d": 1} {
+		st, err := b.lim.State(b.ctx, b.pool, name, "k", nil)
+		require.NoError(t, err)
+		require.Equal(t, v, st.Value, "%s: the denied call consumed", name)
+	}
+}
+
+// docs/spec.md §6 (Credit): each row becomes min(v_now + count, cap), its ts moving as in §3 (to
+// the clock) and §4 (to the start of the current window).
+func TestCreditMovesTS(t *testing.T) {
+	t.Parallel()
+	b := setup(t, map[string]ratelimit.Config{
+		"tb": {Rate: 10, Period: time.Second},
+		"fw": {Kind: ratelimit.FixedWindow, Rate: 5, Period: time.Minute, Capacity: 8, Start: t0},
+	})
+	for _, c := range []struct {
+		name     string
+		take     float64
+		creditAt time.Time
+		count    float64
+		credited float64
+		value    float64
+		ts       time.Time
+		retryAt  time.Time // of a call for value + 1 after the credit
+	}{
+		// 0 at t0; 3 at t0 + 300 ms, 5 after the credit, stamped t0 + 300 ms.
+		{"tb", 10, t0.Add(300 * ms), 2, 2, 5, t0.Add(300 * ms), t0.Add(400 * ms)},
+		// 0 at t0; the window of t0 + 1m brings 5, 7 after the credit, stamped t0 + 1m.
+		{"fw", 8, t0.Add(70 * time.Second), 2, 2, 7, t0.Add(time.Minute), t0.Add(2 * time.Minute)},
+	} {
+		b.clock.Set(t0)
+		r, err := b.lim.LimitN(b.ctx, b.pool, c.name, "k", c.take, nil)
+		require.NoError(t, err)
+		require.True(t, r.OK, c.name)
+		b.clock.Set(c.creditAt)
+		cr, err := b.lim.Credit(b.ctx, b.pool, c.name, "k", c.count, nil)
+		require.NoError(t, err)
+		require.Equal(t, ratelimit.CreditResult{Name: c.name, Key: "k", Credited: c.credited, Value: c.value, Time: c.creditAt}, cr)
+		st, err := b.lim.State(b.ctx, b.pool, c.name, "k", nil)
+		require.NoError(t, err)
+		require.True(t, st.TS.Equal(c.ts), "%s: ts t0+%v, want t0+%v", c.name, sinceT0(st.TS), sinceT0(c.ts))
+		require.Equal(t, c.value, st.Value, c.name)
+		// The row after the credit is (value, ts): one more token than it holds comes then.
+		r, err = b.lim.CheckN(b.ctx, b.pool, c.name, "k", c.value+1, nil)
+		require.NoError(t, err)
+		require.True(t, r.RetryAt.Equal(c.retryAt), "%s: retryAt t0+%v, want t0+%v", c.name, sinceT0(r.RetryAt), sinceT0(c.retryAt))
+	}
 }

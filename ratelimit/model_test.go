@@ -767,7 +767,7 @@ type specExample struct {
 	readAs *ratelimit.Config // State read with this config (a config change); nil: cfg
 }
 
-// TestSpecWorkedNumbers runs every worked number of docs/spec.md §3-§8 on the engine and on the
+// TestSpecWorkedNumbers runs every worked number of docs/spec.md §2-§8 on the engine and on the
 // reference model, so that neither can drift from the spec in the same way: the fuzz target only
 // compares the two with each other.
 func TestSpecWorkedNumbers(t *testing.T) {
@@ -783,6 +783,11 @@ func TestSpecWorkedNumbers(t *testing.T) {
 	less := -3.0 // float64 operations as the rule performs them, not constant arithmetic
 	at99999 := less + float64(99_999*10)/1e6
 	for _, ex := range []specExample{
+		// §2: a row whose ts is later than the reading is evaluated at its ts: (−5, t0 + 500 ms)
+		// read at t0 holds −5 (here the row is at shardT0, read 500 ms before).
+		{name: "§2 row ahead of the clock", cfg: ratelimit.Config{Rate: 10, Period: time.Second}, rows: map[int]float64{0: -5}, steps: []specStep{
+			{at: -500 * time.Millisecond, op: shardCheck, count: 1, value: -5, retryUs: 600 * ms},
+		}, state: []float64{-5}},
 		{name: "§3 table", cfg: reserve5, rows: map[int]float64{0: 0}, steps: []specStep{
 			{count: 3, retryUs: 300 * ms},
 			{count: 3, reserve: true, ok: true, reserved: true, value: -3, retryUs: 300 * ms, shards: []int{0}},

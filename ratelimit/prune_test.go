@@ -95,6 +95,34 @@ func TestPruneNeverChangesAFutureDecision(t *testing.T) {
 	require.Equal(t, before, answers(), "pruning changed a future decision")
 }
 
+// docs/spec.md §10: rows of shards ≥ Shards are left to Reset, full as they are; and §6: State,
+// read with those Shards, ignores them, TS included (zero: no configured shard has a row).
+func TestPruneLeavesShardsBeyondShards(t *testing.T) {
+	t.Parallel()
+	four := ratelimit.Config{Rate: 8, Period: time.Second, Shards: 4} // 2 per shard
+	two := four
+	two.Shards = 2
+	b := setup(t, map[string]ratelimit.Config{"sh": four})
+	ratelimit.SetShardPicker(b.lim, func(int) (int, int) { return 2, 3 })
+	r, err := b.lim.LimitN(b.ctx, b.pool, "sh", "k", 4, nil) // both picks charged, to 0
+	require.NoError(t, err)
+	require.Equal(t, []int{2, 3}, r.Shards)
+	b.clock.Set(t0.Add(time.Hour)) // full again
+
+	n, err := b.lim.Prune(b.ctx, b.pool, "sh", &ratelimit.PruneOpts{Config: &two})
+	require.NoError(t, err)
+	require.Zero(t, n, "Prune with 2 shards deleted rows of shards 2 and 3")
+	require.Equal(t, 2, testdb.CountRows(t, b.pool))
+	st, err := b.lim.State(b.ctx, b.pool, "sh", "k", &ratelimit.LimitOpts{Config: &two})
+	require.NoError(t, err)
+	require.Equal(t, []float64{4, 4}, st.Shards)
+	require.True(t, st.TS.IsZero(), "TS %v from a shard beyond Shards", st.TS)
+
+	n, err = b.lim.Prune(b.ctx, b.pool, "sh", nil)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "with 4 shards both rows are prunable")
+}
+
 // PruneAll prunes every registered limit and reports the rows deleted per limit.
 // A BatchSize beyond what the statement's LIMIT carries (an int32) prunes as math.MaxInt32 does:
 // before, 1<<32 wrapped to LIMIT 0 and pruned nothing, 1<<31 to a negative LIMIT and failed.

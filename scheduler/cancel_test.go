@@ -764,6 +764,72 @@ func TestPullForwardRecordsRow(t *testing.T) {
 	require.JSONEq(t, `{"limits":[{"name":"hot","key":"k","count":4,"retry_at":"2024-01-01T12:00:00.4Z","fixed":true}]}`, reserved(jf.Job.ID))
 }
 
+// TestPullForwardDocExample runs the worked example of docs/scheduler.md ("Credits pull waiting
+// work forward"): a 10/s bucket emptied at 12:00:00, a job that reserved 5 more records the row
+// (−5, 12:00:00) and 12:00:00.5; a credit of 2 at 12:00:00.1 out of the earlier reservation makes
+// them (−3, 12:00:00) and 12:00:00.3, max(RetryAt − c/r, now).
+func TestPullForwardDocExample(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var now atomic.Int64
+	now.Store(t0.UnixMicro())
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond},
+		now: func() time.Time { return time.UnixMicro(now.Load()).UTC() }})
+	ja := reserve(t, b, "calls", "u1", 10) // runs now: the bucket is emptied
+	require.True(t, ja.RetryAt.IsZero())
+	jb := reserve(t, b, "calls", "u1", 5)
+	require.JSONEq(t, `{"limits":[{"name":"calls","key":"u1","count":5,"retry_at":"2024-01-01T12:00:00.5Z",
+		"row":{"value":-5,"ts":"2024-01-01T12:00:00Z"}}]}`, string(metadataValue(t, jobRow(t, b, jb.Job.ID).Metadata, scheduler.ReservedKey)))
+
+	now.Store(t0.Add(100 * time.Millisecond).UnixMicro())
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.SettleTx(ctx, tx, ja.Job.ID, 8) // 2 of the 10 back
+		require.NoError(t, err)
+		require.Equal(t, 1, res.PulledForward)
+		require.Equal(t, 2.0, res.Limits[0].Credited)
+		return nil
+	}))
+	require.JSONEq(t, `{"limits":[{"name":"calls","key":"u1","count":5,"retry_at":"2024-01-01T12:00:00.3Z",
+		"row":{"value":-3,"ts":"2024-01-01T12:00:00Z"}}]}`, string(metadataValue(t, jobRow(t, b, jb.Job.ID).Metadata, scheduler.ReservedKey)))
+	require.Equal(t, t0.Add(300*time.Millisecond), jobRow(t, b, jb.Job.ID).ScheduledAt.UTC())
+}
+
+// TestPullForwardKeepsJitterAndNotBefore: a job pulled forward is due at max(RetryAt + Jitter,
+// NotBefore) (docs/scheduler.md): it keeps its jitter, and never moves before the InsertOpts
+// ScheduledAt its caller asked for. A refund of 10 at t0 makes both jobs' tokens there at once.
+func TestPullForwardKeepsJitterAndNotBefore(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, tenPerSecond)
+	reserveWith := func(opts *scheduler.ReserveOpts) *scheduler.Reservation {
+		t.Helper()
+		var res *scheduler.Reservation
+		require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+			var err error
+			res, err = b.sched.ReserveTx(ctx, tx, "calls", "u1", 5, callArgs{}, opts)
+			return err
+		}))
+		return res
+	}
+	ja := reserve(t, b, "calls", "u1", 10) // runs now: the bucket is emptied
+	jitter := scheduler.JitterFor("u1", 40*time.Millisecond)
+	require.Positive(t, jitter)
+	jb := reserveWith(&scheduler.ReserveOpts{Jitter: 40 * time.Millisecond, JitterKey: "u1"})
+	require.Equal(t, t0.Add(500*time.Millisecond+jitter), jb.ScheduledAt.UTC())
+	notBefore := t0.Add(900 * time.Millisecond)
+	jc := reserveWith(&scheduler.ReserveOpts{InsertOpts: &river.InsertOpts{ScheduledAt: notBefore}})
+	require.Equal(t, t0.Add(time.Second), jc.ScheduledAt.UTC())
+
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		res, err := b.sched.CancelTx(ctx, tx, ja.Job.ID)
+		require.NoError(t, err)
+		require.Equal(t, 2, res.PulledForward)
+		return nil
+	}))
+	require.Equal(t, t0.Add(jitter), jobRow(t, b, jb.Job.ID).ScheduledAt.UTC(), "the jitter is kept")
+	require.Equal(t, notBefore, jobRow(t, b, jc.Job.ID).ScheduledAt.UTC(), "never before NotBefore")
+}
+
 // TestPullForwardShardedKeepsTime: a credit to a sharded limit does not move the jobs waiting on it
 // (it goes to the emptiest shards, not necessarily theirs): they keep their time, never earlier.
 func TestPullForwardShardedKeepsTime(t *testing.T) {
