@@ -73,8 +73,9 @@ type BatcherConfig struct {
 // returns ctx.Err() and is never charged. A call whose context ends while its batch is being
 // decided returns ctx.Err() at once, but the batch goes on for the others, so its grant may stand:
 // an under-grant (tokens charged for a call told it failed), never an over-grant. When every caller
-// of a batch has gone (a batch of one included), the statement is cancelled and they return as
-// soon as pgx has cancelled it; a grant it committed first stands.
+// of a batch has gone (a batch of one included), its statement is cancelled; a grant it committed
+// first stands. A call on an idle lane is decided on its caller's goroutine, so that caller returns
+// once pgx has cancelled the statement; the callers of a batch on the lane's goroutine return at once.
 //
 // Panics: a panic while a batch is decided (LimiterConfig.Now, a pool's tracer) reaches every
 // caller of the batch still waiting for it, each panicking with the same value on its own

@@ -465,7 +465,7 @@ func TestLimitMany(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 97.0, st.Value)
 
-	// Two denials: the result names both and the latest RetryAt.
+	// One denial among three requests: the error names it and its RetryAt.
 	b.clock.Set(t0.Add(time.Second))
 	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{
 		{Name: "perUser", Key: "u1", Count: 3}, {Name: "daily", Key: "u1", Count: 2}, {Name: "global"},
