@@ -31,7 +31,8 @@ type SetupError struct {
 	// Package is the package whose call found the mistake: "ratelimit" or "scheduler". Defaults to
 	// "" (read as "ratelimit").
 	Package string
-	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check".
+	// Op is the call that found it, e.g. "Limit", "CheckSchema", "ReserveTx" or "Check"; "Batcher"
+	// when a Batcher's batch found it (a batch holds calls of any kind).
 	Op string
 	// Problem is the mistake, when its package names one with a sentinel error (package scheduler's
 	// ErrNoPreciseHook, ErrNoRiverTables, ErrQueueNotWorked), or the functions this build calls that
