@@ -2,8 +2,6 @@ module github.com/txlimit/txlimit
 
 go 1.26.0
 
-replace github.com/Azure/go-ansiterm => github.com/Azure/go-ansiterm v0.0.0-20250102033503-faa5f7b0171c
-
 require (
 	github.com/dunglas/httpsfv v1.1.2
 	github.com/jackc/pgx/v5 v5.12.0

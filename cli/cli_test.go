@@ -282,6 +282,22 @@ func TestCommandHelp(t *testing.T) {
 	require.Contains(t, r.stderr, "-rate float")
 }
 
+// TestGoInstallAtAVersionIsAllowed: the README and cmd/txlimit install the command with
+// go install github.com/txlimit/txlimit/cmd/txlimit@latest, which the go command refuses for a
+// module whose go.mod has a replace or exclude directive ("The go.mod file for the module providing
+// named packages contains one or more replace directives"). Before, go.mod replaced
+// github.com/Azure/go-ansiterm (an indirect dependency of the tests), so that command failed.
+func TestGoInstallAtAVersionIsAllowed(t *testing.T) {
+	t.Parallel()
+	mod, err := os.ReadFile("../go.mod")
+	require.NoError(t, err)
+	for _, line := range strings.Split(string(mod), "\n") {
+		directive, _, _ := strings.Cut(strings.TrimSpace(line), " ")
+		require.NotContains(t, []string{"replace", "exclude"}, directive,
+			"go.mod: %q makes go install ...@version refuse the module", line)
+	}
+}
+
 func TestLoadLimits(t *testing.T) {
 	t.Parallel()
 	limits, err := cli.LoadLimits(strings.NewReader(configFile))

@@ -30,6 +30,9 @@ import (
 	"github.com/pressly/goose/v3/lock"
 )
 
+// FS holds txlimit's migrations, the goose SQL files (0000N_<what>.sql) that Up and NewProvider
+// apply.
+//
 //go:embed *.sql
 var FS embed.FS
 

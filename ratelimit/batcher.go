@@ -30,11 +30,13 @@ type BatcherConfig struct {
 	// key alone in its batch whose row the batch has locked is refused so too. More lanes decide more
 	// distinct keys in parallel, on
 	// more database cores, and one lane's round trip and commit overlap another's; fewer lanes give
-	// every key bigger batches, which cost the database less per decision. Defaults to 1 (see
-	// docs/design-history.md, "the Batcher keeps one lane by default", for how it was chosen).
+	// every key bigger batches, which cost the database less per decision. Must be 0 to 1024.
+	// Defaults to 1 (see docs/design-history.md, "the Batcher keeps one lane by default", for how
+	// it was chosen).
 	Lanes int
 
-	// MaxBatch is the most calls one lane decides in one statement. Defaults to 256.
+	// MaxBatch is the most calls one lane decides in one statement. Must not be negative. Defaults
+	// to 256.
 	MaxBatch int
 
 	// Retry bounds how a batch whose statement failed with a serialization failure (40001) or a

@@ -15,12 +15,15 @@ import (
 // Row is the state of one row of a limit (docs/spec.md §1): its value and ts, e.g. as a grant left
 // it (Result.Value and Result.TS of an unsharded limit).
 type Row struct {
-	// Name and Key identify the limit.
-	Name, Key string
+	// Name is the limit's name. Required.
+	Name string
+	// Key is the limit's key. Defaults to "", the global instance.
+	Key string
 	// Config, when set, is used instead of the limit registered under the name, as
 	// LimitOpts.Config. Defaults to nil: the registered config.
 	Config *Config
-	// Value is the row's value: tokens, negative while reservations are owed.
+	// Value is the row's value: tokens, negative while reservations are owed. Defaults to 0: no
+	// tokens, no debt.
 	Value float64
 	// TS is the row's ts. Required.
 	TS time.Time

@@ -44,7 +44,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE messages (id bigserial PRIMARY KEY, user_id text NOT NULL, body text NOT NULL)"); err != nil {
-		return err
+		return fmt.Errorf("create the table messages: %w (DATABASE_URL must lead to an empty schema: set its search_path to a new one, or drop this one's tables)", err)
 	}
 
 	limiter, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{

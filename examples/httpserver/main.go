@@ -81,7 +81,7 @@ func run(ctx context.Context, addr string, demo bool) error {
 		return err
 	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE messages (id bigserial PRIMARY KEY, user_id text NOT NULL, body text NOT NULL)"); err != nil {
-		return err
+		return fmt.Errorf("create the table messages: %w (DATABASE_URL must lead to an empty schema: set its search_path to a new one, or drop this one's tables)", err)
 	}
 
 	// Metrics: one MeterProvider for the Limiter and the middleware, read by Prometheus.
