@@ -4,8 +4,6 @@ go 1.26.0
 
 replace github.com/txlimit/txlimit => ../
 
-replace github.com/Azure/go-ansiterm => github.com/Azure/go-ansiterm v0.0.0-20250102033503-faa5f7b0171c
-
 require (
 	github.com/go-redis/redis_rate/v10 v10.0.1
 	github.com/jackc/pgx/v5 v5.12.0
