@@ -10,7 +10,8 @@
 //     e.g. postgres://postgres@127.0.0.1:1/test, to skip this step on a machine where it answers);
 //  3. a Postgres container started with testcontainers, when a Docker daemon answers;
 //  4. a private throwaway cluster (package internal/pgtemp), when the Postgres server is installed
-//     (initdb and pg_ctl on $PATH or under /usr/lib/postgresql/*/bin): in a temporary directory on a
+//     (initdb and pg_ctl in $TXLIMIT_PG_BINDIR, else on $PATH, else under /usr/lib/postgresql/*/bin,
+//     as pgtemp.Bindir looks): in a temporary directory on a
 //     free loopback port, stopped and removed when the program ends however it ends
 //     (TXLIMIT_PRIVATE_CLUSTER=off skips this step);
 //
