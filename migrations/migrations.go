@@ -156,7 +156,11 @@ func Applied(dst *[]*goose.MigrationResult) Option { return func(c *upConfig) { 
 // Up applies every pending migration through the pool, in the first schema of the connection's
 // search_path. It is safe to call at every start-up and from several processes at once, also
 // through PgBouncer in transaction pooling mode (see docs/deploy.md for the pool's exec mode and
-// search_path there).
+// search_path there). It refuses, creating nothing, to migrate a schema that exists and holds no
+// txlimit_state when a later schema of the search_path holds one (a schema named after the role,
+// created after migrating into public, say): the new table would hide the limits' state, and
+// every key would start full. Its error says how to go on with that state or to start afresh. A
+// schema Up creates itself (CreateSchema) is migrated.
 func Up(ctx context.Context, pool *pgxpool.Pool, opts ...Option) error {
 	var cfg upConfig
 	for _, o := range opts {
@@ -255,6 +259,28 @@ func ensureSchema(ctx context.Context, pool *pgxpool.Pool, create bool) error {
 		return fmt.Errorf("schema %q, the first of search_path %q, is not the one Postgres uses (current_schema() is %q): "+
 			"grant the role USAGE and CREATE on %q, or set search_path to the schema txlimit is to live in",
 			target, searchPath, current.String, target)
+	}
+	if !exists {
+		return nil // created by this call, as asked: a new schema is what the caller wants
+	}
+	// A table created in target would hide the state of a later schema of the search_path (one
+	// named after the role, created after txlimit was migrated into public, say): every key of
+	// every limit would start full again, and the old rows would be left behind unseen. A target
+	// holding the migration lock's table is being migrated by another migrator, which found it so.
+	var hidden string
+	if err := pool.QueryRow(ctx, `SELECT coalesce((
+	        SELECT p.s FROM unnest(current_schemas(false)) WITH ORDINALITY AS p(s, i)
+	        WHERE p.s <> current_schema() AND to_regclass(format('%I.txlimit_state', p.s)) IS NOT NULL
+	          AND to_regclass(format('%I.txlimit_state', current_schema())) IS NULL
+	          AND to_regclass(format('%I.txlimit_goose_lock', current_schema())) IS NULL
+	        ORDER BY p.i LIMIT 1), '')`).Scan(&hidden); err != nil {
+		return fmt.Errorf("look for txlimit_state later in the search_path: %w", err)
+	}
+	if hidden != "" {
+		return fmt.Errorf("schema %q, the first of search_path %q, holds no txlimit_state but schema %q, later in it, does: "+
+			"a new, empty table in %q would hide it and every limit would start full again. To go on with that state, "+
+			"set search_path to %q; to start afresh in %q, migrate with search_path set to %q alone",
+			target, searchPath, hidden, target, hidden, target, target)
 	}
 	return nil
 }

@@ -121,6 +121,38 @@ func TestUpCreateSchema(t *testing.T) {
 	}
 }
 
+// TestUpRefusesToHideTheState: when the schema Up would migrate comes in the search_path before a
+// schema that holds txlimit_state (a schema named after the role, created after migrating into
+// public, say), a new table there would hide the limits' state and every key would start full
+// again. Up refuses, names both schemas, and creates nothing; with the new schema alone in the
+// search_path it migrates it, and then migrates again with the old one behind it.
+func TestUpRefusesToHideTheState(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	old, front := testdb.NewSchema(t), testdb.NewSchema(t)
+	if err := migrations.Up(ctx, testdb.PoolOn(t, old)); err != nil {
+		t.Fatal(err)
+	}
+	both := testdb.PoolOn(t, front+", "+old)
+	err := migrations.Up(ctx, both)
+	if err == nil || !strings.Contains(err.Error(), `"`+old+`"`) || !strings.Contains(err.Error(), `"`+front+`"`) {
+		t.Fatalf("Up in front of a migrated schema: %v; want an error naming %q and %q", err, front, old)
+	}
+	var created bool
+	if err := both.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1)", front).Scan(&created); err != nil {
+		t.Fatal(err)
+	}
+	if created {
+		t.Fatalf("Up refused but created tables in %q", front)
+	}
+	if err := migrations.Up(ctx, testdb.PoolOn(t, front)); err != nil {
+		t.Fatalf("Up with the new schema alone in the search_path: %v", err)
+	}
+	if err := migrations.Up(ctx, both); err != nil {
+		t.Fatalf("Up again, the new schema migrated: %v", err)
+	}
+}
+
 // TestUpRefusesAnEmptySearchPath: nothing to migrate into is an error, not a migration into
 // whatever schema happens to come next.
 func TestUpRefusesAnEmptySearchPath(t *testing.T) {
