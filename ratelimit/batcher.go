@@ -44,7 +44,8 @@ type BatcherConfig struct {
 	// retries a transaction; when attempts run out the batch's calls fail with a
 	// *RetriesExhaustedError. Retry.Limiter, when set, counts the batches run again in its
 	// txlimit.tx.retries and logs them (debug) and a give-up (warn), as for InSerializableTx.
-	// Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms, not counted.
+	// Defaults to TxOpts' defaults: 10 attempts, 2 ms doubling to 200 ms, not counted. A negative
+	// field is an *ArgumentError from NewBatcher.
 	Retry TxOpts
 }
 
@@ -144,6 +145,9 @@ func NewBatcher(pool *pgxpool.Pool, lim *Limiter, config *BatcherConfig) (*Batch
 	}
 	if cfg.MaxBatch < 0 {
 		return nil, &ArgumentError{Op: op, Arg: "config", Reason: fmt.Sprintf("MaxBatch must be >= 0, 0 meaning the default (got %d)", cfg.MaxBatch)}
+	}
+	if r := cfg.Retry.negative("Retry."); r != "" {
+		return nil, &ArgumentError{Op: op, Arg: "config", Reason: r}
 	}
 	if cfg.Lanes == 0 {
 		cfg.Lanes = 1

@@ -686,6 +686,9 @@ func TestNewBatcherRefusesNil(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
 	_, err = ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Lanes: -1})
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	_, err = ratelimit.NewBatcher(env.pool, env.lim, &ratelimit.BatcherConfig{Retry: ratelimit.TxOpts{MinBackoff: -time.Second}})
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	require.ErrorContains(t, err, "Retry.MinBackoff")
 }
 
 // (e) the over-grant test through a Batcher: burst 10, rate 10/s, 64 callers, 3 s.

@@ -577,6 +577,19 @@ func TestInSerializableTxInput(t *testing.T) {
 		require.ErrorAs(t, err, &argErr, what)
 		require.ErrorIs(t, err, ratelimit.ErrInvalid, what)
 	}
+	// A negative TxOpts field is refused too, naming it, and fn never runs.
+	for field, opts := range map[string]*ratelimit.TxOpts{
+		"MaxAttempts": {MaxAttempts: -1}, "MinBackoff": {MinBackoff: -time.Millisecond}, "MaxBackoff": {MaxBackoff: -1},
+	} {
+		err := ratelimit.InSerializableTx(ctx, pool, opts, func(context.Context, pgx.Tx) error {
+			t.Errorf("%s: fn ran", field)
+			return nil
+		})
+		var argErr *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &argErr, field)
+		require.Equal(t, "opts", argErr.Arg, field)
+		require.Contains(t, argErr.Reason, field)
+	}
 
 	require.PanicsWithValue(t, "boom", func() {
 		_ = ratelimit.InSerializableTx(ctx, pool, nil, func(context.Context, pgx.Tx) error { panic("boom") })

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"time"
@@ -26,7 +27,8 @@ type TxOpts struct {
 	Limiter *Limiter
 	// MaxAttempts is how many failed attempts make InSerializableTx give up: fn runs at most
 	// MaxAttempts times, plus once more after each wait for a busy shard, which costs no attempt
-	// (at most 100 such reruns; see InSerializableTx). Defaults to 10.
+	// (at most 100 such reruns; see InSerializableTx). Defaults to 10; negative is an
+	// *ArgumentError, as for the two fields below.
 	MaxAttempts int
 	// MinBackoff is the backoff ceiling after the first failure; it doubles after each further
 	// failure up to MaxBackoff, and the actual sleep is drawn uniformly from [0, ceiling]
@@ -41,8 +43,8 @@ type TxOpts struct {
 // fails with a serialization failure (40001) or deadlock (40P01), it rolls back, sleeps a jittered,
 // bounded backoff and runs fn again in a new transaction. fn must therefore be safe to repeat and
 // do all its database work through tx. Any other error is returned at once. When attempts run out
-// it returns a *RetriesExhaustedError wrapping the last cause. A nil db or fn is an *ArgumentError,
-// returned before any transaction is begun.
+// it returns a *RetriesExhaustedError wrapping the last cause. A nil db or fn, or a negative field
+// of opts, is an *ArgumentError, returned before any transaction is begun.
 //
 // A *BusyError (every candidate shard of a sharded limit taken by other transactions) is not a
 // failed attempt: when db can run a statement of its own (a *pgxpool.Pool or *pgx.Conn), the
@@ -65,6 +67,9 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 	o := retryDefaults(TxOpts{})
 	var obs *observer
 	if opts != nil {
+		if r := opts.negative(""); r != "" {
+			return &ArgumentError{Op: op, Arg: "opts", Reason: r}
+		}
 		o = retryDefaults(*opts)
 		if opts.Limiter != nil {
 			obs = opts.Limiter.obs
@@ -72,6 +77,19 @@ func InSerializableTx(ctx context.Context, db TxBeginner, opts *TxOpts, fn func(
 	}
 	waiter, _ := db.(dbsqlc.DBTX) // a pool or a connection: a pgx handle that runs a statement of its own
 	return retrying(ctx, o, obs, txWhat, func() error { return runTx(ctx, db, fn) }, waiter)
+}
+
+// negative names the first field of o that is negative (prefix before its name), "" when none is.
+func (o TxOpts) negative(prefix string) string {
+	switch {
+	case o.MaxAttempts < 0:
+		return fmt.Sprintf("%sMaxAttempts must be >= 0, 0 meaning the default (got %d)", prefix, o.MaxAttempts)
+	case o.MinBackoff < 0:
+		return fmt.Sprintf("%sMinBackoff must be >= 0, 0 meaning the default (got %v)", prefix, o.MinBackoff)
+	case o.MaxBackoff < 0:
+		return fmt.Sprintf("%sMaxBackoff must be >= 0, 0 meaning the default (got %v)", prefix, o.MaxBackoff)
+	}
+	return ""
 }
 
 // retryDefaults applies TxOpts' defaults to o.
