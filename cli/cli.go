@@ -5,8 +5,9 @@
 //	// cmd/myapp-limits/main.go
 //	func main() {
 //		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-//		defer stop()
-//		os.Exit(cli.Run(ctx, os.Args[1:], os.Stdout, os.Stderr, &cli.Options{Limits: myapp.Limits}))
+//		code := cli.Run(ctx, os.Args[1:], os.Stdout, os.Stderr, &cli.Options{Limits: myapp.Limits})
+//		stop() // os.Exit runs no deferred call
+//		os.Exit(code)
 //	}
 //
 // where myapp.Limits is the map the application passes to ratelimit.LimiterConfig.Limits, with

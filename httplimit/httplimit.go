@@ -117,12 +117,13 @@ type Config struct {
 	// ends the wait as the package doc says ("Errors": outcome "canceled"). Defaults to 0: no
 	// bound but the request's context, so that a database that hangs holds every request until its
 	// context ends (for one without a deadline, until its client gives up), and FailOpen lets none
-	// of them through.
+	// of them through. Negative makes New return an error.
 	DecisionTimeout time.Duration
 
 	// FailClosedRetryAfter is the Retry-After of the 503 answered when the Decider fails and the
 	// request is refused (fail closed), rounded up to whole seconds, plus the jitter of
-	// RetryJitter. Defaults to 0: DefaultFailClosedRetryAfter (5 s).
+	// RetryJitter. Defaults to 0: DefaultFailClosedRetryAfter (5 s). Negative makes New return an
+	// error.
 	FailClosedRetryAfter time.Duration
 
 	// FailOpen lets a request through when the Decider fails (database down, timeout), counting
@@ -159,7 +160,8 @@ type Config struct {
 	Policies []Policy
 
 	// RetryJitter adds, to Retry-After, 0 to RetryJitter (in whole seconds) of deterministic
-	// per-identity jitter (see the package doc). Defaults to 0: none.
+	// per-identity jitter (see the package doc). Defaults to 0: none. Negative makes New return an
+	// error.
 	RetryJitter time.Duration
 
 	// Secret keys the HMAC of the partition keys (pk) and of the jitter. Set the same secret on
