@@ -59,7 +59,7 @@ func provider(t *testing.T, pool *pgxpool.Pool) *goose.Provider {
 // version tables, and Up afterwards restores a working schema; in pgx's default exec mode and in
 // each mode docs/deploy.md calls safe behind a transaction pooler.
 func TestDownAndUpAgain(t *testing.T) {
-	for _, m := range append([]pgbouncertest.Mode{{Name: "default"}}, pgbouncertest.SafeModes...) {
+	for _, m := range pgbouncertest.WithDefault() {
 		t.Run(m.Name, func(t *testing.T) {
 			ctx := context.Background()
 			pool := testdb.Pool(t, &testdb.Options{QueryExecMode: m.Mode})

@@ -247,7 +247,7 @@ func (o bOp) do(ctx context.Context, b *ratelimit.Batcher) (ratelimit.ManyResult
 // transaction pooler.
 func TestBatcherMatchesModel(t *testing.T) {
 	t.Parallel()
-	for _, m := range append([]pgbouncertest.Mode{{Name: "default"}}, pgbouncertest.SafeModes...) {
+	for _, m := range pgbouncertest.WithDefault() {
 		t.Run(m.Name, func(t *testing.T) {
 			t.Parallel()
 			seed := rand.Uint64()

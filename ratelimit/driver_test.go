@@ -42,14 +42,10 @@ func pgxHandle(mode pgx.QueryExecMode) drivertest.Open {
 // QueryExecModeCacheDescribe.
 func TestDriverContractPgx(t *testing.T) {
 	t.Parallel()
-	for _, m := range []struct {
-		name string
-		mode pgx.QueryExecMode
-	}{{"default", 0}, {"exec", pgx.QueryExecModeExec}, {"simple_protocol", pgx.QueryExecModeSimpleProtocol},
-		{"cache_describe", pgx.QueryExecModeCacheDescribe}} {
-		t.Run(m.name, func(t *testing.T) {
+	for _, m := range pgbouncertest.WithDefault() {
+		t.Run(m.Name, func(t *testing.T) {
 			t.Parallel()
-			drivertest.Run(t, pgxHandle(m.mode))
+			drivertest.Run(t, pgxHandle(m.Mode))
 		})
 	}
 }
@@ -75,7 +71,7 @@ func TestTextResultsNeedDefaultSettings(t *testing.T) {
 	ctx := context.Background()
 	limits := map[string]ratelimit.Config{"third": {Rate: 1, Period: 3 * time.Second, Capacity: 10}}
 	at := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	for _, m := range append([]pgbouncertest.Mode{{Name: "default"}}, pgbouncertest.SafeModes...) {
+	for _, m := range pgbouncertest.WithDefault() {
 		text := m.Mode == pgx.QueryExecModeExec || m.Mode == pgx.QueryExecModeSimpleProtocol
 		t.Run(m.Name, func(t *testing.T) {
 			t.Parallel()

@@ -549,7 +549,7 @@ func TestInSerializableTxExhaustion(t *testing.T) {
 // mode and in each mode docs/deploy.md calls safe behind a transaction pooler.
 func TestInSerializableTxExhaustionCountsBusyReruns(t *testing.T) {
 	t.Parallel()
-	for _, m := range append([]pgbouncertest.Mode{{Name: "default"}}, pgbouncertest.SafeModes...) {
+	for _, m := range pgbouncertest.WithDefault() {
 		t.Run(m.Name, func(t *testing.T) {
 			t.Parallel()
 			pool := testdb.Pool(t, &testdb.Options{MaxConns: 2, QueryExecMode: m.Mode})
