@@ -5,8 +5,10 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/cli"
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -56,122 +59,157 @@ func run(t *testing.T, dsn string, opts *cli.Options, args ...string) result {
 	return result{code, stdout.String(), stderr.String()}
 }
 
+// TestCommand runs every command, and so every statement the command sends, in the exec mode it
+// chooses itself (exec) and in each mode docs/deploy.md calls safe behind a transaction pooler,
+// chosen by the DSN's default_query_exec_mode.
 func TestCommand(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	schema := testdb.NewSchema(t)
-	dsn := testdb.DSN(t)
-	dir := t.TempDir()
-	cfgPath := filepath.Join(dir, "limits.json")
-	require.NoError(t, os.WriteFile(cfgPath, []byte(configFile), 0o600))
-	s := []string{"--schema", schema, "--config", cfgPath}
+	for _, mode := range append([]string{"the command's own"}, safeModeNames()...) {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			schema := testdb.NewSchema(t)
+			dsn := withExecMode(t, testdb.DSN(t), mode)
+			dir := t.TempDir()
+			cfgPath := filepath.Join(dir, "limits.json")
+			require.NoError(t, os.WriteFile(cfgPath, []byte(configFile), 0o600))
+			s := []string{"--schema", schema, "--config", cfgPath}
 
-	// Migrations: all pending, then applied, as text and JSON.
-	r := run(t, dsn, nil, append([]string{"migrate", "status", "--json"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	var st struct{ Migrations []cli.MigrationJSON }
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
-	require.NotEmpty(t, st.Migrations)
-	for _, m := range st.Migrations {
-		require.Equal(t, "pending", m.State)
+			// Migrations: all pending, then applied, as text and JSON.
+			r := run(t, dsn, nil, append([]string{"migrate", "status", "--json"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			var st struct{ Migrations []cli.MigrationJSON }
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
+			require.NotEmpty(t, st.Migrations)
+			for _, m := range st.Migrations {
+				require.Equal(t, "pending", m.State)
+			}
+			r = run(t, dsn, nil, append(s, "migrate", "up")...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.Equal(t, len(st.Migrations), strings.Count(r.stdout, "up    "))
+			r = run(t, dsn, nil, append(s, "--json", "migrate", "status")...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
+			for _, m := range st.Migrations {
+				require.Equal(t, "applied", m.State)
+				require.NotNil(t, m.AppliedAt)
+			}
+
+			// Seed through the library, as the application would.
+			pool, err := pgxpool.New(ctx, testdb.SchemaURL(t, schema))
+			require.NoError(t, err)
+			defer pool.Close()
+			lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
+				"century": century, "fast": {Rate: 1000, Period: time.Second, Capacity: 1},
+			}})
+			require.NoError(t, err)
+			res, err := lim.LimitN(ctx, pool, "century", "user-42", 5, nil)
+			require.NoError(t, err)
+			require.True(t, res.OK)
+			_, err = lim.Limit(ctx, pool, "fast", "k", nil)
+			require.NoError(t, err)
+
+			// inspect, text.
+			r = run(t, dsn, nil, append([]string{"inspect", "century", "user-42"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			windowEnd := centuryStart.Add(centuryLen)
+			require.Contains(t, r.stdout, "value   0\n")
+			require.Contains(t, r.stdout, "shard 0 0\n")
+			require.Contains(t, r.stdout, "next    "+windowEnd.Format(time.RFC3339Nano))
+			require.Contains(t, r.stdout, "config  fixed window 5/876000h0m0s")
+
+			// inspect, JSON.
+			r = run(t, dsn, nil, append([]string{"inspect", "--json", "century", "user-42"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			var in cli.InspectJSON
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
+			require.Equal(t, 0.0, in.Value)
+			require.Equal(t, []float64{0}, in.Shards)
+			require.True(t, in.NextToken.Equal(windowEnd), "next token %s, want %s", in.NextToken, windowEnd)
+			require.True(t, in.NextTokenExact)
+			require.NotNil(t, in.LastWrite)
+			require.False(t, in.At.IsZero())
+
+			// The same limit from the application's own definitions (Options.Limits), and ad hoc.
+			r = run(t, dsn, &cli.Options{Limits: map[string]ratelimit.Config{"century": century}}, "--schema", schema, "--json", "inspect", "century", "user-42")
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
+			require.Equal(t, 0.0, in.Value)
+			r = run(t, dsn, nil, "--schema", schema, "--json", "inspect", "century", "user-42",
+				"--kind", "fixed-window", "--rate", "5", "--period", "876000h", "--start", "2000-01-01T00:00:00Z", "--capacity", "10")
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
+			require.Equal(t, 0.0, in.Value) // the row's value; capacity only caps refills
+			require.Equal(t, "fixed window 5/876000h0m0s cap 10", in.Config)
+
+			// A key without a row is full; "next" is now.
+			r = run(t, dsn, nil, append([]string{"inspect", "century", "nobody"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.Contains(t, r.stdout, "value   5\n")
+			require.Contains(t, r.stdout, "written never")
+			require.Contains(t, r.stdout, "next    now\n")
+
+			// names: every name in the table, with its rows and the config the command knows.
+			r = run(t, dsn, nil, append([]string{"names"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.Equal(t, ""+
+				"NAME          ROWS  CONFIG\n"+
+				"century          1  fixed window 5/876000h0m0s\n"+
+				"fast             1  token bucket 1000/1s cap 1\n"+
+				"total            2\n", r.stdout)
+
+			// prune: "fast" refilled within a millisecond, "century" owes.
+			time.Sleep(5 * time.Millisecond)
+			r = run(t, dsn, nil, append([]string{"prune", "--json"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			var pr cli.PruneJSON
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &pr))
+			require.Equal(t, cli.PruneJSON{Deleted: map[string]int64{"century": 0, "fast": 1}, Total: 1}, pr)
+
+			// reset, then the key is full again.
+			r = run(t, dsn, nil, append([]string{"reset", "century", "user-42"}, s...)...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			st2, err := lim.State(ctx, pool, "century", "user-42", nil)
+			require.NoError(t, err)
+			require.Equal(t, 5.0, st2.Value)
+
+			// migrate down (confirmed with --yes) removes the last migration; up applies it again.
+			r = run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.True(t, strings.HasPrefix(r.stdout, "down  "), r.stdout)
+			r = run(t, dsn, nil, append(s, "migrate", "up", "--json")...)
+			require.Equal(t, cli.ExitOK, r.code, r.stderr)
+			require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
+			require.Len(t, st.Migrations, 1, "the one rolled back, applied again")
+		})
 	}
-	r = run(t, dsn, nil, append(s, "migrate", "up")...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.Equal(t, len(st.Migrations), strings.Count(r.stdout, "up    "))
-	r = run(t, dsn, nil, append(s, "--json", "migrate", "status")...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
-	for _, m := range st.Migrations {
-		require.Equal(t, "applied", m.State)
-		require.NotNil(t, m.AppliedAt)
+}
+
+// safeModeNames are the names of pgbouncertest.SafeModes, the values of default_query_exec_mode
+// docs/deploy.md calls safe.
+func safeModeNames() []string {
+	var names []string
+	for _, m := range pgbouncertest.SafeModes {
+		names = append(names, m.Name)
 	}
+	return names
+}
 
-	// Seed through the library, as the application would.
-	pool, err := pgxpool.New(ctx, testdb.SchemaURL(t, schema))
-	require.NoError(t, err)
-	defer pool.Close()
-	lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: map[string]ratelimit.Config{
-		"century": century, "fast": {Rate: 1000, Period: time.Second, Capacity: 1},
-	}})
-	require.NoError(t, err)
-	res, err := lim.LimitN(ctx, pool, "century", "user-42", 5, nil)
-	require.NoError(t, err)
-	require.True(t, res.OK)
-	_, err = lim.Limit(ctx, pool, "fast", "k", nil)
-	require.NoError(t, err)
-
-	// inspect, text.
-	r = run(t, dsn, nil, append([]string{"inspect", "century", "user-42"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	windowEnd := centuryStart.Add(centuryLen)
-	require.Contains(t, r.stdout, "value   0\n")
-	require.Contains(t, r.stdout, "shard 0 0\n")
-	require.Contains(t, r.stdout, "next    "+windowEnd.Format(time.RFC3339Nano))
-	require.Contains(t, r.stdout, "config  fixed window 5/876000h0m0s")
-
-	// inspect, JSON.
-	r = run(t, dsn, nil, append([]string{"inspect", "--json", "century", "user-42"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	var in cli.InspectJSON
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
-	require.Equal(t, 0.0, in.Value)
-	require.Equal(t, []float64{0}, in.Shards)
-	require.True(t, in.NextToken.Equal(windowEnd), "next token %s, want %s", in.NextToken, windowEnd)
-	require.True(t, in.NextTokenExact)
-	require.NotNil(t, in.LastWrite)
-	require.False(t, in.At.IsZero())
-
-	// The same limit from the application's own definitions (Options.Limits), and ad hoc.
-	r = run(t, dsn, &cli.Options{Limits: map[string]ratelimit.Config{"century": century}}, "--schema", schema, "--json", "inspect", "century", "user-42")
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
-	require.Equal(t, 0.0, in.Value)
-	r = run(t, dsn, nil, "--schema", schema, "--json", "inspect", "century", "user-42",
-		"--kind", "fixed-window", "--rate", "5", "--period", "876000h", "--start", "2000-01-01T00:00:00Z", "--capacity", "10")
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &in))
-	require.Equal(t, 0.0, in.Value) // the row's value; capacity only caps refills
-	require.Equal(t, "fixed window 5/876000h0m0s cap 10", in.Config)
-
-	// A key without a row is full; "next" is now.
-	r = run(t, dsn, nil, append([]string{"inspect", "century", "nobody"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.Contains(t, r.stdout, "value   5\n")
-	require.Contains(t, r.stdout, "written never")
-	require.Contains(t, r.stdout, "next    now\n")
-
-	// names: every name in the table, with its rows and the config the command knows.
-	r = run(t, dsn, nil, append([]string{"names"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.Equal(t, ""+
-		"NAME          ROWS  CONFIG\n"+
-		"century          1  fixed window 5/876000h0m0s\n"+
-		"fast             1  token bucket 1000/1s cap 1\n"+
-		"total            2\n", r.stdout)
-
-	// prune: "fast" refilled within a millisecond, "century" owes.
-	time.Sleep(5 * time.Millisecond)
-	r = run(t, dsn, nil, append([]string{"prune", "--json"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	var pr cli.PruneJSON
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &pr))
-	require.Equal(t, cli.PruneJSON{Deleted: map[string]int64{"century": 0, "fast": 1}, Total: 1}, pr)
-
-	// reset, then the key is full again.
-	r = run(t, dsn, nil, append([]string{"reset", "century", "user-42"}, s...)...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	st2, err := lim.State(ctx, pool, "century", "user-42", nil)
-	require.NoError(t, err)
-	require.Equal(t, 5.0, st2.Value)
-
-	// migrate down (confirmed with --yes) removes the last migration; up applies it again.
-	r = run(t, dsn, nil, append(s, "migrate", "down", "--yes")...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.True(t, strings.HasPrefix(r.stdout, "down  "), r.stdout)
-	r = run(t, dsn, nil, append(s, "migrate", "up", "--json")...)
-	require.Equal(t, cli.ExitOK, r.code, r.stderr)
-	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
-	require.Len(t, st.Migrations, 1, "the one rolled back, applied again")
+// withExecMode is dsn with default_query_exec_mode set to mode, or dsn itself when mode is not
+// one of pgx's modes.
+func withExecMode(t *testing.T, dsn, mode string) string {
+	t.Helper()
+	if !slices.Contains(safeModeNames(), mode) {
+		return dsn
+	}
+	u, err := url.Parse(dsn)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		return dsn + " default_query_exec_mode=" + mode // a key=value string
+	}
+	q := u.Query()
+	q.Set("default_query_exec_mode", mode)
+	u.RawQuery = q.Encode()
+	return u.String()
 }
 
 func TestCommandExitCodes(t *testing.T) {

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/migrations"
 	"github.com/txlimit/txlimit/ratelimit"
@@ -55,54 +56,59 @@ func provider(t *testing.T, pool *pgxpool.Pool) *goose.Provider {
 }
 
 // TestDownAndUpAgain runs the migration's Down section: down to 0 leaves only goose's lock and
-// version tables, and Up afterwards restores a working schema.
+// version tables, and Up afterwards restores a working schema; in pgx's default exec mode and in
+// each mode docs/deploy.md calls safe behind a transaction pooler.
 func TestDownAndUpAgain(t *testing.T) {
-	ctx := context.Background()
-	pool := testdb.Pool(t, nil)
-	p := provider(t, pool)
-	sources := p.ListSources()
-	last := sources[len(sources)-1].Version
-	if v, err := p.GetDBVersion(ctx); err != nil || v != last {
-		t.Fatalf("after Up: version %d, %v; want %d", v, err, last)
-	}
-	full := objects(t, pool)
-	for _, want := range []string{
-		"table txlimit_state", "table " + migrations.VersionTable, "table " + migrations.LockTable,
-		// 00002: the rules
-		"function txlimit_clock", "function txlimit_level", "function txlimit_next_ts", "function txlimit_charge",
-		"function txlimit_left", "function txlimit_granted", "function txlimit_prunable", "function txlimit_grants_one",
-		"function txlimit_estimate", "function txlimit_retry_at", "function txlimit_debt_until",
-		// 00003: the decision
-		"function txlimit_stale", "function txlimit_pack_v1", "function txlimit_written_v1", "function txlimit_steer",
-		"function txlimit_lock_row", "function txlimit_answers", "function txlimit_alone", "function txlimit_decide_v1", "function txlimit_decide_one_v1",
-		// 00004: the operations
-		"function txlimit_levels_v1", "function txlimit_hold_shards", "function txlimit_credit_v1", "function txlimit_reset_v1",
-	} {
-		if !slices.Contains(full, want) {
-			t.Errorf("after Up: no %s in %v", want, full)
-		}
-	}
+	for _, m := range pgbouncertest.WithDefault() {
+		t.Run(m.Name, func(t *testing.T) {
+			ctx := context.Background()
+			pool := testdb.Pool(t, &testdb.Options{QueryExecMode: m.Mode})
+			p := provider(t, pool)
+			sources := p.ListSources()
+			last := sources[len(sources)-1].Version
+			if v, err := p.GetDBVersion(ctx); err != nil || v != last {
+				t.Fatalf("after Up: version %d, %v; want %d", v, err, last)
+			}
+			full := objects(t, pool)
+			for _, want := range []string{
+				"table txlimit_state", "table " + migrations.VersionTable, "table " + migrations.LockTable,
+				// 00002: the rules
+				"function txlimit_clock", "function txlimit_level", "function txlimit_next_ts", "function txlimit_charge",
+				"function txlimit_left", "function txlimit_granted", "function txlimit_prunable", "function txlimit_grants_one",
+				"function txlimit_estimate", "function txlimit_retry_at", "function txlimit_debt_until",
+				// 00003: the decision
+				"function txlimit_stale", "function txlimit_pack_v1", "function txlimit_written_v1", "function txlimit_steer",
+				"function txlimit_lock_row", "function txlimit_answers", "function txlimit_alone", "function txlimit_decide_v1", "function txlimit_decide_one_v1",
+				// 00004: the operations
+				"function txlimit_levels_v1", "function txlimit_hold_shards", "function txlimit_credit_v1", "function txlimit_reset_v1",
+			} {
+				if !slices.Contains(full, want) {
+					t.Errorf("after Up: no %s in %v", want, full)
+				}
+			}
 
-	for range 2 {
-		if _, err := p.DownTo(ctx, 0); err != nil {
-			t.Fatalf("down to 0: %v", err)
-		}
-		if got := objects(t, pool); !slices.Equal(got, []string{"table " + migrations.LockTable, "table " + migrations.VersionTable}) {
-			t.Errorf("after DownTo(0): %v; want only the lock and version tables", got)
-		}
-		if err := migrations.Up(ctx, pool); err != nil {
-			t.Fatalf("Up again: %v", err)
-		}
-		if got := objects(t, pool); !slices.Equal(got, full) {
-			t.Errorf("after Up again: %v; want %v", got, full)
-		}
-		lim, err := ratelimit.New(nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		res, err := lim.Limit(ctx, pool, "after", "up", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Second}})
-		if err != nil || !res.OK {
-			t.Errorf("a decision after Up again: %+v, %v", res, err)
-		}
+			for range 2 {
+				if _, err := p.DownTo(ctx, 0); err != nil {
+					t.Fatalf("down to 0: %v", err)
+				}
+				if got := objects(t, pool); !slices.Equal(got, []string{"table " + migrations.LockTable, "table " + migrations.VersionTable}) {
+					t.Errorf("after DownTo(0): %v; want only the lock and version tables", got)
+				}
+				if err := migrations.Up(ctx, pool); err != nil {
+					t.Fatalf("Up again: %v", err)
+				}
+				if got := objects(t, pool); !slices.Equal(got, full) {
+					t.Errorf("after Up again: %v; want %v", got, full)
+				}
+				lim, err := ratelimit.New(nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				res, err := lim.Limit(ctx, pool, "after", "up", &ratelimit.LimitOpts{Config: &ratelimit.Config{Rate: 1, Period: time.Second}})
+				if err != nil || !res.OK {
+					t.Errorf("a decision after Up again: %+v, %v", res, err)
+				}
+			}
+		})
 	}
 }

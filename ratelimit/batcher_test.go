@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -144,10 +145,16 @@ func bFrozen() time.Time { return time.Date(2026, 2, 1, 0, 0, 0, 0, time.UTC) }
 // bFrozen) and its pool.
 func bSetup(t *testing.T, now func() time.Time) *testBundle {
 	t.Helper()
+	return bSetupMode(t, now, 0)
+}
+
+// bSetupMode is bSetup on a pool in the pgx exec mode mode (0: pgx's default).
+func bSetupMode(t *testing.T, now func() time.Time, mode pgx.QueryExecMode) *testBundle {
+	t.Helper()
 	if now == nil {
 		now = bFrozen
 	}
-	env := newBundle(t, &testdb.Options{MaxConns: 8}, &ratelimit.LimiterConfig{Limits: bLimits, Now: now})
+	env := newBundle(t, &testdb.Options{MaxConns: 8, QueryExecMode: mode}, &ratelimit.LimiterConfig{Limits: bLimits, Now: now})
 	ratelimit.SetShardPicker(env.lim, func(int) (int, int) { return 0, 1 })
 	return env
 }
@@ -236,12 +243,18 @@ func (o bOp) do(ctx context.Context, b *ratelimit.Batcher) (ratelimit.ManyResult
 // TestBatcherMatchesModel drives one lane with concurrent callers making random calls on few keys
 // while an injected clock moves on, then replays the batches, in the order the lane decided them
 // and each in its arrival order, through the Go model: every call's result must be exactly the
-// model's.
+// model's; in pgx's default exec mode and in each mode docs/deploy.md calls safe behind a
+// transaction pooler.
 func TestBatcherMatchesModel(t *testing.T) {
 	t.Parallel()
-	seed := rand.Uint64()
-	t.Logf("seed %d", seed)
-	bRunModel(t, seed, 12, 60)
+	for _, m := range pgbouncertest.WithDefault() {
+		t.Run(m.Name, func(t *testing.T) {
+			t.Parallel()
+			seed := rand.Uint64()
+			t.Logf("seed %d", seed)
+			bRunModel(t, seed, 12, 60, m.Mode)
+		})
+	}
 }
 
 // FuzzBatcherModel is TestBatcherMatchesModel with the fuzzer choosing the seed of the calls and
@@ -253,15 +266,15 @@ func FuzzBatcherModel(f *testing.F) {
 	f.Add(uint64(2), uint8(16))
 	f.Add(uint64(3), uint8(1))
 	f.Fuzz(func(t *testing.T, seed uint64, callers uint8) {
-		bRunModel(t, seed, 1+int(callers%24), 12)
+		bRunModel(t, seed, 1+int(callers%24), 12, 0)
 	})
 }
 
-func bRunModel(t *testing.T, seed uint64, callers, perCaller int) {
+func bRunModel(t *testing.T, seed uint64, callers, perCaller int, mode pgx.QueryExecMode) {
 	var clock atomic.Int64
 	base := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC).UnixMicro()
 	clock.Store(base)
-	env := bSetup(t, func() time.Time { return time.UnixMicro(clock.Load()) })
+	env := bSetupMode(t, func() time.Time { return time.UnixMicro(clock.Load()) }, mode)
 	b, log := newTestBatcher(t, env, &ratelimit.BatcherConfig{Lanes: 1})
 
 	ops := make([]bOp, callers*perCaller)

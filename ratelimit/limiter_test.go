@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/pgbouncertest"
 	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
@@ -544,20 +545,26 @@ func TestInSerializableTxExhaustion(t *testing.T) {
 
 // A *BusyError's rerun costs no attempt, but it is a run: when InSerializableTx gives up, Attempts
 // and the message say how many times the transaction ran, waits for busy shards included (before,
-// "gave up after 2 attempts" after 102 runs).
+// "gave up after 2 attempts" after 102 runs). The waits (WaitForShard) run in pgx's default exec
+// mode and in each mode docs/deploy.md calls safe behind a transaction pooler.
 func TestInSerializableTxExhaustionCountsBusyReruns(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t, &testdb.Options{MaxConns: 2})
-	runs := 0
-	busy := &ratelimit.BusyError{Name: "s", Key: "k", Candidates: 2} // no shard is held: each wait ends at once
-	err := ratelimit.InSerializableTx(context.Background(), pool, &ratelimit.TxOpts{MaxAttempts: 2, MinBackoff: time.Microsecond},
-		func(ctx context.Context, _ pgx.Tx) error { runs++; return busy })
-	var ex *ratelimit.RetriesExhaustedError
-	require.ErrorAs(t, err, &ex)
-	require.ErrorIs(t, err, busy)
-	require.Equal(t, 102, runs, "2 attempts and 100 reruns after a busy shard's wait")
-	require.Equal(t, runs, ex.Attempts)
-	require.Contains(t, err.Error(), fmt.Sprintf("gave up after %d attempts", runs))
+	for _, m := range pgbouncertest.WithDefault() {
+		t.Run(m.Name, func(t *testing.T) {
+			t.Parallel()
+			pool := testdb.Pool(t, &testdb.Options{MaxConns: 2, QueryExecMode: m.Mode})
+			runs := 0
+			busy := &ratelimit.BusyError{Name: "s", Key: "k", Candidates: 2} // no shard is held: each wait ends at once
+			err := ratelimit.InSerializableTx(context.Background(), pool, &ratelimit.TxOpts{MaxAttempts: 2, MinBackoff: time.Microsecond},
+				func(ctx context.Context, _ pgx.Tx) error { runs++; return busy })
+			var ex *ratelimit.RetriesExhaustedError
+			require.ErrorAs(t, err, &ex)
+			require.ErrorIs(t, err, busy)
+			require.Equal(t, 102, runs, "2 attempts and 100 reruns after a busy shard's wait")
+			require.Equal(t, runs, ex.Attempts)
+			require.Contains(t, err.Error(), fmt.Sprintf("gave up after %d attempts", runs))
+		})
+	}
 }
 
 // A nil db or fn is refused before any transaction begins, and a panicking fn does not leave its

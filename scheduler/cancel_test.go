@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -767,31 +768,40 @@ func TestPullForwardRecordsRow(t *testing.T) {
 // TestPullForwardDocExample runs the worked example of docs/scheduler.md ("Credits pull waiting
 // work forward"): a 10/s bucket emptied at 12:00:00, a job that reserved 5 more records the row
 // (−5, 12:00:00) and 12:00:00.5; a credit of 2 at 12:00:00.1 out of the earlier reservation makes
-// them (−3, 12:00:00) and 12:00:00.3, max(RetryAt − c/r, now).
+// them (−3, 12:00:00) and 12:00:00.3, max(RetryAt − c/r, now). The example's key, u1, and keys
+// that the JSON of the waiting jobs' filter and of the rescheduled reservations (a text array, in
+// the exec and simple-protocol modes an array literal) must escape or quote.
 func TestPullForwardDocExample(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	var now atomic.Int64
-	now.Store(t0.UnixMicro())
-	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond},
-		now: func() time.Time { return time.UnixMicro(now.Load()).UTC() }})
-	ja := reserve(t, b, "calls", "u1", 10) // runs now: the bucket is emptied
-	require.True(t, ja.RetryAt.IsZero())
-	jb := reserve(t, b, "calls", "u1", 5)
-	require.JSONEq(t, `{"limits":[{"name":"calls","key":"u1","count":5,"retry_at":"2024-01-01T12:00:00.5Z",
-		"row":{"value":-5,"ts":"2024-01-01T12:00:00Z"}}]}`, string(metadataValue(t, jobRow(t, b, jb.Job.ID).Metadata, scheduler.ReservedKey)))
+	for _, key := range []string{"u1", `we"ird, {key}\ é NULL`, "NULL", "  padded ", `'; DROP TABLE river_job; --`, `\`, ""} {
+		t.Run(fmt.Sprintf("%q", key), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			var now atomic.Int64
+			now.Store(t0.UnixMicro())
+			b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond},
+				now: func() time.Time { return time.UnixMicro(now.Load()).UTC() }})
+			k, err := json.Marshal(key)
+			require.NoError(t, err)
+			ja := reserve(t, b, "calls", key, 10) // runs now: the bucket is emptied
+			require.True(t, ja.RetryAt.IsZero())
+			jb := reserve(t, b, "calls", key, 5)
+			require.JSONEq(t, `{"limits":[{"name":"calls","key":`+string(k)+`,"count":5,"retry_at":"2024-01-01T12:00:00.5Z",
+				"row":{"value":-5,"ts":"2024-01-01T12:00:00Z"}}]}`, string(metadataValue(t, jobRow(t, b, jb.Job.ID).Metadata, scheduler.ReservedKey)))
 
-	now.Store(t0.Add(100 * time.Millisecond).UnixMicro())
-	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
-		res, err := b.sched.SettleTx(ctx, tx, ja.Job.ID, 8) // 2 of the 10 back
-		require.NoError(t, err)
-		require.Equal(t, 1, res.PulledForward)
-		require.Equal(t, 2.0, res.Limits[0].Credited)
-		return nil
-	}))
-	require.JSONEq(t, `{"limits":[{"name":"calls","key":"u1","count":5,"retry_at":"2024-01-01T12:00:00.3Z",
-		"row":{"value":-3,"ts":"2024-01-01T12:00:00Z"}}]}`, string(metadataValue(t, jobRow(t, b, jb.Job.ID).Metadata, scheduler.ReservedKey)))
-	require.Equal(t, t0.Add(300*time.Millisecond), jobRow(t, b, jb.Job.ID).ScheduledAt.UTC())
+			now.Store(t0.Add(100 * time.Millisecond).UnixMicro())
+			require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+				res, err := b.sched.SettleTx(ctx, tx, ja.Job.ID, 8) // 2 of the 10 back
+				require.NoError(t, err)
+				require.Equal(t, 1, res.PulledForward)
+				require.Equal(t, 2.0, res.Limits[0].Credited)
+				return nil
+			}))
+			require.JSONEq(t, `{"limits":[{"name":"calls","key":`+string(k)+`,"count":5,"retry_at":"2024-01-01T12:00:00.3Z",
+				"row":{"value":-3,"ts":"2024-01-01T12:00:00Z"}}]}`, string(metadataValue(t, jobRow(t, b, jb.Job.ID).Metadata, scheduler.ReservedKey)))
+			require.Equal(t, t0.Add(300*time.Millisecond), jobRow(t, b, jb.Job.ID).ScheduledAt.UTC())
+		})
+	}
 }
 
 // TestPullForwardKeepsJitterAndNotBefore: a job pulled forward is due at max(RetryAt + Jitter,

@@ -38,6 +38,10 @@ var SafeModes = []Mode{
 	{Name: "cache_describe", Mode: pgx.QueryExecModeCacheDescribe},
 }
 
+// WithDefault returns pgx's default mode (the zero Mode, QueryExecModeCacheStatement, named
+// "default") followed by SafeModes: the modes a test that runs directly on Postgres loops over.
+func WithDefault() []Mode { return append([]Mode{{Name: "default"}}, SafeModes...) }
+
 // Bouncer is one test's place behind PgBouncer: a role of its own whose search_path is a schema it
 // owns, set with ALTER ROLE (PgBouncer 1.18 refuses search_path as a startup parameter), as
 // docs/deploy.md tells users to do. The role and its schema are dropped when the test ends.

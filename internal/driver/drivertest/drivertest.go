@@ -6,6 +6,7 @@ package drivertest
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -46,6 +47,12 @@ var limits = map[string]ratelimit.Config{
 	"debt":   {Rate: 10, Period: time.Second, MaxReserved: ratelimit.Unbounded}, // +Inf travels as a parameter
 }
 
+// awkwardKeys are keys that a text encoding of a scalar or an array could misread: empty, the word
+// NULL (an unquoted array element NULL is a null), surrounding blanks (trimmed from an unquoted
+// element), WeirdKey, and text the simple protocol quotes into the SQL: a quote, a comment, a
+// placeholder, a backslash.
+var awkwardKeys = []string{"", "NULL", "null", "  padded ", WeirdKey, `'; DROP TABLE txlimit_state; --`, "$1", `\`}
+
 // WeirdKey is a key that a text encoding of arrays must quote: a quote, a comma, braces, a
 // backslash, a space, non-ASCII and the word NULL.
 const WeirdKey = `we"ird, {key}\ é NULL`
@@ -71,6 +78,7 @@ func Run(t *testing.T, open Open) {
 		{"SerializationFailure", true, testSerializationFailure},
 		{"ContextEndsWhileWaiting", true, testContextEndsWhileWaiting},
 		{"NotMigrated", false, testNotMigrated},
+		{"AwkwardValues", true, testAwkwardValues},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -340,4 +348,131 @@ func testNotMigrated(t *testing.T, h Handle) {
 	require.Contains(t, err.Error(), "migrations.Up")
 	require.Contains(t, err.Error(), " does not exist in search_path ") // Postgres's message, without the driver's prefix
 	require.ErrorIs(t, ratelimit.CheckSchema(ctx, h.DB), ratelimit.ErrSetup)
+}
+
+// testAwkwardValues: every statement with the values an exec mode that encodes arguments from their
+// Go types (pgx's exec and simple protocol, database/sql's drivers) could misread: the database's
+// clock (a NULL now_us), an injected clock before 1970 and at either end of the range
+// LimiterConfig.Now accepts (negative and huge now_us), a fixed window whose Start lies before the
+// epoch (a negative anchor), the bounds 1e-9 and 1e15 of counts and capacities, and awkwardKeys in
+// scalars and in arrays (LimitMany's and Prune's).
+func testAwkwardValues(t *testing.T, h Handle) {
+	ctx := context.Background()
+	century := 100 * 365 * 24 * time.Hour
+	start := time.Date(1900, 1, 1, 0, 0, 0, 0, time.UTC)
+	awkward := map[string]ratelimit.Config{
+		"fw":   {Kind: ratelimit.FixedWindow, Rate: 3, Period: century, Start: start},
+		"fw2":  {Kind: ratelimit.FixedWindow, Rate: 3, Period: century, Start: start, MaxReserved: 4},
+		"msg":  limits["msg"],
+		"ip":   limits["ip"],
+		"big":  {Rate: 1e15, Period: century},
+		"tiny": {Rate: 1e-9, Period: century},
+	}
+	// The window holding any instant of this test: it started at start + 1 century (1999-12-08),
+	// and the next starts a century later.
+	windowEnd := start.Add(2 * century)
+
+	t.Run("DatabaseClock", func(t *testing.T) {
+		lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: awkward})
+		require.NoError(t, err)
+		for _, k := range awkwardKeys {
+			r, err := lim.Limit(ctx, h.DB, "fw", k, nil) // DecideOneRow
+			require.NoError(t, err)
+			require.Equal(t, [2]any{true, 2.0}, [2]any{r.OK, r.Value}, "key %q", k)
+			r, err = lim.Check(ctx, h.DB, "fw", k, nil) // DecideOne
+			require.NoError(t, err)
+			require.Equal(t, [2]any{true, 1.0}, [2]any{r.OK, r.Value}, "key %q", k)
+			r, err = lim.LimitN(ctx, h.DB, "fw", k, 3, nil) // a refusal: RetryAt is the next window
+			require.NoError(t, err)
+			require.False(t, r.OK, "key %q", k)
+			require.Equal(t, windowEnd, r.RetryAt, "key %q", k)
+			require.Equal(t, 2.0, state(t, lim, h.DB, "fw", k).Value, "key %q", k) // Levels
+			c, err := lim.Credit(ctx, h.DB, "fw", k, 1, nil)
+			require.NoError(t, err)
+			require.Equal(t, [2]float64{1, 3}, [2]float64{c.Credited, c.Value}, "key %q", k)
+		}
+		// The rows are full again, evaluated as missing rows: Prune deletes them, one a batch, so
+		// that each key is the next batch's after_key.
+		n, err := lim.Prune(ctx, h.DB, "fw", &ratelimit.PruneOpts{BatchSize: 1})
+		require.NoError(t, err)
+		require.Equal(t, int64(len(awkwardKeys)), n)
+
+		var reqs []ratelimit.Request // Decide: every key in the arrays
+		for _, k := range awkwardKeys {
+			reqs = append(reqs, ratelimit.Request{Name: "fw2", Key: k, Count: 3.5, Reserve: true})
+		}
+		m, err := lim.LimitMany(ctx, h.DB, reqs, nil)
+		require.NoError(t, err)
+		require.True(t, m.OK)
+		require.Equal(t, windowEnd, m.RetryAt)
+		for i, k := range awkwardKeys {
+			require.True(t, m.Results[i].Reserved, "key %q", k)
+			require.Equal(t, -0.5, m.Results[i].Value, "key %q", k)
+			require.Equal(t, -0.5, state(t, lim, h.DB, "fw2", k).Value, "key %q", k)
+		}
+		r, err := lim.LimitN(ctx, h.DB, "fw", "debt", 3, nil)
+		require.NoError(t, err)
+		due, err := lim.OutOfDebtAt(ctx, h.DB, time.Time{}, []ratelimit.Row{{Name: "fw", Key: "debt", Value: -1, TS: r.TS}})
+		require.NoError(t, err)
+		require.Equal(t, []time.Time{windowEnd}, due)
+		require.NoError(t, lim.Reset(ctx, h.DB, "fw", "debt"))
+		for _, k := range awkwardKeys {
+			require.NoError(t, lim.Reset(ctx, h.DB, "fw2", k))
+			require.Equal(t, 3.0, state(t, lim, h.DB, "fw2", k).Value, "key %q", k)
+		}
+		require.Zero(t, testdb.CountRows(t, h.Inspect))
+	})
+
+	// An injected clock: 1960 (negative now_us), and either end of the range LimiterConfig.Now
+	// accepts, 2^62 µs − 1 either side of the epoch. Each clock leaves no row behind for the next.
+	for _, at := range []time.Time{
+		time.Date(1960, 1, 1, 0, 0, 0, 0, time.UTC), time.UnixMicro(-(1 << 62) + 1).UTC(), time.UnixMicro(1<<62 - 1).UTC(),
+	} {
+		t.Run(fmt.Sprint(at.UnixMicro()), func(t *testing.T) {
+			lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: awkward, Now: func() time.Time { return at }})
+			require.NoError(t, err)
+			for _, k := range awkwardKeys {
+				for i := 1; i <= 4; i++ {
+					r, err := lim.Limit(ctx, h.DB, "msg", k, nil)
+					require.NoError(t, err)
+					require.Equal(t, i <= 3, r.OK, "key %q step %d", k, i)
+					if i == 4 {
+						require.Equal(t, at.Add(6*time.Second), r.RetryAt, "key %q", k) // 1 token at 10/min
+					}
+				}
+				due, err := lim.OutOfDebtAt(ctx, h.DB, time.Time{}, []ratelimit.Row{{Name: "msg", Key: k, Value: -1, TS: at}})
+				require.NoError(t, err)
+				require.Equal(t, []time.Time{at.Add(6 * time.Second)}, due, "key %q", k)
+				r, err := lim.LimitN(ctx, h.DB, "big", k, 1e15, nil)
+				require.NoError(t, err)
+				require.Equal(t, [2]any{true, 0.0}, [2]any{r.OK, r.Value}, "key %q", k)
+				r, err = lim.LimitN(ctx, h.DB, "tiny", k, 1e-9, nil)
+				require.NoError(t, err)
+				require.Equal(t, [2]any{true, 0.0}, [2]any{r.OK, r.Value}, "key %q", k)
+				c, err := lim.Credit(ctx, h.DB, "big", k, 1e15, nil)
+				require.NoError(t, err)
+				require.Equal(t, [2]float64{1e15, 1e15}, [2]float64{c.Credited, c.Value}, "key %q", k)
+				require.Equal(t, 1e15, state(t, lim, h.DB, "big", k).Value, "key %q", k)
+				for _, name := range []string{"msg", "tiny"} {
+					require.NoError(t, lim.Reset(ctx, h.DB, name, k))
+				}
+			}
+			// "big" is full again on every key: Prune deletes its rows, one a batch.
+			n, err := lim.Prune(ctx, h.DB, "big", &ratelimit.PruneOpts{BatchSize: 1})
+			require.NoError(t, err)
+			require.Equal(t, int64(len(awkwardKeys)), n)
+			var reqs []ratelimit.Request
+			for _, k := range awkwardKeys {
+				reqs = append(reqs, ratelimit.Request{Name: "ip", Key: k, Count: 2})
+			}
+			m, err := lim.LimitMany(ctx, h.DB, reqs, nil)
+			require.NoError(t, err)
+			require.True(t, m.OK)
+			for i, k := range awkwardKeys {
+				require.Equal(t, 3.0, m.Results[i].Value, "key %q", k)
+				require.NoError(t, lim.Reset(ctx, h.DB, "ip", k))
+			}
+			require.Zero(t, testdb.CountRows(t, h.Inspect))
+		})
+	}
 }
