@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/big"
 	"math/rand/v2"
 	"slices"
 	"sort"
@@ -160,7 +161,7 @@ func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
 	}
 	if m.fixed {
 		if !cfg.Start.IsZero() {
-			m.anchorUs = floorMod(cfg.Start.UnixMicro(), m.periodUs)
+			m.anchorUs = startMod(cfg.Start, m.periodUs)
 		} else {
 			m.anchorUs = int64(fnv1a([]byte(name), []byte{0}, []byte(key)) % uint64(m.periodUs))
 		}
@@ -171,12 +172,12 @@ func modelResolve(name, key string, cfg *ratelimit.Config) (modelLimit, error) {
 	return m, nil
 }
 
-func floorMod(a, m int64) int64 {
-	r := a % m
-	if r < 0 {
-		r += m
-	}
-	return r
+// startMod is start's microseconds since the Unix epoch modulo m, in [0, m), counted in a big.Int
+// (UnixMicro wraps beyond about 292,000 years, and Config.Start may be any instant).
+func startMod(start time.Time, m int64) int64 {
+	us := new(big.Int).Mul(big.NewInt(start.Unix()), big.NewInt(1e6))
+	us.Add(us, big.NewInt(int64(start.Nanosecond()/1000)))
+	return us.Mod(us, big.NewInt(m)).Int64()
 }
 
 // maxGrant is the largest count one call could ever be granted (docs/spec.md §5): a shard's capacity, or
