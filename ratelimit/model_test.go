@@ -349,7 +349,7 @@ func (m modelLimit) firstGrant(count, allow float64, two bool, a, b modelRow, fr
 		ref = b
 	}
 	_, ts := m.level(ref, from)
-	est = float64(ts-from) + float64(math.Ceil(float64(est*float64(m.periodUs/stepUs))/m.rate)*float64(stepUs))
+	est = float64(ts-from) + float64(math.Ceil(float64(min(est, 1e36)*float64(m.periodUs/stepUs))/m.rate)*float64(stepUs))
 	// From the estimate: gallop (strides 1, 2, 4, …) down while granted or up while refused, then
 	// bisect the last stride.
 	t := from + int64(min(max(est, 1), float64(modelMaxWait)))
