@@ -297,7 +297,7 @@ func (s spec) missingTS(now pgtype.Int8) int64 {
 	if !now.Valid || now.Int64 >= s.anchorUs {
 		return s.anchorUs
 	}
-	d := now.Int64 - s.anchorUs // < 0, and at least -2^62 - 100 years
+	d := now.Int64 - s.anchorUs // < 0, and at least -2^61 - 100 years
 	return s.anchorUs + (d-(s.stepUs-1))/s.stepUs*s.stepUs
 }
 
