@@ -86,7 +86,7 @@ func TestReserveTxScheduledAtYearInUTC(t *testing.T) {
 
 // Every time ReserveTx records in the job's metadata (JSON) must lie within the years 0 to 9999.
 // ratelimit accepts a FixedWindow Config.Start at any instant and a LimiterConfig.Now down to
-// -2^62 µs, but a reservation with an inline config whose Start lies outside those years, or made
+// -2^61 µs, but a reservation with an inline config whose Start lies outside those years, or made
 // on a clock before the year 0, is bad input: an *ratelimit.ArgumentError naming the Start or the
 // clock, with nothing reserved and no job. Both failed untyped, with "record the reservation: json:
 // error calling MarshalJSON for type time.Time".
