@@ -127,7 +127,10 @@ $$;
 -- txlimit_estimate: the real-arithmetic instant at which a row short of deficit tokens at from_us
 -- (its ts ts_us) has them: the refill, Rate per Period in whole steps, from the start of the step
 -- holding from_us; at least 1 µs and at most 2^61 µs after from_us. txlimit_retry_at starts its
--- search there.
+-- search there. A deficit above 10^36 is taken as 10^36: no accepted rate (at most 10^15 tokens per
+-- µs) refills that much within 2^61 µs, so the estimate is the bound either way, and the product
+-- stays within float8 (a debt near the largest float8, which OutOfDebtAt accepts, failed with
+-- SQLSTATE 22003).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_estimate(rate double precision, period_us bigint, step_us bigint, deficit double precision,
                                  ts_us bigint, from_us bigint)
@@ -135,7 +138,7 @@ RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
     SELECT from_us + least(greatest((txlimit_next_ts(ts_us, from_us, step_us) - from_us)::double precision
-                                    + ceil(deficit * (period_us / step_us)::double precision / rate) * step_us::double precision,
+                                    + ceil(least(deficit, 1e36) * (period_us / step_us)::double precision / rate) * step_us::double precision,
                                     1), 2305843009213693952::double precision)::bigint
 $$;
 -- +goose StatementEnd

@@ -11,11 +11,12 @@ import (
 )
 
 // docs/spec.md §2 and §5: an injected clock (LimiterConfig.Now) is bounded like every other input.
-// Every reading less than 2^62 µs (about 146,000 years) from the Unix epoch is decided with
+// Every reading less than 2^61 µs (about 73,000 years) from the Unix epoch is decided with
 // bounded arithmetic, in any order (a row written far in the future and then decided far in the
-// past); a reading beyond is an *ArgumentError naming LimiterConfig.Now, before any SQL runs and
-// with nothing written. A reading in the year 250,000 failed with "bigint out of range" (SQLSTATE
-// 22003), and so did a decision at -2^62 µs on a row written at +2^62 µs.
+// past; the other order: TestInjectedClockFarApartRows); a reading beyond is an *ArgumentError
+// naming LimiterConfig.Now, before any SQL runs and with nothing written. A reading in the year
+// 250,000 failed with "bigint out of range" (SQLSTATE 22003), and so did a decision at -2^62 µs on
+// a row written at +2^62 µs.
 func TestInjectedClockBounds(t *testing.T) {
 	t.Parallel()
 	clock := &testClock{t: t0}
@@ -34,9 +35,9 @@ func TestInjectedClockBounds(t *testing.T) {
 	accepted := []time.Time{
 		time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC),
 		time.Date(9999, 12, 31, 23, 59, 59, 999999000, time.UTC),
-		time.Date(100000, 1, 1, 0, 0, 0, 0, time.UTC),
-		time.UnixMicro(1<<62 - 1),
-		time.UnixMicro(-1<<62 + 1), // decided on rows written at the reading above
+		time.Date(70000, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.UnixMicro(1<<61 - 1),
+		time.UnixMicro(-1<<61 + 1), // decided on rows written at the reading above
 		t0,
 	}
 	for _, now := range accepted {
@@ -77,8 +78,9 @@ func TestInjectedClockBounds(t *testing.T) {
 		}
 	}
 	refused := []time.Time{
-		time.UnixMicro(1 << 62),
-		time.UnixMicro(-1 << 62),
+		time.UnixMicro(1 << 61),
+		time.UnixMicro(-1 << 61),
+		time.Date(100000, 1, 1, 0, 0, 0, 0, time.UTC),
 		time.Date(250000, 1, 1, 0, 0, 0, 0, time.UTC),
 		time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC), // beyond int64 µs: UnixMicro wraps
 		time.Date(-300000, 1, 1, 0, 0, 0, 0, time.UTC),
@@ -196,7 +198,7 @@ func TestRetryAtAndTSAtTheEpoch(t *testing.T) {
 	}
 }
 
-// Readings before year 1 (the zero time.Time) are accepted too (docs/spec.md §5: down to -2^62
+// Readings before year 1 (the zero time.Time) are accepted too (docs/spec.md §5: down to -2^61
 // µs): a denied LimitMany there still carries the RetryAt of its denial, and so does its error;
 // State's TS is the row's.
 func TestTimesBeforeYearOne(t *testing.T) {
@@ -225,5 +227,58 @@ func TestTimesBeforeYearOne(t *testing.T) {
 	m, err = b.lim.LimitMany(b.ctx, b.pool, []ratelimit.Request{{Name: "tb", Key: "a", Reserve: true}}, nil)
 	if err != nil || !m.OK || !m.RetryAt.Equal(at.Add(time.Second)) {
 		t.Errorf("reservation: ok %v RetryAt %v (%v); want %v", m.OK, m.RetryAt, err, at.Add(time.Second))
+	}
+}
+
+// docs/spec.md §5: the readings LimiterConfig.Now may give are bounded so that a row written at
+// one is decided at any other, whatever lies between them. The worst orders: a fixed window of 100
+// years stamps its row at the start of the window holding the earliest reading, up to a Period
+// before it, and a token bucket left deep in debt there refills too little to grant anything by the
+// latest reading, so its RetryAt is searched up to Time + 2^61 µs. Readings up to 2^62 µs from the
+// epoch were accepted, and then both failed with "bigint out of range" (SQLSTATE 22003): the
+// search and the refill subtracted a row's ts from instants more than 2^63 µs after it. Within
+// 2^61 µs (about 73,000 years) they are answered; at 2^61 µs and beyond, the reading is an
+// *ArgumentError naming LimiterConfig.Now, with nothing written.
+func TestInjectedClockFarApartRows(t *testing.T) {
+	t.Parallel()
+	clock := &testClock{t: t0}
+	b := newBundle(t, nil, &ratelimit.LimiterConfig{Now: clock.Now, Limits: map[string]ratelimit.Config{
+		"tb": {Rate: 1e-9, Period: ratelimit.MaxPeriod, Capacity: 1, MaxReserved: ratelimit.Unbounded},
+		"fw": {Kind: ratelimit.FixedWindow, Rate: 1, Period: ratelimit.MaxPeriod, Start: time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)},
+	}})
+	const bound = 1 << 61
+	for _, at := range []int64{-bound, bound, -1<<62 + 1, 1<<62 - 1} {
+		clock.Set(time.UnixMicro(at))
+		_, err := b.lim.LimitN(b.ctx, b.pool, "tb", "k", 1e15, &ratelimit.LimitOpts{Reserve: true})
+		var arg *ratelimit.ArgumentError
+		if !errors.As(err, &arg) || arg.Arg != "LimiterConfig.Now" {
+			t.Errorf("at %d µs: got %v, want an *ArgumentError naming LimiterConfig.Now", at, err)
+		}
+	}
+	if n := testdb.CountRows(t, b.pool); n != 0 {
+		t.Fatalf("refused calls wrote %d rows", n)
+	}
+
+	first, last := time.UnixMicro(-bound+1), time.UnixMicro(bound-1)
+	clock.Set(first)
+	r, err := b.lim.LimitN(b.ctx, b.pool, "tb", "k", 1e15, &ratelimit.LimitOpts{Reserve: true})
+	if err != nil || !r.Reserved {
+		t.Fatalf("reservation at the earliest reading: %+v, %v", r, err)
+	}
+	r, err = b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+	if err != nil || !r.OK || !r.TS.Before(first) {
+		t.Fatalf("fixed window at the earliest reading: %+v, %v; want its row stamped at its window's start, before the reading", r, err)
+	}
+	clock.Set(last)
+	r, err = b.lim.Limit(b.ctx, b.pool, "tb", "k", nil)
+	if err != nil || r.OK || r.RetryAt.UnixMicro()-r.Time.UnixMicro() != bound {
+		t.Errorf("token bucket at the latest reading: %+v, %v; want a denial with RetryAt = Time + 2^61 µs", r, err)
+	}
+	r, err = b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+	if err != nil || !r.OK {
+		t.Errorf("fixed window at the latest reading: %+v, %v; want a grant", r, err)
+	}
+	if st, err := b.lim.State(b.ctx, b.pool, "fw", "k", nil); err != nil || st.Value != 0 {
+		t.Errorf("State at the latest reading: %+v, %v", st, err)
 	}
 }

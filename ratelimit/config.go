@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math"
+	"math/bits"
 	"time"
 	"unicode/utf8"
 
@@ -296,7 +297,7 @@ func (s spec) missingTS(now pgtype.Int8) int64 {
 	if !now.Valid || now.Int64 >= s.anchorUs {
 		return s.anchorUs
 	}
-	d := now.Int64 - s.anchorUs // < 0, and at least -2^62 - 100 years
+	d := now.Int64 - s.anchorUs // < 0, and at least -2^61 - 100 years
 	return s.anchorUs + (d-(s.stepUs-1))/s.stepUs*s.stepUs
 }
 
@@ -304,15 +305,24 @@ func (s spec) missingTS(now pgtype.Int8) int64 {
 // a fixed window starts: from start when set, else from an FNV-1a hash of name and key.
 func windowPhase(name, key string, start time.Time, periodUs int64) int64 {
 	if !start.IsZero() {
-		// The remainder of a Start before the epoch is negative: adding periodUs (at most 100
-		// years, so no overflow) before taking it again makes it the phase in [0, periodUs).
-		return (start.UnixMicro()%periodUs + periodUs) % periodUs
+		return startPhase(start, periodUs)
 	}
 	h := fnv.New64a()
 	h.Write([]byte(name))
 	h.Write([]byte{0})
 	h.Write([]byte(key))
 	return int64(h.Sum64() % uint64(periodUs))
+}
+
+// startPhase returns start's microseconds since the Unix epoch modulo periodUs, in [0, periodUs),
+// for any time.Time: UnixMicro wraps beyond about 292,000 years, so the seconds and the
+// microseconds within the second are reduced apart. The remainder of a time before the epoch is
+// negative: adding periodUs (at most 100 years, so no overflow) makes it the phase.
+func startPhase(start time.Time, periodUs int64) int64 {
+	sec := (start.Unix()%periodUs + periodUs) % periodUs // < 2^52
+	hi, lo := bits.Mul64(uint64(sec), 1e6)
+	us := bits.Rem64(hi, lo, uint64(periodUs)) + uint64(start.Nanosecond()/1000)
+	return int64(us % uint64(periodUs))
 }
 
 // effective is the config in force for this spec: defaults applied.

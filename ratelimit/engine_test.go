@@ -568,3 +568,32 @@ func TestFixedWindowPhaseAfterNow(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, r.OK, "the window starting %s refills", start)
 }
+
+// Config.Start may be any instant (docs/spec.md §4), also one beyond the ±292,000 years that
+// time.Time.UnixMicro can count: a daily window anchored at a midnight of the year 300,000 (or
+// -300,000) begins at midnight. UnixMicro wrapped there, and the windows began at 15:58:10.448384
+// (and 08:01:49.551616).
+func TestFixedWindowStartBeyondUnixMicro(t *testing.T) {
+	t.Parallel()
+	day := 24 * time.Hour
+	for _, start := range []time.Time{
+		time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(-300000, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(300000, 1, 1, 6, 0, 0, 1500, time.UTC), // 06:00:00.000001 on the grid of microseconds
+	} {
+		b := setup(t, map[string]ratelimit.Config{"fw": {Kind: ratelimit.FixedWindow, Rate: 1, Period: day, Start: start}})
+		phase := time.Duration(start.Hour())*time.Hour + time.Duration(start.Nanosecond()/1000)*time.Microsecond
+		b.clock.Set(t0.Add(23 * time.Hour)) // t0 is a midnight
+		r, err := b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+		require.NoError(t, err)
+		want := t0.Add(phase)
+		if want.After(b.clock.Now()) {
+			want = want.Add(-day)
+		}
+		require.True(t, r.OK)
+		require.True(t, r.TS.Equal(want), "Start %s: TS %s, want the window's start %s", start, r.TS, want)
+		r, err = b.lim.Limit(b.ctx, b.pool, "fw", "k", nil)
+		require.NoError(t, err)
+		require.True(t, r.RetryAt.Equal(want.Add(day)), "Start %s: RetryAt %s, want the next window's start %s", start, r.RetryAt, want.Add(day))
+	}
+}

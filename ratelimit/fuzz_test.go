@@ -56,7 +56,7 @@ var (
 		-1, -2, -999, -1000, -100000, -250000, -500000, -1000000, -1500000, -3000000, -60000000, -3600000000,
 		200, 300, 1234, 20000, 50000, 75000, 400000, 600000, 700000, 800000, 900000, 1200000, 2500000,
 		4000000, 7000000, 20000000, 0, 1,
-		-1 << 51, 1 << 51} // about 71 years: before the epoch (docs/spec.md §5 accepts readings down to -2^62 µs) and back
+		-1 << 51, 1 << 51} // about 71 years: before the epoch (docs/spec.md §5 accepts readings down to -2^61 µs) and back
 	fzNames = []string{"a", "b", "c", "x"} // "x" is not registered: it needs an inline config
 	fzKeys  = []string{"", "k1", "ü-key"}
 	// Keys that must be rejected (docs/spec.md §5): too long, a NUL byte, not UTF-8.

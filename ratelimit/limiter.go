@@ -60,7 +60,7 @@ type LimiterConfig struct {
 
 	// Now, when set, supplies the time every decision is evaluated at instead of the database's
 	// clock (clock_timestamp()). It exists for tests; production should leave it nil so that app
-	// servers with skewed clocks agree. A reading 2^62 µs (about 146,000 years) or more from the
+	// servers with skewed clocks agree. A reading 2^61 µs (about 73,000 years) or more from the
 	// Unix epoch makes the call an *ArgumentError (Arg "LimiterConfig.Now"), nothing written.
 	// Defaults to nil: the database's clock.
 	Now func() time.Time
@@ -358,19 +358,25 @@ func (l *Limiter) CheckMany(ctx context.Context, db Executor, reqs []Request, op
 
 // clock is the instant a statement decides at, as sent to the database: LimiterConfig.Now in
 // microseconds since the Unix epoch, or NULL for the database's own clock (docs/spec.md §2). A
-// reading 2^62 µs (about 146,000 years) or more from the epoch is an *ArgumentError: within that,
-// the difference of any two readings, and a reading plus the longest wait (2^61 µs), fit a bigint.
+// reading maxClockMicros or more from the epoch is an *ArgumentError.
 func (l *Limiter) clock(op string) (pgtype.Int8, error) {
 	if l.now == nil {
 		return pgtype.Int8{}, nil
 	}
 	now := l.now()
-	if !now.After(time.UnixMicro(-maxTimeMicros)) || !now.Before(time.UnixMicro(maxTimeMicros)) {
+	if !now.After(time.UnixMicro(-maxClockMicros)) || !now.Before(time.UnixMicro(maxClockMicros)) {
 		return pgtype.Int8{}, &ArgumentError{Op: op, Arg: "LimiterConfig.Now", Reason: fmt.Sprintf(
-			"returned %s: it must lie less than 2^62 µs (about 146,000 years) from the Unix epoch", now)}
+			"returned %s: it must lie less than 2^61 µs (about 73,000 years) from the Unix epoch", now)}
 	}
 	return pgtype.Int8{Int64: now.UnixMicro(), Valid: true}, nil
 }
+
+// maxClockMicros bounds the readings of LimiterConfig.Now, in microseconds either side of the
+// Unix epoch, so that a row written at one reading is decided at any other in bigint arithmetic:
+// a row's ts lies at most a Period (< 2^52 µs) before the reading that wrote it (a fixed window's
+// start), and a RetryAt search subtracts it from instants up to the reading plus the longest wait
+// (maxRetryWaitMicros, 2^61 µs): 2^61 + 2^52 + 2^61 + 2^61 < 2^63.
+const maxClockMicros = 1 << 61
 
 // resolve validates name and key and finds the config.
 func (l *Limiter) resolve(op, name, key string, inline *Config) (spec, error) {

@@ -6,9 +6,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 )
 
@@ -178,5 +180,32 @@ func TestOutOfDebtAtFarApartTimes(t *testing.T) {
 		})
 		require.NoError(t, err)
 		refused(t, lim, time.Time{}, c.ts, c.arg)
+	}
+}
+
+// OutOfDebtAt accepts any finite Value (its documentation), and its answer is bounded by from plus
+// 2^61 µs (docs/spec.md §5): a row owing nearly the largest float64, on a limit refilling 10^-9 per
+// microsecond or per 100 years, is out of debt only at that bound, in pgx's default, exec and
+// simple-protocol modes. The search's real-arithmetic estimate multiplied the deficit by the
+// steps per period and divided it by the rate, beyond float8, and Postgres failed the call with
+// "value out of range: overflow" (SQLSTATE 22003).
+func TestOutOfDebtAtHugeDebt(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{0, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		b := newBundle(t, &testdb.Options{QueryExecMode: mode, MaxConns: 2}, &ratelimit.LimiterConfig{
+			Now: func() time.Time { return t0 },
+			Limits: map[string]ratelimit.Config{
+				"µs":      {Rate: ratelimit.MinAmount, Period: time.Microsecond},
+				"century": {Rate: ratelimit.MinAmount, Period: ratelimit.MaxPeriod, Shards: ratelimit.MaxShards},
+				"window":  {Kind: ratelimit.FixedWindow, Rate: ratelimit.MinAmount, Period: time.Microsecond, Start: t0},
+			},
+		})
+		for _, name := range []string{"µs", "century", "window"} {
+			for _, v := range []float64{-1e300, -math.MaxFloat64} {
+				got, err := b.lim.OutOfDebtAt(b.ctx, b.pool, time.Time{}, []ratelimit.Row{{Name: name, Value: v, TS: t0}})
+				require.NoError(t, err, "mode %d, %s at %g", mode, name, v)
+				require.Equal(t, []time.Time{time.UnixMicro(t0.UnixMicro() + 1<<61).UTC()}, got, "mode %d, %s at %g", mode, name, v)
+			}
+		}
 	}
 }

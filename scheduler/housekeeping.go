@@ -33,7 +33,8 @@ type HousekeepingConfig struct {
 
 	// PruneInterval is the time between two prune jobs. Pruning only keeps txlimit_state small (a
 	// limit that refilled is the same as a missing row), so it trades table size against work,
-	// never correctness. Must not be negative. Defaults to one hour.
+	// never correctness. Must be 0 or at least one second (each run is unique per interval, and
+	// River refuses a shorter unique period). Defaults to one hour.
 	PruneInterval time.Duration
 
 	// PruneTimeout bounds one run of the prune job, as river.Worker's Timeout. Must not be
@@ -53,8 +54,8 @@ type HousekeepingConfig struct {
 	// default leaves room for workers that are busy. Must not be negative. Defaults to 5 minutes.
 	StrandedAfter time.Duration
 
-	// StrandedInterval is the time between two stranded checks. Must not be negative. Defaults to
-	// one minute.
+	// StrandedInterval is the time between two stranded checks. Must be 0 or at least one second,
+	// as PruneInterval. Defaults to one minute.
 	StrandedInterval time.Duration
 }
 
@@ -70,6 +71,15 @@ func (c *HousekeepingConfig) withDefaults(op string) (HousekeepingConfig, error)
 	}{{"PruneInterval", out.PruneInterval}, {"PruneTimeout", out.PruneTimeout}, {"StrandedAfter", out.StrandedAfter}, {"StrandedInterval", out.StrandedInterval}} {
 		if d.v < 0 {
 			return out, argError(op, "HousekeepingConfig."+d.field, fmt.Sprintf("must not be negative, got %s", d.v), nil)
+		}
+	}
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{{"PruneInterval", out.PruneInterval}, {"StrandedInterval", out.StrandedInterval}} {
+		if d.v > 0 && d.v < time.Second { // each job is unique per interval (periodicJob)
+			return out, argError(op, "HousekeepingConfig."+d.field, fmt.Sprintf("must be 0 (the default) or at least 1s, "+
+				"the shortest unique period River takes, got %s", d.v), nil)
 		}
 	}
 	if out.PruneBatchSize < 0 {

@@ -193,12 +193,23 @@ func TestHousekeepingErrors(t *testing.T) {
 			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedAfter must not be negative, got -1s"},
 		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{StrandedInterval: -time.Second},
 			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedInterval must not be negative, got -1s"},
+		// Under a second, River refuses the job's unique period (below) at every insert, and logs it:
+		// the job never ran, and Housekeeping said nothing.
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{PruneInterval: 500 * time.Millisecond},
+			want: "scheduler: Housekeeping: HousekeepingConfig.PruneInterval must be 0 (the default) or at least 1s, the shortest unique period River takes, got 500ms"},
+		{workers: river.NewWorkers(), lim: lim, db: pool, config: &scheduler.HousekeepingConfig{StrandedInterval: time.Second - time.Nanosecond},
+			want: "scheduler: Housekeeping: HousekeepingConfig.StrandedInterval must be 0 (the default) or at least 1s, the shortest unique period River takes, got 999.999999ms"},
 	} {
 		jobs, err := scheduler.Housekeeping(c.workers, c.lim, c.db, c.config)
 		require.EqualError(t, err, c.want, "case %d", i)
 		require.ErrorIs(t, err, ratelimit.ErrInvalid, "case %d", i)
 		require.Nil(t, jobs, "case %d", i)
 	}
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Second})
+	_, err = b.client.Insert(context.Background(), callArgs{}, &river.InsertOpts{UniqueOpts: river.UniqueOpts{ByPeriod: 500 * time.Millisecond}})
+	require.ErrorContains(t, err, "ByPeriod should not be less than 1 second")
+	_, err = scheduler.Housekeeping(river.NewWorkers(), lim, pool, &scheduler.HousekeepingConfig{PruneInterval: time.Second, StrandedInterval: time.Second})
+	require.NoError(t, err)
 	workers := river.NewWorkers()
 	jobs, err := scheduler.Housekeeping(workers, lim, pool, nil)
 	require.NoError(t, err)

@@ -83,3 +83,63 @@ func TestReserveTxScheduledAtYearInUTC(t *testing.T) {
 		return nil
 	}))
 }
+
+// Every time ReserveTx records in the job's metadata (JSON) must lie within the years 0 to 9999.
+// ratelimit accepts a FixedWindow Config.Start at any instant and a LimiterConfig.Now down to
+// -2^61 µs, but a reservation with an inline config whose Start lies outside those years, or made
+// on a clock before the year 0, is bad input: an *ratelimit.ArgumentError naming the Start or the
+// clock, with nothing reserved and no job. Both failed untyped, with "record the reservation: json:
+// error calling MarshalJSON for type time.Time".
+func TestReserveTxTimesTheMetadataCannotHold(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupCalls(t, ratelimit.Config{Rate: 1, Period: time.Hour, MaxReserved: 10})
+	for _, start := range []time.Time{time.Date(10001, 1, 1, 0, 0, 0, 0, time.UTC), time.Date(-5, 1, 1, 0, 0, 0, 0, time.UTC)} {
+		cfg := ratelimit.Config{Kind: ratelimit.FixedWindow, Rate: 1, Period: time.Hour, MaxReserved: 10, Start: start}
+		for _, c := range []struct {
+			arg     string
+			reserve func(tx pgx.Tx) error
+		}{
+			{"ReserveOpts.Config.Start", func(tx pgx.Tx) error {
+				_, err := b.sched.ReserveTx(ctx, tx, "inline", "k", 1, callArgs{}, &scheduler.ReserveOpts{Config: &cfg})
+				return err
+			}},
+			{"reqs[1].Config.Start", func(tx pgx.Tx) error {
+				_, err := b.sched.ReserveManyTx(ctx, tx, []ratelimit.Request{{Name: "calls", Key: "k"}, {Name: "inline", Key: "k", Config: &cfg}}, callArgs{}, nil)
+				return err
+			}},
+		} {
+			require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+				err := c.reserve(tx)
+				var ae *ratelimit.ArgumentError
+				require.ErrorAs(t, err, &ae, "Start %s: %v", start, err)
+				require.Equal(t, c.arg, ae.Arg, "Start %s: %v", start, err)
+				return nil
+			}))
+		}
+	}
+	past := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 1, Period: time.Hour, MaxReserved: 10}},
+		now: frozen(time.Date(-100, 1, 1, 0, 0, 0, 0, time.UTC))})
+	require.NoError(t, inTx(t, past.pool, false, func(tx pgx.Tx) error {
+		r, err := past.sched.ReserveTx(ctx, tx, "calls", "k", 1, callArgs{}, nil) // the tokens are there: nothing waits
+		require.NoError(t, err)
+		require.True(t, r.RetryAt.IsZero())
+		_, err = past.sched.ReserveTx(ctx, tx, "calls", "k", 1, callArgs{}, nil) // due in the year -100
+		var ae *ratelimit.ArgumentError
+		require.ErrorAs(t, err, &ae, "%v", err)
+		require.Equal(t, "LimiterConfig.Now", ae.Arg, "%v", err)
+		return nil
+	}))
+	for _, b := range []*testBundle{b, past} {
+		st, err := b.limiter.State(ctx, b.pool, "calls", "k", nil)
+		require.NoError(t, err)
+		want := 1.0 // nothing reserved
+		if b == past {
+			want = 0 // what the one job that runs now took, nothing more
+		}
+		require.Equal(t, want, st.Value)
+		var jobs int
+		require.NoError(t, b.pool.QueryRow(ctx, "SELECT count(*) FROM river_job").Scan(&jobs))
+		require.Equal(t, b == past, jobs == 1)
+	}
+}

@@ -161,8 +161,10 @@ type Reservation struct {
 // (a nil pointer in the interface too, such as a nil *pgxpool.Tx), for instance; so is a job that River refuses to insert
 // (arguments it cannot encode, invalid insert options) or whose values Postgres refuses (a
 // negative MaxAttempts, metadata that is not UTF-8), an *ratelimit.ArgumentError wrapping
-// River's or Postgres's error, a ScheduledAt outside the years 0 to 9999 (in UTC), and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
-// up to 2^61 µs; the job's JSON metadata holds no later time). The reservation and the job are
+// River's or Postgres's error, a ScheduledAt or an inline Config.Start outside the years 0 to 9999
+// (in UTC), and a reservation due after the year 9999 (an unbounded MaxReserved lets one wait
+// up to 2^61 µs) or, by a LimiterConfig.Now before the year 0, before it: the job's JSON metadata
+// holds no other time. The reservation and the job are
 // written in a savepoint of tx (two more round
 // trips: SAVEPOINT and RELEASE), so any failure leaves tx as it was, unless the error says to roll
 // tx back (the savepoint itself could not be rolled back). Each call is a subtransaction: one
@@ -203,6 +205,15 @@ func (s *Scheduler) reserve(ctx context.Context, op string, tx pgx.Tx, reqs []ra
 	reqs = slices.Clone(reqs)
 	credits := make([]credit, len(reqs))
 	for i := range reqs {
+		if c := reqs[i].Config; c != nil && !c.Start.IsZero() { // recorded with the reservation
+			arg := fmt.Sprintf("reqs[%d].Config.Start", i)
+			if single {
+				arg = "ReserveOpts.Config.Start"
+			}
+			if err := checkJSONYear(op, arg, c.Start); err != nil {
+				return nil, err
+			}
+		}
 		reqs[i].Reserve = true
 		credits[i] = credit{name: reqs[i].Name, key: reqs[i].Key, count: reqs[i].Count, config: reqs[i].Config}
 		if credits[i].count == 0 && !single {
@@ -268,6 +279,12 @@ func (s *Scheduler) schedule(ctx context.Context, op string, tx pgx.Tx, results 
 		r.ScheduledAt = insertOpts.ScheduledAt
 	}
 	insertOpts.ScheduledAt = r.ScheduledAt
+	for i, l := range rec.Limits { // before the year 0 only by an injected clock
+		if (l.Row != nil && l.Row.TS.Year() < 0) || l.RetryAt.Year() < 0 {
+			return nil, argError(op, "LimiterConfig.Now", fmt.Sprintf("read %s, so the reservation of limit %q is due before the year 0 "+
+				"that the job's metadata (JSON) can hold", results[i].Time.Format(time.RFC3339), l.Name), nil)
+		}
+	}
 	if r.ScheduledAt.UTC().Year() > 9999 { // ratelimit reserves up to about year 75,000 when unbounded
 		return nil, argError(op, "count", fmt.Sprintf("reserves tokens due only at %s, after the year 9999 that the job's metadata "+
 			"(JSON) can hold: reserve less, or schedule the work another way", r.ScheduledAt.Format(time.RFC3339)), nil)
@@ -326,10 +343,8 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 		// time replaces it in the insert, so it is kept here, as the earliest the job may run.
 		insertOpts.ScheduledAt = a.InsertOpts().ScheduledAt
 	}
-	// In UTC, as the metadata records it (NotBefore): the year in the time's own zone may differ.
-	if y := insertOpts.ScheduledAt.UTC().Year(); y < 0 || y > 9999 {
-		return insertOpts, argError(op, "ReserveOpts.InsertOpts.ScheduledAt", fmt.Sprintf("is %s, outside the years 0 to 9999 that "+
-			"the job's metadata (JSON) can hold", insertOpts.ScheduledAt.UTC().Format(time.RFC3339)), nil)
+	if err := checkJSONYear(op, "ReserveOpts.InsertOpts.ScheduledAt", insertOpts.ScheduledAt); err != nil {
+		return insertOpts, err
 	}
 	md, err := withPaid(insertOpts.Metadata)
 	if err != nil {
@@ -337,4 +352,15 @@ func prepare(op string, tx pgx.Tx, args river.JobArgs, opts *ReserveOpts) (river
 	}
 	insertOpts.Metadata = md
 	return insertOpts, nil
+}
+
+// checkJSONYear returns the *ratelimit.ArgumentError of op's argument arg, a time the job's
+// metadata records, when t lies outside the years 0 to 9999 that JSON can hold. The year is
+// that of t in UTC, as the metadata records it: the year in the time's own zone may differ.
+func checkJSONYear(op, arg string, t time.Time) error {
+	if y := t.UTC().Year(); y < 0 || y > 9999 {
+		return argError(op, arg, fmt.Sprintf("is %s, outside the years 0 to 9999 that the job's metadata (JSON) can hold",
+			t.UTC().Format(time.RFC3339)), nil)
+	}
+	return nil
 }
