@@ -424,9 +424,9 @@ func testAwkwardValues(t *testing.T, h Handle) {
 	})
 
 	// An injected clock: 1960 (negative now_us), and either end of the range LimiterConfig.Now
-	// accepts, 2^62 µs − 1 either side of the epoch. Each clock leaves no row behind for the next.
+	// accepts, 2^61 µs − 1 either side of the epoch. Each clock leaves no row behind for the next.
 	for _, at := range []time.Time{
-		time.Date(1960, 1, 1, 0, 0, 0, 0, time.UTC), time.UnixMicro(-(1 << 62) + 1).UTC(), time.UnixMicro(1<<62 - 1).UTC(),
+		time.Date(1960, 1, 1, 0, 0, 0, 0, time.UTC), time.UnixMicro(-(1 << 61) + 1).UTC(), time.UnixMicro(1<<61 - 1).UTC(),
 	} {
 		t.Run(fmt.Sprint(at.UnixMicro()), func(t *testing.T) {
 			lim, err := ratelimit.New(&ratelimit.LimiterConfig{Limits: awkward, Now: func() time.Time { return at }})
