@@ -155,8 +155,8 @@ $$;
 -- +goose StatementEnd
 
 -- txlimit_lock_row: step 2 for one row: lock it (FOR UPDATE, which re-reads its latest version),
--- or, when it is missing, create it stamped as missing (full at its anchor: p_value, p_ts) and so
--- hold it. With p_try, nothing is waited for (a row that sorts before one this call already holds,
+-- or, when it is missing, create it stamped as missing (full at its anchor: p_value, p_ts; created)
+-- and so hold it. With p_try, nothing is waited for (a row that sorts before one this call already holds,
 -- so that no lock is awaited out of the global order): got is false when another transaction holds
 -- or is creating the row. Only one transaction at a time creates a row (p_create_key, a
 -- transaction-scoped advisory lock: a hash of the row and the table's OID, so that schemas do not
@@ -164,13 +164,13 @@ $$;
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_lock_row(p_name text, p_key text, p_shard integer, p_value double precision, p_ts bigint,
                                  p_try boolean, p_create_key bigint,
-                                 OUT got boolean, OUT value double precision, OUT ts bigint)
+                                 OUT got boolean, OUT value double precision, OUT ts bigint, OUT created boolean)
 LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     k integer;
 BEGIN
-    got := false;
+    got := false; created := false;
     FOR tries IN 1 .. 100 LOOP
         IF p_try THEN
             SELECT s.value, s.ts INTO value, ts FROM txlimit_state s
@@ -194,7 +194,7 @@ BEGIN
         ON CONFLICT DO NOTHING;
         GET DIAGNOSTICS k = ROW_COUNT;
         IF k = 1 THEN
-            got := true; value := p_value; ts := p_ts; RETURN;
+            got := true; value := p_value; ts := p_ts; created := true; RETURN;
         END IF;
         -- Created and committed meanwhile by another transaction: lock it.
     END LOOP;
@@ -375,7 +375,7 @@ DECLARE
     -- Rows as read, then as locked (r_*); as the granted groups leave them (w_*; w_req, the first
     -- granted request that charges the row, whose config stamps it if missing); held.
     r_val double precision[]; r_ts bigint[]; w_val double precision[]; w_ts bigint[]; w_req integer[];
-    l_held boolean[]; lk record; changed boolean;
+    l_held boolean[]; lk record; changed boolean; made integer[]; mr integer; tc bigint;
     -- Requests: written by the first step, the rows as evaluated, the charge, granted by the rules,
     -- refused to retry at once.
     q_w boolean[]; q_va double precision[]; q_ta bigint[]; q_vb double precision[]; q_tb bigint[];
@@ -484,7 +484,20 @@ BEGIN
             IF lk.got THEN
                 r_val[r] := lk.value; r_ts[r] := lk.ts;
             END IF;
+            IF lk.created THEN
+                made := made || r;
+            END IF;
         END LOOP;
+        -- On the database's clock, the rows this call created are decided as missing at a clock
+        -- read now, once the locks are held, not at t: a row deleted since t by a Prune that read a
+        -- later clock and found it full (or by a Reset) was not full at t, and charged as full then
+        -- it would refill from then (docs/spec.md §1).
+        IF p_now_us IS NULL AND made IS NOT NULL THEN
+            tc := txlimit_clock(NULL);
+            FOREACH mr IN ARRAY made LOOP
+                r_ts[mr] := txlimit_next_ts(r_ts[mr], tc, p_step_us[w_req[mr]]);
+            END LOOP;
+        END IF;
         -- 3. Decide on the rows as locked (the plan's answers stand when every row is as read).
         EXIT WHEN NOT changed;
     END LOOP;
@@ -650,8 +663,8 @@ BEGIN
     ELSIF NOT two THEN -- under a snapshot, a alone serves and b was not read: a alone
         b := NULL; held := least(held, 1);
     END IF;
-    SELECT d.answer INTO ans
-    FROM txlimit_decide_v1(t, '{0}', ARRAY[p_count], ARRAY[p_allow], ARRAY[p_dry], '{f}', ARRAY[p_step_us],
+    SELECT d.answer INTO ans -- p_now_us, not t: on the database's clock (NULL), see txlimit_decide_v1
+    FROM txlimit_decide_v1(p_now_us, '{0}', ARRAY[p_count], ARRAY[p_allow], ARRAY[p_dry], '{f}', ARRAY[p_step_us],
                            ARRAY[p_rate], ARRAY[p_period_us], ARRAY[p_cap], ARRAY[p_anchor_us],
                            ARRAY[CASE WHEN b IS NULL OR a < b THEN 1 ELSE 2 END],
                            ARRAY[CASE WHEN b IS NULL THEN 0 WHEN a < b THEN 2 ELSE 1 END],

@@ -85,20 +85,26 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	require.Eventually(t, cond, 60*time.Second, time.Millisecond, what)
 }
 
-// bAsync runs f in a goroutine; the returned channel yields its outcome.
-type bOutcome struct {
-	res ratelimit.Result
+// outcome is what a call run by async returned.
+type outcome[T any] struct {
+	res T
 	err error
 }
 
-func bAsync(f func() (ratelimit.Result, error)) <-chan bOutcome {
-	ch := make(chan bOutcome, 1)
+// async runs f in a goroutine; the returned channel yields its outcome.
+func async[T any](f func() (T, error)) <-chan outcome[T] {
+	ch := make(chan outcome[T], 1)
 	go func() {
 		r, err := f()
-		ch <- bOutcome{r, err}
+		ch <- outcome[T]{r, err}
 	}()
 	return ch
 }
+
+// bOutcome and bAsync are outcome and async of a call that returns a Result.
+type bOutcome = outcome[ratelimit.Result]
+
+func bAsync(f func() (ratelimit.Result, error)) <-chan bOutcome { return async(f) }
 
 func bWait(t *testing.T, ch <-chan bOutcome) bOutcome {
 	t.Helper()

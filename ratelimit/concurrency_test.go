@@ -320,15 +320,7 @@ func TestCreditRacingADecisionReportsTheLimit(t *testing.T) {
 			require.Equal(t, []int{0, 1}, r.Shards)
 
 			conn := testdb.Conn(t, b.pool)
-			type credit struct {
-				res ratelimit.CreditResult
-				err error
-			}
-			done := make(chan credit, 1)
-			go func() {
-				c, err := b.lim.Credit(ctx, conn, "sh", "k", 4, nil)
-				done <- credit{c, err}
-			}()
+			done := async(func() (ratelimit.CreditResult, error) { return b.lim.Credit(ctx, conn, "sh", "k", 4, nil) })
 			var wait string
 			eventually(t, "Credit waits for shard 0", func() bool {
 				wait = testdb.LockWait(t, b.pool, conn.PgConn().PID())
@@ -340,9 +332,9 @@ func TestCreditRacingADecisionReportsTheLimit(t *testing.T) {
 			require.NoError(t, cr.err)
 			st, err := b.lim.State(ctx, b.pool, "sh", "k", nil)
 			require.NoError(t, err)
-			type outcome struct{ Credited, Value, Holds float64 }
-			got := outcome{cr.res.Credited, cr.res.Value, st.Value}
-			require.Contains(t, []outcome{{1, 10, -3}, {4, 0, 0}}, got,
+			type credited struct{ Credited, Value, Holds float64 }
+			got := credited{cr.res.Credited, cr.res.Value, st.Value}
+			require.Contains(t, []credited{{1, 10, -3}, {4, 0, 0}}, got,
 				"Credit(4) racing the reservation: Credited, CreditResult.Value and the State after it (shards %v)", st.Shards)
 		})
 	}

@@ -23,7 +23,8 @@ type PruneOpts struct {
 // clock, it holds its full (per-shard) capacity and, for a fixed window, lies on its key's window
 // grid: then every later decision whose clock reading is at or after Prune's evaluates it exactly as
 // a missing row, so pruning never changes such a decision (docs/spec.md §10 says why a reading
-// before the row's ts can tell the two apart). Rows charged meanwhile are re-checked and kept. Rows
+// before the row's ts can tell the two apart, and why one before Prune's takes no more than the
+// row held). Rows charged meanwhile are re-checked and kept. Rows
 // of shards beyond Config.Shards are left to Reset. It returns how many rows were deleted.
 //
 // Prune works in rounds of two statements (list, delete) over BatchSize rows in key order; run it

@@ -1,6 +1,7 @@
 package ratelimit_test
 
 import (
+	"context"
 	"math"
 	"testing"
 	"time"
@@ -179,4 +180,59 @@ func TestPruneAll(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
 	_, err = b.lim.PruneAll(b.ctx, nil, nil)
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+}
+
+// docs/spec.md §1 and §10: on the database's clock a decision reads the clock when its statement
+// starts, and may reach a row only after a lock wait. A Prune that read the clock later, found the
+// row full and deleted it meanwhile, is ordered before the decision, which creates the row again:
+// it is stamped at the clock read when it is created, not at the decision's earlier reading, else
+// the row would be charged as full at an instant it was not, and refill from then (R at 5/s was
+// charged to 0, read by the decision when it held about 1, and pruned once full; stamped at the
+// decision's reading, it was left at 9 refilling from then, some 9 tokens made up).
+func TestPruneBesideADecisionThatReadItsClockFirst(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{
+		"a": {Rate: 10, Period: time.Hour},
+		"r": {Rate: 10, Period: 2 * time.Second},
+	})
+	ctx := b.ctx
+	_, err := b.lim.Limit(ctx, b.pool, "a", "k", nil)
+	require.NoError(t, err)
+	r0, err := b.lim.LimitN(ctx, b.pool, "r", "k", 10, nil) // R at 0, refilling 5/s: full 2 s later
+	require.NoError(t, err)
+	require.True(t, r0.OK)
+
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	testdb.LockRow(t, holder, "a", "k", 0)
+
+	eventually(t, "R holds 1", func() bool {
+		st, err := b.lim.State(ctx, b.pool, "r", "k", nil)
+		require.NoError(t, err)
+		return st.Value >= 1
+	})
+	conn := testdb.Conn(t, b.pool)
+	done := async(func() (ratelimit.ManyResult, error) {
+		return b.lim.LimitMany(ctx, conn, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "r", Key: "k"}}, nil)
+	})
+	eventually(t, "LimitMany waits for row a", func() bool { return testdb.LockWait(t, b.pool, conn.PgConn().PID()) != "" })
+	eventually(t, "R full", func() bool {
+		st, err := b.lim.State(ctx, b.pool, "r", "k", nil)
+		require.NoError(t, err)
+		return st.Value == 10
+	})
+	n, err := b.lim.Prune(ctx, b.pool, "r", nil)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	require.NoError(t, holder.Rollback(ctx))
+	m := <-done
+	require.NoError(t, m.err)
+	require.True(t, m.res.OK)
+	full := r0.Time.Add(2 * time.Second)
+	require.True(t, m.res.Time.Before(full), "the decision read its clock before R was full again")
+	value, ts, found := testdb.StoredRow(t, b.pool, "r", "k", 0)
+	require.True(t, found)
+	require.Equal(t, 9.0, value, "R full, then charged 1")
+	require.False(t, time.UnixMicro(ts).Before(full), "R stamped %v after its charge, before it was full again", time.UnixMicro(ts).Sub(r0.Time))
 }

@@ -32,6 +32,22 @@ func RowVersion(tb testing.TB, db Querier, name, key string, shard int) (xmin ui
 	return xmin, true
 }
 
+// StoredRow returns one state row as stored (its value and its ts in microseconds since the Unix
+// epoch), and whether it exists.
+func StoredRow(tb testing.TB, db Querier, name, key string, shard int) (value float64, ts int64, found bool) {
+	tb.Helper()
+	err := db.QueryRow(context.Background(),
+		"SELECT value, ts FROM txlimit_state WHERE name = $1 AND key = $2 AND shard = $3",
+		name, key, shard).Scan(&value, &ts)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, 0, false
+	}
+	if err != nil {
+		tb.Fatalf("testdb: read a row: %v", err)
+	}
+	return value, ts, true
+}
+
 // LockWait returns the kind of lock the backend pid is waiting for (pg_stat_activity.wait_event
 // of a Lock wait: "advisory", "tuple", "transactionid"…), or "" when it is not waiting for a lock.
 func LockWait(tb testing.TB, db Querier, pid uint32) string {
