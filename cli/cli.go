@@ -79,8 +79,9 @@
 //	3  invalid input: a limit name the command has no config for (an argument NAME, or for prune a
 //	   name found in the table), a bad config or key (ratelimit.ErrInvalid)
 //
-// The command uses the public API of packages ratelimit and migrations, and two reads of its own
-// (the names in the table with their row counts, the schema the search_path leads to).
+// The command uses the public API of packages ratelimit and migrations, and reads of its own (the
+// names in the table with their row counts, the schema the search_path leads to, and for migrate
+// status the version table).
 package cli
 
 import (

@@ -60,9 +60,6 @@ const (
 
 	// maxPeriod is the longest Config.Period accepted: 100 years of 365 days.
 	maxPeriod = 100 * 365 * 24 * time.Hour
-
-	// maxRetryWaitMicros bounds every wait a decision reports, in microseconds (Result.RetryAt).
-	maxRetryWaitMicros = 1 << 61
 )
 
 // Unbounded is the value of Config.MaxReserved that puts no bound on reservations.

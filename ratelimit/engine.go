@@ -56,9 +56,9 @@ func (l *Limiter) decideCalls(ctx context.Context, db Executor, calls []*call) (
 var unshardedCandidates = []int32{0}
 
 // candidates returns the candidate shards of request s of call c: shard 0 when unsharded; the two
-// random picks when sharded; and, for a lone Limit on a sharded limit (which steers away from
-// shards other transactions are deciding on under a snapshot isolation level, see txlimit_steer),
-// further candidates after the two picks.
+// random picks when sharded; and, for a lone call that is not a Check on a sharded limit (which
+// steers away from shards other transactions are deciding on, at every isolation level, see
+// txlimit_steer), further candidates after the two picks.
 func (l *Limiter) candidates(c *call, s *spec, lone bool) []int32 {
 	if s.shards < 2 {
 		return unshardedCandidates

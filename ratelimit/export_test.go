@@ -74,10 +74,13 @@ func ShardLockBase(name, key string) int64 { return shardLockBase(name, key) }
 
 // The bounds on arguments, for tests.
 const (
-	MaxAmount          = maxAmount
-	MinAmount          = minAmount
-	MaxNameLen         = maxNameLen
-	MaxShards          = maxShards
-	MaxPeriod          = maxPeriod
-	MaxRetryWaitMicros = maxRetryWaitMicros
+	MaxAmount  = maxAmount
+	MinAmount  = minAmount
+	MaxNameLen = maxNameLen
+	MaxShards  = maxShards
+	MaxPeriod  = maxPeriod
+
+	// MaxRetryWaitMicros bounds every wait a decision reports, in microseconds (Result.RetryAt):
+	// txlimit_retry_at's bound, which no Go code applies.
+	MaxRetryWaitMicros = 1 << 61
 )

@@ -375,7 +375,7 @@ func (l *Limiter) clock(op string) (pgtype.Int8, error) {
 // Unix epoch, so that a row written at one reading is decided at any other in bigint arithmetic:
 // a row's ts lies at most a Period (< 2^52 µs) before the reading that wrote it (a fixed window's
 // start), and a RetryAt search subtracts it from instants up to the reading plus the longest wait
-// (maxRetryWaitMicros, 2^61 µs): 2^61 + 2^52 + 2^61 + 2^61 < 2^63.
+// (2^61 µs, txlimit_retry_at's bound): 2^61 + 2^52 + 2^61 + 2^61 < 2^63.
 const maxClockMicros = 1 << 61
 
 // resolve validates name and key and finds the config.

@@ -47,9 +47,10 @@ func shardCandidates(n, a, b int) []int32 {
 	return c
 }
 
-// shardLockBase is the advisory lock key of shard 0 of (name, key); shard s uses base XOR s. It is
-// the FNV-1a hash of "txlimit", a NUL byte, name, a NUL byte and key: the same in every process,
-// so that callers of one hot key anywhere steer clear of each other's shards.
+// shardLockBase is the base of the advisory lock keys of (name, key)'s shards: shard s's steering
+// lock is base XOR the table's OID shifted left 20 bits XOR s (txlimit_steer). It is the FNV-1a
+// hash of "txlimit", a NUL byte, name, a NUL byte and key: the same in every process, so that
+// callers of one hot key anywhere steer clear of each other's shards.
 func shardLockBase(name, key string) int64 {
 	h := fnv.New64a()
 	h.Write([]byte("txlimit\x00"))

@@ -51,7 +51,7 @@ func isPrecise(ctx context.Context) bool {
 // PreciseHook is a River insert hook that inserts a job headed for the scheduled state as
 // available instead, keeping its future scheduled_at, when the insert's context went through
 // WithPrecise. River's fetch query only takes available jobs whose scheduled_at has passed, so such
-// a job is started by the first fetch after its time (within 50 ms on a PreciseQueue)
+// a job is started by the first fetch after its time (within about 60 ms on a PreciseQueue)
 // instead of waiting for River's scheduler, which promotes scheduled jobs every 5 s. River gives
 // short snoozes the same available-in-the-future state. Other inserts, and pending jobs, are left
 // alone.
