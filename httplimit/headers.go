@@ -244,10 +244,10 @@ func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
 	if n := float64(cfg.Shards); n >= 2 {
 		rate, full = rate/n, 2*full/n
 	}
-	if cfg.Kind != ratelimit.TokenBucket || r.Value >= full {
-		return 0, false
-	}
 	next := math.Max(math.Floor(r.Value)+1, 1) // when r, the remaining whole units, grows by one
+	if cfg.Kind != ratelimit.TokenBucket || next > full {
+		return 0, false // r cannot grow: the limit is full, or holds less than next when full
+	}
 	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / rate)
 	return sfInt(math.Ceil(us / 1e6)), true
 }

@@ -855,3 +855,35 @@ func TestRetryAfterRoundsTheWaitUp(t *testing.T) {
 		require.Equal(t, `"perIP";r=0;t=`+c.want+`;pk=:`+b64(pk("perIP", "k"))+`:`, w.Header().Get("RateLimit"))
 	}
 }
+
+// Review rv-http2. For a granted token bucket the package doc defines t as the seconds "until r
+// grows by one". With a cost below 1 and a Capacity that is not whole, r can stand at
+// floor(Capacity) with the limit not yet full: Capacity 3.5 less a cost of 0.2 leaves 3.3, r=3,
+// and the limit refills to 3.5, never to 4. A t there promises a whole unit that never comes.
+func TestResetWhenRCannotGrow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3.5}
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "bytes", Config: cfg, QuotaUnit: "content-bytes"}}})
+	require.NoError(t, err)
+	res, err := b.limiter.LimitN(context.Background(), b.pool, "bytes", "k", 0.2, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	r, tt := limitRT(t, m, res)
+	require.Equal(t, int64(3), r)
+	if tt != 0 {
+		later, err := ratelimit.New(&ratelimit.LimiterConfig{Now: func() time.Time { return t0.Add(time.Duration(tt) * time.Second) }})
+		require.NoError(t, err)
+		st, err := later.State(context.Background(), b.pool, "bytes", "k", &ratelimit.LimitOpts{Config: &cfg})
+		require.NoError(t, err)
+		require.GreaterOrEqual(t, int64(math.Floor(st.Value)), r+1, "RateLimit r=%d;t=%d: %d s after the grant the limit holds %g: r is still %d",
+			r, tt, tt, st.Value, int64(math.Floor(st.Value)))
+	}
+	// With a whole unit to come, t is there: a cost of 2 leaves 1.3, r=1, and 2 comes after 4.2 s.
+	res, err = b.limiter.LimitN(context.Background(), b.pool, "bytes", "k", 2, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	r, tt = limitRT(t, m, res)
+	require.Equal(t, int64(1), r)
+	require.Equal(t, int64(5), tt)
+}
