@@ -38,8 +38,10 @@
 //     would have been granted shows what it would have left: nothing was consumed, so the true
 //     figure is higher by the cost, and r errs on the safe side.
 //   - t, the seconds until more quota is available, rounded up: for a denied policy, until the
-//     request would be granted (ratelimit.Result.RetryAfter); for a granted token bucket, until
-//     r grows by one; left out when the limit is full and, for a granted fixed window, always.
+//     request would be granted (ratelimit.Result.RetryAt − Time); for a granted token bucket, until
+//     r grows by one; left out when r cannot grow by one (the limit is full, or full holds less
+//     than r + 1: a Capacity that is not whole, less a cost below 1) and, for a granted fixed
+//     window, always.
 //     With Shards N >= 2, r covers only the shards the call looked at: two, full at 2·Capacity/N,
 //     each refilling at Rate/N while below its capacity. The Result does not say which is full,
 //     so t counts one of them refilling: never too soon, at most twice the wait when both refill.

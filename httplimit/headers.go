@@ -164,7 +164,7 @@ func (m *Middleware) retryAfter(results []ratelimit.Result) int64 {
 	var secs int64
 	for _, r := range results {
 		if !r.OK {
-			secs = max(secs, ceilSeconds(r.RetryAfter()))
+			secs = max(secs, waitSeconds(r))
 		}
 	}
 	return secs + m.jitter(results)
@@ -234,7 +234,7 @@ func sfInt(f float64) int64 {
 // reset returns the t parameter of r, and false when there is none to give.
 func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
 	if !r.OK {
-		return ceilSeconds(r.RetryAfter()), true
+		return waitSeconds(r), true
 	}
 	// r.Value covers the shards the call looked at: of a sharded limit, two of its N shards, which
 	// hold at most 2·Capacity/N (docs/spec.md §8). Each refills at Rate/N while below its capacity,
@@ -244,10 +244,10 @@ func reset(cfg ratelimit.Config, r ratelimit.Result) (int64, bool) {
 	if n := float64(cfg.Shards); n >= 2 {
 		rate, full = rate/n, 2*full/n
 	}
-	if cfg.Kind != ratelimit.TokenBucket || r.Value >= full {
-		return 0, false
-	}
 	next := math.Max(math.Floor(r.Value)+1, 1) // when r, the remaining whole units, grows by one
+	if cfg.Kind != ratelimit.TokenBucket || next > full {
+		return 0, false // r cannot grow: the limit is full, or holds less than next when full
+	}
 	us := math.Ceil((next - r.Value) * float64(cfg.Period.Microseconds()) / rate)
 	return sfInt(math.Ceil(us / 1e6)), true
 }
@@ -257,6 +257,21 @@ func capacity(cfg ratelimit.Config) float64 {
 		return cfg.Rate
 	}
 	return cfg.Capacity
+}
+
+// waitSeconds is r's wait, RetryAt − Time, in whole seconds rounded up (0 for none). It is
+// computed from the times, not from r.RetryAfter, a time.Duration that saturates at about 292
+// years: a RetryAt may lie up to 2^61 µs (about 73,000 years) after Time, and the wait must never
+// be given as shorter than it is.
+func waitSeconds(r ratelimit.Result) int64 {
+	if r.RetryAt.IsZero() || !r.RetryAt.After(r.Time) {
+		return 0
+	}
+	secs := r.RetryAt.Unix() - r.Time.Unix() // whole seconds apart, and a nanosecond rest in (-1 s, 1 s)
+	if r.RetryAt.Nanosecond() > r.Time.Nanosecond() {
+		secs++
+	}
+	return secs
 }
 
 // ceilSeconds rounds d up to whole seconds (0 for d <= 0).

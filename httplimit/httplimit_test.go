@@ -806,3 +806,84 @@ func TestShutdownIsNotAClientClosedRequest(t *testing.T) {
 }
 
 var errServerShutdown = errors.New("server shutting down")
+
+// Review rv-http2. Retry-After is "the longest wait of the denied policies in whole seconds,
+// rounded up", and t "the seconds until the request would be granted": both must never tell a
+// client to come back sooner than the limit grants. A RetryAt is at most Time plus 2^61 µs (about
+// 73,000 years), more than a time.Duration holds, so Result.RetryAfter saturates at about 292
+// years; seconds taken from it would promise a retry centuries too soon. A limit of one request
+// per 1,000 years (Rate 0.1 per 100 years, a valid Config) gives such a wait.
+func TestRetryAfterBeyondADurationIsNotShortened(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	period := 100 * 365 * 24 * time.Hour
+	url := b.serve(t, httplimit.Config{Policies: []httplimit.Policy{{Name: "millennial",
+		Config: ratelimit.Config{Rate: 0.1, Period: period, Capacity: 1}, Key: httplimit.ClientIP(nil)}}})
+	require.Equal(t, http.StatusOK, get(t, url).status)
+	res := get(t, url)
+	require.Equal(t, http.StatusTooManyRequests, res.status)
+	// One token at 0.1 per 100 years: 1,000 years of 365 days, in whole seconds.
+	wait := 10 * int64(period/time.Second)
+	require.Equal(t, fmt.Sprint(wait), res.header.Get("Retry-After"))
+	lim, err := httpsfv.UnmarshalList(res.header.Values("RateLimit"))
+	require.NoError(t, err)
+	item(t, 0, lim[0], "millennial", "r", int64(0), "t", wait, "pk", pk("millennial", "127.0.0.1"))
+}
+
+// Retry-After and t round the wait up to whole seconds (docs/spec.md §11: 2.3 s gives 3), wherever
+// the decision's Time falls within its second.
+func TestRetryAfterRoundsTheWaitUp(t *testing.T) {
+	t.Parallel()
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "perIP", Config: perIP}}})
+	require.NoError(t, err)
+	for _, c := range []struct {
+		at   time.Duration // Time within its second
+		wait time.Duration
+		want string
+	}{
+		{0, 2300 * time.Millisecond, "3"},
+		{800 * time.Millisecond, 2300 * time.Millisecond, "3"},
+		{100 * time.Millisecond, 2300 * time.Millisecond, "3"},
+		{700 * time.Millisecond, 2300 * time.Millisecond, "3"},
+		{700 * time.Millisecond, 6 * time.Second, "6"},
+		{700 * time.Millisecond, time.Microsecond, "1"},
+	} {
+		now := t0.Add(c.at)
+		w := httptest.NewRecorder()
+		m.WriteDenied(w, ratelimit.Result{Name: "perIP", Key: "k", Time: now, RetryAt: now.Add(c.wait)})
+		require.Equal(t, c.want, w.Header().Get("Retry-After"), "wait %s from %s", c.wait, now)
+		require.Equal(t, `"perIP";r=0;t=`+c.want+`;pk=:`+b64(pk("perIP", "k"))+`:`, w.Header().Get("RateLimit"))
+	}
+}
+
+// Review rv-http2. For a granted token bucket the package doc defines t as the seconds "until r
+// grows by one". With a cost below 1 and a Capacity that is not whole, r can stand at
+// floor(Capacity) with the limit not yet full: Capacity 3.5 less a cost of 0.2 leaves 3.3, r=3,
+// and the limit refills to 3.5, never to 4. A t there promises a whole unit that never comes.
+func TestResetWhenRCannotGrow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, fixed)
+	cfg := ratelimit.Config{Rate: 10, Period: time.Minute, Capacity: 3.5}
+	m, err := httplimit.New(&httplimit.Config{Secret: secret, Policies: []httplimit.Policy{{Name: "bytes", Config: cfg, QuotaUnit: "content-bytes"}}})
+	require.NoError(t, err)
+	res, err := b.limiter.LimitN(context.Background(), b.pool, "bytes", "k", 0.2, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	r, tt := limitRT(t, m, res)
+	require.Equal(t, int64(3), r)
+	if tt != 0 {
+		later, err := ratelimit.New(&ratelimit.LimiterConfig{Now: func() time.Time { return t0.Add(time.Duration(tt) * time.Second) }})
+		require.NoError(t, err)
+		st, err := later.State(context.Background(), b.pool, "bytes", "k", &ratelimit.LimitOpts{Config: &cfg})
+		require.NoError(t, err)
+		require.GreaterOrEqual(t, int64(math.Floor(st.Value)), r+1, "RateLimit r=%d;t=%d: %d s after the grant the limit holds %g: r is still %d",
+			r, tt, tt, st.Value, int64(math.Floor(st.Value)))
+	}
+	// With a whole unit to come, t is there: a cost of 2 leaves 1.3, r=1, and 2 comes after 4.2 s.
+	res, err = b.limiter.LimitN(context.Background(), b.pool, "bytes", "k", 2, &ratelimit.LimitOpts{Config: &cfg})
+	require.NoError(t, err)
+	require.True(t, res.OK)
+	r, tt = limitRT(t, m, res)
+	require.Equal(t, int64(1), r)
+	require.Equal(t, int64(5), tt)
+}
