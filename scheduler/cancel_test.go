@@ -1150,6 +1150,70 @@ func TestSettleAndCancelRaceRiversFetch(t *testing.T) {
 	t.Logf("%d jobs, %d cancelled", len(ids), cancelled)
 }
 
+// TestSettleTxRacesCancelTxSerializable settles (1 of 4 used) and cancels each of five waiting
+// jobs from 12 goroutines at once, each call in InSerializableTx (serialization failures
+// retried): each job is settled by exactly one of them, the others answering with its outcome
+// (SettleTx: Repeated) or refused (CancelTx: Settled), and the limit is credited exactly what the
+// winners gave back.
+func TestSettleTxRacesCancelTxSerializable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 16})
+	reserve(t, b, "calls", "u1", 10)
+	ids := make([]int64, 5)
+	for i := range ids {
+		ids[i] = reserve(t, b, "calls", "u1", 4).Job.ID
+	}
+	var (
+		won   [5]atomic.Int32
+		wg    sync.WaitGroup
+		start = make(chan struct{})
+	)
+	for g := range 12 {
+		wg.Go(func() {
+			<-start
+			var first bool // in the attempt that committed
+			err := ratelimit.InSerializableTx(ctx, b.pool, &ratelimit.TxOpts{MaxAttempts: 100}, func(ctx context.Context, tx pgx.Tx) error {
+				var out *scheduler.JobSettlement
+				var err error
+				if g%2 == 0 {
+					out, err = b.sched.SettleTx(ctx, tx, ids[g%5], 1)
+				} else {
+					out, err = b.sched.CancelTx(ctx, tx, ids[g%5])
+				}
+				var nc *scheduler.NotCancellableError
+				first = err == nil && !out.Repeated
+				if errors.As(err, &nc) && nc.Settled {
+					return nil
+				}
+				return err
+			})
+			if err != nil {
+				t.Error(err)
+			}
+			if first {
+				won[g%5].Add(1)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	require.False(t, t.Failed())
+	credited := 0.0
+	for i, id := range ids {
+		require.Equal(t, int32(1), won[i].Load(), "job %d settled by %d calls", id, won[i].Load())
+		var s scheduler.JobSettlement
+		require.NoError(t, jsonUnmarshal(metadataValue(t, jobRow(t, b, id).Metadata, "txlimit_settled"), &s))
+		want := 3.0 // settled: 1 of 4 used
+		if s.Cancelled {
+			want = 4
+		}
+		require.Equal(t, want, s.Limits[0].Credited, "job %d", id)
+		credited += want
+	}
+	require.Equal(t, -20+credited, value(t, b, "calls", "u1"))
+}
+
 // raceReserveAndCancel runs workers goroutines at once, each making rounds transactions on pool
 // that either reserve a job with reserveJob or cancel (sched.CancelTx) a job picked at random
 // among first and those reserved and committed so far. A refusal (a job cancelled already, or
