@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
@@ -972,4 +974,298 @@ func TestSettleTinyAndHugeDifferences(t *testing.T) {
 			return nil
 		}))
 	}
+}
+
+// TestPullForwardConcurrent reserves and cancels from 8 goroutines at once, on a frozen clock,
+// several cancels racing on one job, with jobs of one limit, then with jobs of two (ReserveManyTx):
+// each job is refunded at most once, the limits hold exactly what the jobs not cancelled reserved,
+// and every waiting job is due exactly when the reservations up to and including its own, less
+// those cancelled, have accrued: the pull-forward of each cancel reached every job reserved after
+// the cancelled one, however they interleaved. (Every job here reserves the same limits, so the
+// credits of two cancels are made one after the other and no pull-forward finds a job locked by
+// another: docs/scheduler.md, "What does not move".)
+func TestPullForwardConcurrent(t *testing.T) {
+	t.Parallel()
+	for _, two := range []bool{false, true} {
+		t.Run(fmt.Sprint("two limits ", two), func(t *testing.T) {
+			t.Parallel()
+			pullForwardConcurrent(t, two)
+		})
+	}
+}
+
+func pullForwardConcurrent(t *testing.T, two bool) {
+	ctx := context.Background()
+	names := []string{"calls"}
+	if two {
+		names = append(names, "tokens")
+	}
+	cfgs := map[string]ratelimit.Config{}
+	for _, n := range names {
+		cfgs[n] = tenPerSecond
+	}
+	b := setup(t, &setupOpts{limits: cfgs, now: frozen(t0), maxConns: 16})
+	type job struct {
+		counts []float64 // one per name
+		atOnce bool
+	}
+	var (
+		mu   sync.Mutex
+		info = map[int64]job{}
+	)
+	reserveJob := func(tx pgx.Tx, counts []float64) (int64, error) {
+		reqs := make([]ratelimit.Request, len(names))
+		for i, n := range names {
+			reqs[i] = ratelimit.Request{Name: n, Key: "u1", Count: counts[i]}
+		}
+		res, err := b.sched.ReserveManyTx(ctx, tx, reqs, callArgs{}, nil)
+		if err != nil {
+			return 0, err
+		}
+		mu.Lock()
+		info[res.Job.ID] = job{counts: counts, atOnce: res.RetryAt.IsZero()}
+		mu.Unlock()
+		return res.Job.ID, nil
+	}
+	var first int64
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) (err error) {
+		first, err = reserveJob(tx, slices.Repeat([]float64{10}, len(names))) // empties the buckets
+		return err
+	}))
+	ids, refused := raceReserveAndCancel(t, b.pool, b.sched, first, 8, 16, func(tx pgx.Tx, rng *rand.Rand) (int64, error) {
+		counts := make([]float64, len(names))
+		for i := range counts {
+			counts[i] = float64(1 + rng.IntN(3))
+		}
+		return reserveJob(tx, counts)
+	})
+
+	owed := make([]float64, len(names)) // per limit, the reservations not cancelled up to and including the job's
+	for _, id := range ids {
+		j, row := info[id], jobRow(t, b, id)
+		if row.State == rivertype.JobStateCancelled {
+			var s scheduler.JobSettlement
+			require.NoError(t, jsonUnmarshal(metadataValue(t, row.Metadata, "txlimit_settled"), &s))
+			for i, n := range names {
+				require.Equal(t, scheduler.SettledLimit{Name: n, Key: "u1", Reserved: j.counts[i], Credited: j.counts[i]}, s.Limits[i], "job %d", id)
+			}
+			continue
+		}
+		want := t0
+		for i := range names {
+			owed[i] += j.counts[i]
+			if at := t0.Add(time.Duration((owed[i] - 10) * float64(100*time.Millisecond))); at.After(want) {
+				want = at
+			}
+		}
+		if j.atOnce {
+			require.Equal(t, t0, want, "job %d ran at once", id)
+			continue
+		}
+		require.Equal(t, want, row.ScheduledAt.UTC(), "job %d (counts %v, owed %v)", id, j.counts, owed)
+	}
+	for i, n := range names {
+		require.Equal(t, 10-owed[i], value(t, b, n, "u1"), n)
+	}
+	require.Positive(t, refused, "no cancel met a job cancelled already")
+	t.Logf("%d jobs, %v tokens owed, %d cancels refused", len(ids), owed, refused)
+}
+
+// TestSettleAndCancelRaceRiversFetch reserves jobs that River works at once (their times, on the
+// limiter's frozen clock, lie in the past) and cancels them from 6 goroutines while River fetches
+// them; each worker settles its job, using half of it, and completes it in one transaction. Every
+// job either ran once and was settled once, or was cancelled with its refund and never ran, and
+// the limit holds exactly what the jobs used.
+func TestSettleAndCancelRaceRiversFetch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 16})
+	var (
+		sched *scheduler.Scheduler
+		ran   sync.Map // job ID -> *atomic.Int32, the times the worker ran it
+	)
+	worker := newClient(t, b.pool, &clientOpts{
+		queues: map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(4)},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			n, _ := ran.LoadOrStore(job.ID, new(atomic.Int32))
+			n.(*atomic.Int32).Add(1)
+			return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				if _, err := sched.SettleTx(ctx, tx, job.ID, math.Floor(float64(job.Args.N)/2)); err != nil {
+					return err
+				}
+				_, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
+				return err
+			})
+		},
+	})
+	var err error
+	sched, err = scheduler.New(worker, b.limiter, nil)
+	require.NoError(t, err)
+	first := reserve(t, b, "calls", "u1", 10) // empties the bucket: every later job waits, on the frozen clock
+	startClient(t, worker)
+
+	var mu sync.Mutex
+	count := map[int64]int{first.Job.ID: 10} // reserved; the job uses half its args' N, the first 0
+	ids, _ := raceReserveAndCancel(t, b.pool, sched, first.Job.ID, 6, 20, func(tx pgx.Tx, rng *rand.Rand) (int64, error) {
+		n := 2 + rng.IntN(3)
+		res, err := sched.ReserveTx(ctx, tx, "calls", "u1", float64(n), callArgs{N: n}, nil)
+		if err != nil {
+			return 0, err
+		}
+		mu.Lock()
+		count[res.Job.ID] = n
+		mu.Unlock()
+		return res.Job.ID, nil
+	})
+
+	used, cancelled := 0.0, 0
+	for _, id := range ids {
+		var row *rivertype.JobRow
+		require.Eventually(t, func() bool {
+			row = jobRow(t, b, id)
+			return row.State == rivertype.JobStateCompleted || row.State == rivertype.JobStateCancelled
+		}, 60*time.Second, 10*time.Millisecond, "job %d", id)
+		var s scheduler.JobSettlement
+		require.NoError(t, jsonUnmarshal(metadataValue(t, row.Metadata, "txlimit_settled"), &s), "job %d", id)
+		n, _ := ran.Load(id)
+		reserved, actual := float64(count[id]), math.Floor(float64(count[id])/2)
+		if id == first.Job.ID {
+			actual = 0 // its args' N is 0
+		}
+		if row.State == rivertype.JobStateCancelled {
+			require.Nil(t, n, "job %d ran and was cancelled", id)
+			require.True(t, s.Cancelled)
+			require.Equal(t, reserved, s.Limits[0].Credited)
+			cancelled++
+			continue
+		}
+		require.NotNil(t, n, "job %d", id)
+		require.Equal(t, int32(1), n.(*atomic.Int32).Load(), "job %d", id)
+		require.False(t, s.Cancelled)
+		require.Equal(t, reserved-actual, s.Limits[0].Credited, "job %d", id)
+		used += actual
+	}
+	require.Equal(t, 10-used, value(t, b, "calls", "u1"))
+	require.Positive(t, cancelled, "no job was cancelled: the test tests nothing")
+	t.Logf("%d jobs, %d cancelled", len(ids), cancelled)
+}
+
+// TestSettleTxRacesCancelTxSerializable settles (1 of 4 used) and cancels each of five waiting
+// jobs from 12 goroutines at once, each call in InSerializableTx (serialization failures
+// retried): each job is settled by exactly one of them, the others answering with its outcome
+// (SettleTx: Repeated) or refused (CancelTx: Settled), and the limit is credited exactly what the
+// winners gave back.
+func TestSettleTxRacesCancelTxSerializable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 16})
+	reserve(t, b, "calls", "u1", 10)
+	ids := make([]int64, 5)
+	for i := range ids {
+		ids[i] = reserve(t, b, "calls", "u1", 4).Job.ID
+	}
+	var (
+		won   [5]atomic.Int32
+		wg    sync.WaitGroup
+		start = make(chan struct{})
+	)
+	for g := range 12 {
+		wg.Go(func() {
+			<-start
+			var first bool // in the attempt that committed
+			err := ratelimit.InSerializableTx(ctx, b.pool, &ratelimit.TxOpts{MaxAttempts: 100}, func(ctx context.Context, tx pgx.Tx) error {
+				var out *scheduler.JobSettlement
+				var err error
+				if g%2 == 0 {
+					out, err = b.sched.SettleTx(ctx, tx, ids[g%5], 1)
+				} else {
+					out, err = b.sched.CancelTx(ctx, tx, ids[g%5])
+				}
+				var nc *scheduler.NotCancellableError
+				first = err == nil && !out.Repeated
+				if errors.As(err, &nc) && nc.Settled {
+					return nil
+				}
+				return err
+			})
+			if err != nil {
+				t.Error(err)
+			}
+			if first {
+				won[g%5].Add(1)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	require.False(t, t.Failed())
+	credited := 0.0
+	for i, id := range ids {
+		require.Equal(t, int32(1), won[i].Load(), "job %d settled by %d calls", id, won[i].Load())
+		var s scheduler.JobSettlement
+		require.NoError(t, jsonUnmarshal(metadataValue(t, jobRow(t, b, id).Metadata, "txlimit_settled"), &s))
+		want := 3.0 // settled: 1 of 4 used
+		if s.Cancelled {
+			want = 4
+		}
+		require.Equal(t, want, s.Limits[0].Credited, "job %d", id)
+		credited += want
+	}
+	require.Equal(t, -20+credited, value(t, b, "calls", "u1"))
+}
+
+// raceReserveAndCancel runs workers goroutines at once, each making rounds transactions on pool
+// that either reserve a job with reserveJob or cancel (sched.CancelTx) a job picked at random
+// among first and those reserved and committed so far. A refusal (a job cancelled already, or
+// started) is no error. It returns every job's ID, in ID order, and how many cancels were refused.
+func raceReserveAndCancel(t *testing.T, pool *pgxpool.Pool, sched *scheduler.Scheduler, first int64, workers, rounds int,
+	reserveJob func(tx pgx.Tx, rng *rand.Rand) (int64, error)) ([]int64, int32) {
+	t.Helper()
+	ctx := context.Background()
+	var (
+		mu      sync.Mutex
+		ids     = []int64{first}
+		refused atomic.Int32
+		wg      sync.WaitGroup
+		start   = make(chan struct{})
+	)
+	for w := range workers {
+		wg.Go(func() {
+			<-start
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			for range rounds {
+				mu.Lock()
+				target := ids[rng.IntN(len(ids))]
+				mu.Unlock()
+				var added int64
+				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					if rng.IntN(2) == 0 {
+						var err error
+						added, err = reserveJob(tx, rng)
+						return err
+					}
+					_, err := sched.CancelTx(ctx, tx, target)
+					if errors.Is(err, scheduler.ErrNotCancellable) {
+						refused.Add(1)
+						return nil
+					}
+					return err
+				})
+				if err != nil {
+					t.Errorf("worker %d: %v", w, err)
+					return
+				}
+				if added != 0 { // committed: the others may cancel it now
+					mu.Lock()
+					ids = append(ids, added)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	require.False(t, t.Failed())
+	slices.Sort(ids)
+	return ids, refused.Load()
 }

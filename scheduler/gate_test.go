@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -624,4 +625,94 @@ func TestGateDenialJitterSurvivesALateAnswer(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEqual(t, river.EventKindJobCompleted, res.EventKind,
 		"the denied job ran at RetryAt + %s, before RetryAt + its jitter %s", dbNow().Sub(retryAt), j)
+}
+
+// TestGateJobCancelWhileWaitingPaysOnce runs 40 jobs through a Gate over a limit that has 10
+// tokens and never refills (the limiter's clock is frozen), so that 30 reserve and wait, while
+// River's own JobCancel cancels every third job once it has been fetched and snoozed. Each job that
+// ran ran once; each took its token once, counting a cancelled one's payment (docs/scheduler.md: a
+// job cancelled while it waits keeps its tokens spent): the limit holds exactly 10 less the
+// payments.
+func TestGateJobCancelWhileWaitingPaysOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const n = 40
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": tenPerSecond}, now: frozen(t0), maxConns: 16})
+	var ran sync.Map // job ID -> *atomic.Int32
+	client := newClient(t, b.pool, &clientOpts{
+		middleware: []rivertype.Middleware{callsGate(t, b, nil)},
+		queues:     map[string]river.QueueConfig{river.QueueDefault: scheduler.PreciseQueue(20)},
+		work: func(ctx context.Context, job *river.Job[callArgs]) error {
+			c, _ := ran.LoadOrStore(job.ID, new(atomic.Int32))
+			c.(*atomic.Int32).Add(1)
+			return nil
+		},
+	})
+	params := make([]river.InsertManyParams, n)
+	for i := range params {
+		params[i] = river.InsertManyParams{Args: callArgs{N: i}}
+	}
+	inserted, err := client.InsertMany(ctx, params)
+	require.NoError(t, err)
+	startClient(t, client)
+
+	var wg sync.WaitGroup
+	for i := 0; i < n; i += 3 {
+		wg.Go(func() { // cancel the job once a Gate has let it wait (fetched, not running)
+			id := inserted[i].Job.ID
+			for deadline := time.Now().Add(60 * time.Second); ; {
+				row, err := client.JobGet(ctx, id)
+				switch {
+				case err != nil:
+					t.Error(err)
+					return
+				case time.Now().After(deadline):
+					t.Errorf("job %d neither ran nor waited (%s)", id, row.State)
+					return
+				case row.State == rivertype.JobStateCompleted:
+					return
+				case row.State != rivertype.JobStateRunning && row.AttemptedAt != nil:
+					if _, err := client.JobCancel(ctx, id); err != nil {
+						t.Error(err)
+					}
+					return
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	require.False(t, t.Failed())
+
+	paid, cancelledPaid := 0, 0
+	for _, ins := range inserted {
+		var row *rivertype.JobRow
+		require.Eventually(t, func() bool {
+			row = jobRow(t, b, ins.Job.ID)
+			return row.State == rivertype.JobStateCompleted || row.State == rivertype.JobStateCancelled
+		}, 60*time.Second, 10*time.Millisecond, "job %d", ins.Job.ID)
+		if c, ok := ran.Load(ins.Job.ID); ok {
+			require.Equal(t, int32(1), c.(*atomic.Int32).Load(), "job %d ran more than once", ins.Job.ID)
+			paid++
+			continue
+		}
+		var md struct {
+			Paid struct {
+				Limits []struct {
+					Name    string    `json:"name"`
+					RetryAt time.Time `json:"retry_at"` // set on a denial: nothing paid
+				} `json:"limits"`
+			} `json:"txlimit_paid"`
+		}
+		require.NoError(t, jsonUnmarshal(row.Metadata, &md))
+		for _, p := range md.Paid.Limits {
+			if p.Name == "calls" && p.RetryAt.IsZero() {
+				paid++
+				cancelledPaid++
+			}
+		}
+	}
+	require.Positive(t, cancelledPaid, "no job was cancelled while it waited paid: the test tests nothing")
+	require.Equal(t, 10-float64(paid), value(t, b, "calls", ""))
+	t.Logf("%d payments, %d of cancelled jobs", paid, cancelledPaid)
 }

@@ -369,6 +369,17 @@ func TestReserveTxConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 
+	t.Logf("committed %d (%d tokens), rolled back %d, denied %d", committed, tokens, rolledBack, denied)
+	require.Greater(t, denied, 0, "the budget should run out")
+	requireJobTokens(t, b, committed, tokens)
+	require.Equal(t, capacity-float64(tokens), value(t, b, "calls", ""))
+}
+
+var errRollback = errors.New("rolled back on purpose")
+
+// requireJobTokens requires the schema to hold n jobs whose args (callArgs.N) add up to tokens.
+func requireJobTokens(t *testing.T, b *testBundle, n, tokens int) {
+	t.Helper()
 	all := jobs(t, b.client)
 	jobTokens := 0
 	for _, j := range all {
@@ -376,14 +387,9 @@ func TestReserveTxConcurrent(t *testing.T) {
 		require.NoError(t, jsonUnmarshal(j.EncodedArgs, &args))
 		jobTokens += args.N
 	}
-	t.Logf("committed %d (%d tokens), rolled back %d, denied %d", committed, tokens, rolledBack, denied)
-	require.Greater(t, denied, 0, "the budget should run out")
-	require.Len(t, all, committed)
+	require.Len(t, all, n)
 	require.Equal(t, tokens, jobTokens)
-	require.Equal(t, capacity-float64(tokens), value(t, b, "calls", ""))
 }
-
-var errRollback = errors.New("rolled back on purpose")
 
 func TestReserveTxInput(t *testing.T) {
 	t.Parallel()
@@ -713,4 +719,58 @@ func TestReserveTxScheduledAtBeyondYear9999(t *testing.T) {
 		require.Equal(t, "ReserveOpts.InsertOpts.ScheduledAt", ae.Arg, "error: %v", err)
 		return nil
 	}))
+}
+
+// TestReserveTxSerializableSharded reserves on a sharded limit from 12 goroutines, each
+// reservation in InSerializableTx (serialization failures and busy shards retried), a third of them
+// failing after the reservation so that the transaction rolls back: the committed jobs hold
+// exactly the tokens the limit lost, a rolled-back one neither job nor tokens.
+func TestReserveTxSerializableSharded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg := ratelimit.Config{Rate: 40, Period: time.Hour, Shards: 4, MaxReserved: 1000}
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": cfg}, now: frozen(t0), maxConns: 16})
+
+	var (
+		wg            sync.WaitGroup
+		mu            sync.Mutex
+		tokens, calls int
+		start         = make(chan struct{})
+	)
+	for w := range 12 {
+		wg.Go(func() {
+			<-start
+			rng := rand.New(rand.NewPCG(uint64(w), 3))
+			for range 6 {
+				count := 1 + rng.IntN(3)
+				rollback := rng.IntN(3) == 0
+				err := ratelimit.InSerializableTx(ctx, b.pool, &ratelimit.TxOpts{MaxAttempts: 50}, func(ctx context.Context, tx pgx.Tx) error {
+					if _, err := b.sched.ReserveTx(ctx, tx, "calls", "hot", float64(count), callArgs{N: count}, nil); err != nil {
+						return err
+					}
+					if rollback {
+						return errRollback
+					}
+					return nil
+				})
+				switch {
+				case errors.Is(err, errRollback):
+				case err != nil:
+					t.Errorf("worker %d: %v", w, err)
+				default:
+					mu.Lock()
+					tokens += count
+					calls++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	require.False(t, t.Failed())
+
+	requireJobTokens(t, b, calls, tokens)
+	require.Equal(t, 40-float64(tokens), value(t, b, "calls", "hot"))
+	t.Logf("%d jobs, %d tokens", calls, tokens)
 }

@@ -2,8 +2,11 @@ package scheduler_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"log/slog"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/metrictest"
+	"github.com/txlimit/txlimit/internal/testdb"
 	"github.com/txlimit/txlimit/ratelimit"
 	"github.com/txlimit/txlimit/scheduler"
 )
@@ -225,4 +229,55 @@ func TestCancelTxOfAJobRiverCancelledNamesTheRefund(t *testing.T) {
 	err = b.cancelTx(t, id, false)
 	require.ErrorAs(t, err, &nc)
 	require.NotContains(t, err.Error(), "SettleTx", "%v", err)
+}
+
+// TestStrandedWorkerConcurrentChecksCountEachJobOnce runs four stranded checks at once, each in a
+// transaction of its own, over 200 stranded jobs: together they count each job exactly once, and
+// a fifth finds nothing left.
+func TestStrandedWorkerConcurrentChecksCountEachJobOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, &setupOpts{limits: map[string]ratelimit.Config{"calls": {Rate: 10, Period: time.Minute, MaxReserved: 10_000}}, maxConns: 16})
+	const jobs = 200
+	require.NoError(t, inTx(t, b.pool, false, func(tx pgx.Tx) error {
+		for range jobs {
+			if _, err := b.sched.ReserveTx(ctx, tx, "calls", "k", 1, callArgs{}, nil); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	w, _ := strandedWorker(t, b, func() time.Time { return time.Now().Add(24 * time.Hour) })
+	tw := testdb.RiverWorker(t, b.pool, &river.Config{Logger: quietLogger()}, river.Worker[scheduler.StrandedArgs](w))
+
+	var (
+		wg    sync.WaitGroup
+		total atomic.Int64
+		start = make(chan struct{})
+	)
+	for range 4 {
+		wg.Go(func() {
+			<-start
+			err := pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				res, err := tw.Work(ctx, t, tx, scheduler.StrandedArgs{}, nil)
+				if err != nil {
+					return err
+				}
+				var out scheduler.StrandedOutput
+				if err := json.Unmarshal(res.Job.Output(), &out); err != nil {
+					return err
+				}
+				total.Add(out.Total)
+				return nil
+			})
+			if err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	require.False(t, t.Failed())
+	require.Equal(t, int64(jobs), total.Load())
+	requireStranded(t, b, w, false, 0, "each counted once")
 }
