@@ -184,7 +184,10 @@ type JobSettlement struct {
 // ideally in the transaction that completes the job (river.JobCompleteTx). Settling a job no
 // attempt of which has started (one River cancelled or discarded before it ran: refund it with 0
 // used) also removes its payment for its first attempt ("txlimit_paid"), as CancelTx does: should
-// River bring it back (JobRetry), a Gate over its kind makes it pay.
+// River bring it back (JobRetry), a Gate over its kind makes it pay. A job still waiting to run is
+// not stopped by SettleTx: settled with 0 used, it would then run with its tokens given back
+// (unless a Gate over its kind makes it pay); CancelTx is the call that refunds it and keeps it
+// from running.
 //
 // actual must be finite, >= 0 and at most 10^15 (a difference from the reservation under 10^-9
 // tokens is settled as none, as by Settlement.Settle), and tx not nil (nor a nil pointer such as a nil *pgxpool.Tx):
