@@ -223,6 +223,7 @@ func (l *Limiter) single(ctx context.Context, db Executor, op, name, key string,
 
 func (l *Limiter) many(ctx context.Context, db Executor, op string, reqs []Request, single, dry bool, opts *LimitOpts) (ManyResult, error) {
 	if err := checkExecutor(op, db); err != nil {
+		l.obs.decided(ctx, metricOp(op), time.Now(), reqs, ManyResult{}, err) // counted as any invalid call
 		return ManyResult{}, err
 	}
 	return l.decide(ctx, op, reqs, single, dry, opts, func(c *call) (ManyResult, error) {

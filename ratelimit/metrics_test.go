@@ -318,3 +318,23 @@ func TestMetricsDecisionDurationBuckets(t *testing.T) {
 	}
 	require.Equal(t, 5, seen)
 }
+
+// TestMetricsRefusedExecutor: a call refused for its Executor (nil, or a bare *sql.Tx) is a call
+// that failed as invalid input, counted and timed as every other (LimiterConfig.MeterProvider).
+func TestMetricsRefusedExecutor(t *testing.T) {
+	t.Parallel()
+	b, reader := meteredBundle(t, nil, &ratelimit.LimiterConfig{
+		Limits: map[string]ratelimit.Config{"a": {Rate: 2, Period: time.Minute}},
+	})
+	_, err := b.lim.Limit(b.ctx, nil, "a", "k", nil)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	_, err = b.lim.CheckMany(b.ctx, nil, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "a", Key: "j"}}, nil)
+	require.ErrorIs(t, err, ratelimit.ErrInvalid)
+	rm := metrictest.Collect(t, reader)
+	invalid := func(op string) []attribute.KeyValue {
+		return []attribute.KeyValue{attribute.String("txlimit.op", op), attribute.String("txlimit.outcome", "error"),
+			attribute.String("error.type", "invalid")}
+	}
+	require.Equal(t, int64(1), metrictest.Sum(t, rm, "txlimit.decisions", invalid("LimitN")...))
+	require.Equal(t, int64(2), metrictest.Sum(t, rm, "txlimit.decisions", invalid("CheckMany")...))
+}
