@@ -168,11 +168,14 @@ func (e *BusyError) Unwrap() error {
 }
 
 // IsRetryable reports whether err is a Postgres serialization failure (SQLSTATE 40001) or deadlock
-// (40P01), a *BusyError among them: the transaction can be retried from the start.
+// (40P01), a *BusyError among them: the transaction can be retried from the start. The SQLSTATE
+// is that of the first error in err's chain with an SQLState method: pgx's *pgconn.PgError, and
+// lib/pq's *pq.Error from an application's own statements in a *sql.Tx.
 func IsRetryable(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Code == "40001" || pgErr.Code == "40P01"
+	var coded interface{ SQLState() string }
+	if errors.As(err, &coded) {
+		code := coded.SQLState()
+		return code == "40001" || code == "40P01"
 	}
 	return false
 }

@@ -154,3 +154,29 @@ func TestWrapNil(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalid)
 	require.ErrorContains(t, err, "is a *sql.DB: pass a pgx.Tx, *pgxpool.Pool or *pgx.Conn, or wrap a database/sql handle with sqldb.Wrap")
 }
+
+// TestIsRetryableCallersStatement: a serialization failure of the caller's own statement (or
+// commit) in a SERIALIZABLE *sql.Tx, which never went through Wrap, is retryable as
+// ratelimit.IsRetryable says, with lib/pq (*pq.Error) as with the pgx stdlib driver.
+func TestIsRetryableCallersStatement(t *testing.T) {
+	t.Parallel()
+	for _, driver := range testdb.SQLDrivers {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			db, pool := testdb.SQLDB(t, driver, false)
+			_, err := pool.Exec(ctx, "CREATE TABLE counter (n int); INSERT INTO counter VALUES (0)")
+			require.NoError(t, err)
+			tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelSerializable})
+			require.NoError(t, err)
+			defer func() { _ = tx.Rollback() }()
+			var n int
+			require.NoError(t, tx.QueryRowContext(ctx, "SELECT n FROM counter").Scan(&n)) // takes the snapshot
+			_, err = pool.Exec(ctx, "UPDATE counter SET n = n + 1")
+			require.NoError(t, err)
+			_, err = tx.ExecContext(ctx, "UPDATE counter SET n = n + 1")
+			require.Error(t, err)
+			require.True(t, ratelimit.IsRetryable(err), "%T: %v", err, err)
+		})
+	}
+}
