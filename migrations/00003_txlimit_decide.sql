@@ -375,7 +375,7 @@ DECLARE
     -- Rows as read, then as locked (r_*); as the granted groups leave them (w_*; w_req, the first
     -- granted request that charges the row, whose config stamps it if missing); held.
     r_val double precision[]; r_ts bigint[]; w_val double precision[]; w_ts bigint[]; w_req integer[];
-    l_held boolean[]; lk record; changed boolean; made integer[]; mr integer; tc bigint;
+    l_held boolean[]; lk record; changed boolean; made boolean;
     -- Requests: written by the first step, the rows as evaluated, the charge, granted by the rules,
     -- refused to retry at once.
     q_w boolean[]; q_va double precision[]; q_ta bigint[]; q_vb double precision[]; q_tb bigint[];
@@ -407,7 +407,7 @@ BEGIN
     END IF;
 
     m := cardinality(p_row_name); todo := coalesce(todo, array_fill(true, ARRAY[n]));
-    plan_ch := array_fill(0, ARRAY[n]); changed := false;
+    plan_ch := array_fill(0, ARRAY[n]); changed := false; made := false;
     -- 1. Plan: every row read without a lock, and the list folded on them: each request left to
     -- decide, in list order, each all-or-nothing group seeing the groups granted before it.
     SELECT array_agg(s.value ORDER BY u.i), array_agg(s.ts ORDER BY u.i) INTO r_val, r_ts
@@ -484,19 +484,16 @@ BEGIN
             IF lk.got THEN
                 r_val[r] := lk.value; r_ts[r] := lk.ts;
             END IF;
-            IF lk.created THEN
-                made := made || r;
-            END IF;
+            made := made OR lk.created;
         END LOOP;
-        -- On the database's clock, the rows this call created are decided as missing at a clock
-        -- read now, once the locks are held, not at t: a row deleted since t by a Prune that read a
-        -- later clock and found it full (or by a Reset) was not full at t, and charged as full then
-        -- it would refill from then (docs/spec.md §1).
-        IF p_now_us IS NULL AND made IS NOT NULL THEN
-            tc := txlimit_clock(NULL);
-            FOREACH mr IN ARRAY made LOOP
-                r_ts[mr] := txlimit_next_ts(r_ts[mr], tc, p_step_us[w_req[mr]]);
-            END LOOP;
+        -- On the database's clock, a call that created a row decides at a clock read now, once
+        -- the locks are held, not at t: a row deleted since t by a Prune that read a later clock
+        -- and found it full (or by a Reset) was not full at t, and charged as full then it would
+        -- refill from then. The whole call, not that row alone: a charge split between a created
+        -- shard and an existing one stamped at two readings would leave the existing one refilling
+        -- from the earlier, tokens it may never have lacked (docs/spec.md §1).
+        IF p_now_us IS NULL AND made THEN
+            t := txlimit_clock(NULL);
         END IF;
         -- 3. Decide on the rows as locked (the plan's answers stand when every row is as read).
         EXIT WHEN NOT changed;

@@ -230,9 +230,49 @@ func TestPruneBesideADecisionThatReadItsClockFirst(t *testing.T) {
 	require.NoError(t, m.err)
 	require.True(t, m.res.OK)
 	full := r0.Time.Add(2 * time.Second)
-	require.True(t, m.res.Time.Before(full), "the decision read its clock before R was full again")
 	value, ts, found := testdb.StoredRow(t, b.pool, "r", "k", 0)
 	require.True(t, found)
 	require.Equal(t, 9.0, value, "R full, then charged 1")
 	require.False(t, time.UnixMicro(ts).Before(full), "R stamped %v after its charge, before it was full again", time.UnixMicro(ts).Sub(r0.Time))
+	require.Equal(t, m.res.Time.UnixMicro(), ts, "Result.Time is the reading R was charged at")
+}
+
+// docs/spec.md §1, §2: a decision that creates one shard of a sharded limit and charges it together
+// with the other, existing shard, after waiting for that shard's lock, decides both at one
+// instant. Deciding the created shard at a reading taken after the wait and the other at the
+// statement's first one split the tokens between rows stamped at different instants: the existing
+// shard, full all along, was left refilling from the earlier reading, tokens it had never lacked
+// (a 10-token, 2-shard limit charged 8 with both shards full must hold 2 after it, not up to 6).
+func TestChargeOfACreatedShardAndAnExistingOneAfterAWait(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{
+		"sh": {Rate: 10, Period: 100 * time.Millisecond, Shards: 2},
+	})
+	ctx := b.ctx
+	// Shard 0 full (stamped as a missing row is), shard 1 missing.
+	_, err := b.pool.Exec(ctx, "INSERT INTO txlimit_state (name, key, shard, value, ts) VALUES ('sh', 'k', 0, 5, 0)")
+	require.NoError(t, err)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	testdb.LockRow(t, holder, "sh", "k", 0)
+
+	conn := testdb.Conn(t, b.pool)
+	done := async(func() (ratelimit.Result, error) { return b.lim.LimitN(ctx, conn, "sh", "k", 8, nil) })
+	eventually(t, "LimitN waits for shard 0", func() bool { return testdb.LockWait(t, b.pool, conn.PgConn().PID()) != "" })
+	require.NoError(t, holder.Rollback(ctx))
+	r := <-done
+	require.NoError(t, r.err)
+	require.True(t, r.res.OK)
+	require.Equal(t, []int{0, 1}, r.res.Shards)
+	v0, ts0, found0 := testdb.StoredRow(t, b.pool, "sh", "k", 0)
+	v1, ts1, found1 := testdb.StoredRow(t, b.pool, "sh", "k", 1)
+	require.True(t, found0 && found1)
+	require.Equal(t, 1.0, v0)
+	require.Equal(t, 1.0, v1)
+	// The tokens both rows hold at the later ts (5 per 100 ms per shard: 0.00005 per µs).
+	at := max(ts0, ts1)
+	held := min(v0+float64(at-ts0)*0.00005, 5) + min(v1+float64(at-ts1)*0.00005, 5)
+	require.Equal(t, 2.0, held, "shards stamped %d µs apart", ts1-ts0)
+	require.Equal(t, r.res.Time.UnixMicro(), at, "Result.Time is the instant the rows were charged at")
 }
