@@ -522,18 +522,22 @@ $$;
 -- meanwhile, a charge of both shards) is decided by txlimit_decide_v1. p_tried: the statement
 -- DecideOneRow (internal/dbsqlc/queries/engine.sql) ran its UPDATE of the one unsharded row first,
 -- which under READ COMMITTED grants what leaves the row at zero or above; that UPDATE may hold the
--- row without having written it, so no other row is waited for out of order here.
+-- row without having written it, so no other row is waited for out of order here. p_t_us: the
+-- reading that statement took (for the UPDATE), to decide at here too, so that a call's clock is
+-- read once before any wait (docs/spec.md §2); NULL: read here (txlimit_clock(p_now_us)). The road
+-- for lists gets p_now_us, not that reading: on the database's clock (NULL) it decides a row it
+-- creates at a reading of its own (see txlimit_decide_v1).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_decide_one_v1(
     p_now_us bigint, p_name text, p_key text, p_count double precision, p_allow double precision, p_dry boolean,
     p_step_us bigint, p_rate double precision, p_period_us bigint, p_cap double precision, p_anchor_us bigint,
-    p_shards integer[], p_lock_key bigint, p_tried boolean)
+    p_shards integer[], p_lock_key bigint, p_tried boolean, p_t_us bigint)
 RETURNS bytea
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
 AS $$
 DECLARE
-    t bigint := txlimit_clock(p_now_us);
+    t bigint := coalesce(p_t_us, txlimit_clock(p_now_us));
     a integer; b integer; -- the candidates, as steering chose them
     sh integer; held integer; pos integer; got boolean; two boolean; ch integer;
     v double precision; vts bigint; -- the row as the UPDATE left it
@@ -676,7 +680,8 @@ $$;
 
 -- +goose Down
 DROP FUNCTION IF EXISTS txlimit_decide_one_v1(bigint, text, text, double precision, double precision, boolean, bigint,
-                                              double precision, bigint, double precision, bigint, integer[], bigint, boolean);
+                                              double precision, bigint, double precision, bigint, integer[], bigint, boolean,
+                                              bigint);
 DROP FUNCTION IF EXISTS txlimit_decide_v1(bigint, integer[], double precision[], double precision[], boolean[], boolean[], bigint[],
                                           double precision[], bigint[], double precision[], bigint[], integer[], integer[], text[],
                                           text[], integer[], integer);
