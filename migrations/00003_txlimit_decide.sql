@@ -375,7 +375,7 @@ DECLARE
     -- Rows as read, then as locked (r_*); as the granted groups leave them (w_*; w_req, the first
     -- granted request that charges the row, whose config stamps it if missing); held.
     r_val double precision[]; r_ts bigint[]; w_val double precision[]; w_ts bigint[]; w_req integer[];
-    l_held boolean[]; lk record; changed boolean; made integer[]; mr integer; tc bigint;
+    l_held boolean[]; lk record; changed boolean; made boolean;
     -- Requests: written by the first step, the rows as evaluated, the charge, granted by the rules,
     -- refused to retry at once.
     q_w boolean[]; q_va double precision[]; q_ta bigint[]; q_vb double precision[]; q_tb bigint[];
@@ -407,7 +407,7 @@ BEGIN
     END IF;
 
     m := cardinality(p_row_name); todo := coalesce(todo, array_fill(true, ARRAY[n]));
-    plan_ch := array_fill(0, ARRAY[n]); changed := false;
+    plan_ch := array_fill(0, ARRAY[n]); changed := false; made := false;
     -- 1. Plan: every row read without a lock, and the list folded on them: each request left to
     -- decide, in list order, each all-or-nothing group seeing the groups granted before it.
     SELECT array_agg(s.value ORDER BY u.i), array_agg(s.ts ORDER BY u.i) INTO r_val, r_ts
@@ -484,19 +484,16 @@ BEGIN
             IF lk.got THEN
                 r_val[r] := lk.value; r_ts[r] := lk.ts;
             END IF;
-            IF lk.created THEN
-                made := made || r;
-            END IF;
+            made := made OR lk.created;
         END LOOP;
-        -- On the database's clock, the rows this call created are decided as missing at a clock
-        -- read now, once the locks are held, not at t: a row deleted since t by a Prune that read a
-        -- later clock and found it full (or by a Reset) was not full at t, and charged as full then
-        -- it would refill from then (docs/spec.md §1).
-        IF p_now_us IS NULL AND made IS NOT NULL THEN
-            tc := txlimit_clock(NULL);
-            FOREACH mr IN ARRAY made LOOP
-                r_ts[mr] := txlimit_next_ts(r_ts[mr], tc, p_step_us[w_req[mr]]);
-            END LOOP;
+        -- On the database's clock, a call that created a row decides at a clock read now, once
+        -- the locks are held, not at t: a row deleted since t by a Prune that read a later clock
+        -- and found it full (or by a Reset) was not full at t, and charged as full then it would
+        -- refill from then. The whole call, not that row alone: a charge split between a created
+        -- shard and an existing one stamped at two readings would leave the existing one refilling
+        -- from the earlier, tokens it may never have lacked (docs/spec.md §1).
+        IF p_now_us IS NULL AND made THEN
+            t := txlimit_clock(NULL);
         END IF;
         -- 3. Decide on the rows as locked (the plan's answers stand when every row is as read).
         EXIT WHEN NOT changed;
@@ -525,18 +522,22 @@ $$;
 -- meanwhile, a charge of both shards) is decided by txlimit_decide_v1. p_tried: the statement
 -- DecideOneRow (internal/dbsqlc/queries/engine.sql) ran its UPDATE of the one unsharded row first,
 -- which under READ COMMITTED grants what leaves the row at zero or above; that UPDATE may hold the
--- row without having written it, so no other row is waited for out of order here.
+-- row without having written it, so no other row is waited for out of order here. p_t_us: the
+-- reading that statement took (for the UPDATE), to decide at here too, so that a call's clock is
+-- read once before any wait (docs/spec.md §2); NULL: read here (txlimit_clock(p_now_us)). The road
+-- for lists gets p_now_us, not that reading: on the database's clock (NULL) it decides a row it
+-- creates at a reading of its own (see txlimit_decide_v1).
 -- +goose StatementBegin
 CREATE FUNCTION txlimit_decide_one_v1(
     p_now_us bigint, p_name text, p_key text, p_count double precision, p_allow double precision, p_dry boolean,
     p_step_us bigint, p_rate double precision, p_period_us bigint, p_cap double precision, p_anchor_us bigint,
-    p_shards integer[], p_lock_key bigint, p_tried boolean)
+    p_shards integer[], p_lock_key bigint, p_tried boolean, p_t_us bigint)
 RETURNS bytea
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
 AS $$
 DECLARE
-    t bigint := txlimit_clock(p_now_us);
+    t bigint := coalesce(p_t_us, txlimit_clock(p_now_us));
     a integer; b integer; -- the candidates, as steering chose them
     sh integer; held integer; pos integer; got boolean; two boolean; ch integer;
     v double precision; vts bigint; -- the row as the UPDATE left it
@@ -679,7 +680,8 @@ $$;
 
 -- +goose Down
 DROP FUNCTION IF EXISTS txlimit_decide_one_v1(bigint, text, text, double precision, double precision, boolean, bigint,
-                                              double precision, bigint, double precision, bigint, integer[], bigint, boolean);
+                                              double precision, bigint, double precision, bigint, integer[], bigint, boolean,
+                                              bigint);
 DROP FUNCTION IF EXISTS txlimit_decide_v1(bigint, integer[], double precision[], double precision[], boolean[], boolean[], bigint[],
                                           double precision[], bigint[], double precision[], bigint[], integer[], integer[], text[],
                                           text[], integer[], integer);

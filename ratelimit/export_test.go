@@ -84,3 +84,7 @@ const (
 	// txlimit_retry_at's bound, which no Go code applies.
 	MaxRetryWaitMicros = 1 << 61
 )
+
+// QueueKey is the key of the advisory lock that a lone Limit on an unsharded (name, key) queues on
+// in DecideOneRow (before the XOR with the table's OID shifted left 20 bits, done in SQL).
+func QueueKey(name, key string) int64 { return shardLockBase(name, key) ^ queueBit }

@@ -169,8 +169,9 @@ type Result struct {
 	// in force).
 	Config Config
 
-	// Time is the clock reading the decision was made with: the database's clock, read once per
-	// statement before any wait for a row lock, unless LimiterConfig.Now is set. A row whose ts is
+	// Time is the clock reading the decision was made with: the database's clock, read as the
+	// statement starts deciding (docs/spec.md §2; a decision that creates a row reads it again once
+	// it holds its rows, §1), unless LimiterConfig.Now is set. A row whose ts is
 	// later (a concurrent call read the clock after this one but committed first) is evaluated at
 	// its ts instead, since time never runs backwards for a row; so under contention Time can trail
 	// the instant the decision took effect by the wait. RetryAt is computed from the row as

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txlimit/txlimit/internal/testdb"
@@ -198,41 +199,126 @@ func TestPruneBesideADecisionThatReadItsClockFirst(t *testing.T) {
 	ctx := b.ctx
 	_, err := b.lim.Limit(ctx, b.pool, "a", "k", nil)
 	require.NoError(t, err)
-	r0, err := b.lim.LimitN(ctx, b.pool, "r", "k", 10, nil) // R at 0, refilling 5/s: full 2 s later
-	require.NoError(t, err)
-	require.True(t, r0.OK)
-
+	r0 := emptyRAndLetItHoldOne(t, b)
 	holder, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
 	testdb.LockRow(t, holder, "a", "k", 0)
 
-	eventually(t, "R holds 1", func() bool {
-		st, err := b.lim.State(ctx, b.pool, "r", "k", nil)
-		require.NoError(t, err)
-		return st.Value >= 1
-	})
 	conn := testdb.Conn(t, b.pool)
 	done := async(func() (ratelimit.ManyResult, error) {
 		return b.lim.LimitMany(ctx, conn, []ratelimit.Request{{Name: "a", Key: "k"}, {Name: "r", Key: "k"}}, nil)
 	})
 	eventually(t, "LimitMany waits for row a", func() bool { return testdb.LockWait(t, b.pool, conn.PgConn().PID()) != "" })
+	pruneRBesideTheWaiter(t, b, r0, holder, func() (bool, time.Time) {
+		m := <-done
+		require.NoError(t, m.err)
+		return m.res.OK, m.res.Time
+	})
+}
+
+// emptyRAndLetItHoldOne charges limit "r" (10 per 2 s) to 0 and waits until it holds 1 again:
+// full again 2 s after the returned result's Time.
+func emptyRAndLetItHoldOne(t *testing.T, b *testBundle) ratelimit.Result {
+	t.Helper()
+	r0, err := b.lim.LimitN(b.ctx, b.pool, "r", "k", 10, nil)
+	require.NoError(t, err)
+	require.True(t, r0.OK)
+	eventually(t, "R holds 1", func() bool {
+		st, err := b.lim.State(b.ctx, b.pool, "r", "k", nil)
+		require.NoError(t, err)
+		return st.Value >= 1
+	})
+	return r0
+}
+
+// pruneRBesideTheWaiter waits until R (emptied by r0) is full again, prunes it while a decision
+// that read its clock before (and charges R 1) waits on holder, ends holder, and checks that R was
+// charged as full only at a reading after the prune's, the decision's Result.Time (decided: its
+// OK and Time).
+func pruneRBesideTheWaiter(t *testing.T, b *testBundle, r0 ratelimit.Result, holder pgx.Tx, decided func() (bool, time.Time)) {
+	t.Helper()
 	eventually(t, "R full", func() bool {
-		st, err := b.lim.State(ctx, b.pool, "r", "k", nil)
+		st, err := b.lim.State(b.ctx, b.pool, "r", "k", nil)
 		require.NoError(t, err)
 		return st.Value == 10
 	})
-	n, err := b.lim.Prune(ctx, b.pool, "r", nil)
+	n, err := b.lim.Prune(b.ctx, b.pool, "r", nil)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	require.NoError(t, holder.Rollback(ctx))
-	m := <-done
-	require.NoError(t, m.err)
-	require.True(t, m.res.OK)
+	require.NoError(t, holder.Rollback(b.ctx))
+	ok, at := decided()
+	require.True(t, ok)
 	full := r0.Time.Add(2 * time.Second)
-	require.True(t, m.res.Time.Before(full), "the decision read its clock before R was full again")
 	value, ts, found := testdb.StoredRow(t, b.pool, "r", "k", 0)
 	require.True(t, found)
 	require.Equal(t, 9.0, value, "R full, then charged 1")
 	require.False(t, time.UnixMicro(ts).Before(full), "R stamped %v after its charge, before it was full again", time.UnixMicro(ts).Sub(r0.Time))
+	require.Equal(t, at.UnixMicro(), ts, "Result.Time is the reading R was charged at")
+}
+
+// docs/spec.md §1, §2: a decision that creates one shard of a sharded limit and charges it together
+// with the other, existing shard, after waiting for that shard's lock, decides both at one
+// instant. Deciding the created shard at a reading taken after the wait and the other at the
+// statement's first one split the tokens between rows stamped at different instants: the existing
+// shard, full all along, was left refilling from the earlier reading, tokens it had never lacked
+// (a 10-token, 2-shard limit charged 8 with both shards full must hold 2 after it, not up to 6).
+func TestChargeOfACreatedShardAndAnExistingOneAfterAWait(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{
+		"sh": {Rate: 10, Period: 100 * time.Millisecond, Shards: 2},
+	})
+	ctx := b.ctx
+	// Shard 0 full (stamped as a missing row is), shard 1 missing.
+	_, err := b.pool.Exec(ctx, "INSERT INTO txlimit_state (name, key, shard, value, ts) VALUES ('sh', 'k', 0, 5, 0)")
+	require.NoError(t, err)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	testdb.LockRow(t, holder, "sh", "k", 0)
+
+	conn := testdb.Conn(t, b.pool)
+	done := async(func() (ratelimit.Result, error) { return b.lim.LimitN(ctx, conn, "sh", "k", 8, nil) })
+	eventually(t, "LimitN waits for shard 0", func() bool { return testdb.LockWait(t, b.pool, conn.PgConn().PID()) != "" })
+	require.NoError(t, holder.Rollback(ctx))
+	r := <-done
+	require.NoError(t, r.err)
+	require.True(t, r.res.OK)
+	require.Equal(t, []int{0, 1}, r.res.Shards)
+	v0, ts0, found0 := testdb.StoredRow(t, b.pool, "sh", "k", 0)
+	v1, ts1, found1 := testdb.StoredRow(t, b.pool, "sh", "k", 1)
+	require.True(t, found0 && found1)
+	require.Equal(t, 1.0, v0)
+	require.Equal(t, 1.0, v1)
+	// The tokens both rows hold at the later ts (5 per 100 ms per shard: 0.00005 per µs).
+	at := max(ts0, ts1)
+	held := min(v0+float64(at-ts0)*0.00005, 5) + min(v1+float64(at-ts1)*0.00005, 5)
+	require.Equal(t, 2.0, held, "shards stamped %d µs apart", ts1-ts0)
+	require.Equal(t, r.res.Time.UnixMicro(), at, "Result.Time is the instant the rows were charged at")
+}
+
+// docs/spec.md §1 and §10, for a lone Limit on an unsharded limit (DecideOneRow): it read the
+// clock, found its row granting and queued on the row's advisory lock; a Prune that read the
+// clock later, found the row full and deleted it meanwhile. The row the Limit creates is decided
+// at a reading taken after, not charged as full at the Limit's first reading, when it held about 1.
+func TestPruneBesideALoneLimitQueuedOnItsRow(t *testing.T) {
+	t.Parallel()
+	b := setupDB(t, nil, map[string]ratelimit.Config{"r": {Rate: 10, Period: 2 * time.Second}})
+	ctx := b.ctx
+	r0 := emptyRAndLetItHoldOne(t, b)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	_, err = holder.Exec(ctx, "SELECT pg_advisory_xact_lock($1::bigint # ('txlimit_state'::regclass::oid::bigint << 20))",
+		ratelimit.QueueKey("r", "k"))
+	require.NoError(t, err)
+
+	conn := testdb.Conn(t, b.pool)
+	done := async(func() (ratelimit.Result, error) { return b.lim.Limit(ctx, conn, "r", "k", nil) })
+	eventually(t, "Limit queues on R", func() bool { return testdb.LockWait(t, b.pool, conn.PgConn().PID()) == "advisory" })
+	pruneRBesideTheWaiter(t, b, r0, holder, func() (bool, time.Time) {
+		r := <-done
+		require.NoError(t, r.err)
+		return r.res.OK, r.res.Time
+	})
 }

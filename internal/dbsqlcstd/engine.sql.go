@@ -98,7 +98,7 @@ SELECT txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
                              $6::boolean, $7::bigint, $8::double precision,
                              $9::bigint, $10::double precision,
                              $11::bigint, $12::integer[], $13::bigint,
-                             false)::bytea AS answer
+                             false, NULL)::bytea AS answer
 `
 
 type DecideOneParams struct {
@@ -143,21 +143,21 @@ func (q *Queries) DecideOne(ctx context.Context, db DBTX, arg DecideOneParams) (
 
 const decideOneRow = `-- name: DecideOneRow :one
 WITH c AS MATERIALIZED (
-    SELECT txlimit_clock($11::bigint) AS t
+    SELECT txlimit_clock($1::bigint) AS t
 ), u AS (
     UPDATE txlimit_state s
-    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $6::double precision,
-                                                 $7::bigint, $5::bigint,
-                                                 $8::double precision), 0, $3::double precision),
-        ts = txlimit_next_ts(s.ts, c.t, $5::bigint)
+    SET value = txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $7::double precision,
+                                                 $8::bigint, $6::bigint,
+                                                 $9::double precision), 0, $4::double precision),
+        ts = txlimit_next_ts(s.ts, c.t, $6::bigint)
     FROM c
     WHERE current_setting('transaction_isolation') = 'read committed'
-      AND s.name = $1::text AND s.key = $2::text AND s.shard = 0
-      AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $6::double precision,
-                                                                        $7::bigint,
-                                                                        $5::bigint,
-                                                                        $8::double precision),
-                                                    0, $3::double precision),
+      AND s.name = $2::text AND s.key = $3::text AND s.shard = 0
+      AND CASE WHEN txlimit_granted(1, txlimit_left(0, 1, txlimit_level(s.value, s.ts, c.t, $7::double precision,
+                                                                        $8::bigint,
+                                                                        $6::bigint,
+                                                                        $9::double precision),
+                                                    0, $4::double precision),
                                     0, 0)
                THEN pg_current_xact_id_if_assigned() IS NOT NULL
                     OR pg_advisory_xact_lock($12::bigint # ('txlimit_state'::regclass::oid::bigint << 20))
@@ -166,14 +166,16 @@ WITH c AS MATERIALIZED (
     RETURNING txlimit_pack_v1(true, false, false, s.value, 0, -1, 1, 0, c.t, s.ts) AS answer
 )
 SELECT coalesce((SELECT u.answer FROM u),
-                txlimit_decide_one_v1((SELECT c.t FROM c), $1::text, $2::text,
-                                      $3::double precision, $4::double precision, false,
-                                      $5::bigint, $6::double precision,
-                                      $7::bigint, $8::double precision,
-                                      $9::bigint, '{0}', $10::bigint, true))::bytea AS answer
+                txlimit_decide_one_v1($1::bigint, $2::text, $3::text,
+                                      $4::double precision, $5::double precision, false,
+                                      $6::bigint, $7::double precision,
+                                      $8::bigint, $9::double precision,
+                                      $10::bigint, '{0}', $11::bigint, true,
+                                      (SELECT c.t FROM c)))::bytea AS answer
 `
 
 type DecideOneRowParams struct {
+	NowUs    sql.NullInt64
 	Name     string
 	Key      string
 	Count    float64
@@ -184,7 +186,6 @@ type DecideOneRowParams struct {
 	Cap      float64
 	AnchorUs int64
 	LockKey  int64
-	NowUs    sql.NullInt64
 	QueueKey int64
 }
 
@@ -203,10 +204,13 @@ type DecideOneRowParams struct {
 // txlimit_decide_one_v1 in the same statement, told that the UPDATE ran. The condition on the
 // isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
 // UPDATE reads nothing. The clock is read once, in c, for the UPDATE and the fallback alike
-// (docs/spec.md §2): read again by the fallback, after the UPDATE waited for the row, it would be
-// a second reading, later than the one the statement started with.
+// (docs/spec.md §2; the fallback's p_t_us): read again by the fallback, after the UPDATE waited
+// for the row, it would be a second reading, later than the one the statement started with. The
+// fallback still gets now_us itself, so that on the database's clock a row it has to create is
+// decided at a reading taken once it holds it (§1).
 func (q *Queries) DecideOneRow(ctx context.Context, db DBTX, arg DecideOneRowParams) ([]byte, error) {
 	row := db.QueryRowContext(ctx, decideOneRow,
+		arg.NowUs,
 		arg.Name,
 		arg.Key,
 		arg.Count,
@@ -217,7 +221,6 @@ func (q *Queries) DecideOneRow(ctx context.Context, db DBTX, arg DecideOneRowPar
 		arg.Cap,
 		arg.AnchorUs,
 		arg.LockKey,
-		arg.NowUs,
 		arg.QueueKey,
 	)
 	var answer []byte

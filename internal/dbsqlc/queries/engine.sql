@@ -14,8 +14,10 @@
 -- txlimit_decide_one_v1 in the same statement, told that the UPDATE ran. The condition on the
 -- isolation level is a constant of the statement: under REPEATABLE READ and SERIALIZABLE the
 -- UPDATE reads nothing. The clock is read once, in c, for the UPDATE and the fallback alike
--- (docs/spec.md §2): read again by the fallback, after the UPDATE waited for the row, it would be
--- a second reading, later than the one the statement started with.
+-- (docs/spec.md §2; the fallback's p_t_us): read again by the fallback, after the UPDATE waited
+-- for the row, it would be a second reading, later than the one the statement started with. The
+-- fallback still gets now_us itself, so that on the database's clock a row it has to create is
+-- decided at a reading taken once it holds it (§1).
 WITH c AS MATERIALIZED (
     SELECT txlimit_clock(sqlc.narg('now_us')::bigint) AS t
 ), u AS (
@@ -40,11 +42,12 @@ WITH c AS MATERIALIZED (
     RETURNING txlimit_pack_v1(true, false, false, s.value, 0, -1, 1, 0, c.t, s.ts) AS answer
 )
 SELECT coalesce((SELECT u.answer FROM u),
-                txlimit_decide_one_v1((SELECT c.t FROM c), sqlc.arg('name')::text, sqlc.arg('key')::text,
+                txlimit_decide_one_v1(sqlc.narg('now_us')::bigint, sqlc.arg('name')::text, sqlc.arg('key')::text,
                                       sqlc.arg('count')::double precision, sqlc.arg('allow')::double precision, false,
                                       sqlc.arg('step_us')::bigint, sqlc.arg('rate')::double precision,
                                       sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision,
-                                      sqlc.arg('anchor_us')::bigint, '{0}', sqlc.arg('lock_key')::bigint, true))::bytea AS answer;
+                                      sqlc.arg('anchor_us')::bigint, '{0}', sqlc.arg('lock_key')::bigint, true,
+                                      (SELECT c.t FROM c)))::bytea AS answer;
 
 -- name: DecideOne :one
 -- DecideOne decides any other list of one request (a Check or CheckN, a call on a sharded limit)
@@ -55,7 +58,7 @@ SELECT txlimit_decide_one_v1(sqlc.narg('now_us')::bigint, sqlc.arg('name')::text
                              sqlc.arg('dry')::boolean, sqlc.arg('step_us')::bigint, sqlc.arg('rate')::double precision,
                              sqlc.arg('period_us')::bigint, sqlc.arg('cap')::double precision,
                              sqlc.arg('anchor_us')::bigint, sqlc.arg('shards')::integer[], sqlc.arg('lock_key')::bigint,
-                             false)::bytea AS answer;
+                             false, NULL)::bytea AS answer;
 
 -- name: Decide :many
 -- Decide decides a list of requests in one statement: txlimit_decide_v1 (migrations/), which
