@@ -62,18 +62,18 @@ import sys
 root, tmp = sys.argv[1], sys.argv[2]
 sys.path.insert(0, f"{root}/bench")
 from sqlcquery import query
-row_types = "text, text, float8, float8, bigint, float8, bigint, float8, bigint, bigint, bigint, bigint"
+row_types = "bigint, text, text, float8, float8, bigint, float8, bigint, float8, bigint, bigint, bigint"
 one_types = "bigint, text, text, float8, float8, bool, bigint, float8, bigint, float8, bigint, int[], bigint"
 def one(mode, types, body, args):
     open(f"{tmp}/{mode}.prep", "w").write(f"SET plan_cache_mode = force_generic_plan\nPREPARE d({types}) AS {body}\n")
     open(f"{tmp}/{mode}.stmt", "w").write(f"EXECUTE d({args})\n")
 row, one_q = query(root, "decideOneRow"), query(root, "decideOne")
-one("decide-one", row_types, row, "'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, NULL, 12345")
-one("one-deny", row_types, row, "'deny', 'KEY', 1, 0, 100000, 10, 1000000, 10, 0, 12345, NULL, 12345")
+one("decide-one", row_types, row, "NULL, 'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, 12345")
+one("one-deny", row_types, row, "NULL, 'deny', 'KEY', 1, 0, 100000, 10, 1000000, 10, 0, 12345, 12345")
 one("one-shard", one_types, one_q, "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")
 open(f"{tmp}/one-shard-ser.prep", "w").write("SET default_transaction_isolation = 'serializable'\n" + open(f"{tmp}/one-shard.prep").read())
 open(f"{tmp}/one-shard-ser.stmt", "w").write(open(f"{tmp}/one-shard.stmt").read())
-one("harness12", row_types, "SELECT $10", "'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, NULL, 12345")
+one("harness12", row_types, "SELECT $10", "NULL, 'allow', 'KEY', 1, 0, 1, 1e9, 1000000, 1e9, 0, 12345, 12345")
 one("harness13", one_types, "SELECT $13", "NULL, 'shard', 'KEY', 1, 0, false, 1, 1e9, 1000000, 1e9, 0, '{3,9,0,1,2,4,5,6,7,8,10,11,12,13,14,15}', 12345")
 open(f"{tmp}/floor.prep", "w").write("PREPARE d(text) AS UPDATE txlimit_state SET value = value - 1 WHERE name = 'floor' AND key = $1 AND shard = 0 RETURNING value\n")
 open(f"{tmp}/floor.stmt", "w").write("EXECUTE d('KEY')\n")
