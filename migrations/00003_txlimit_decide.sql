@@ -486,12 +486,8 @@ BEGIN
             END IF;
             made := made OR lk.created;
         END LOOP;
-        -- On the database's clock, a call that created a row decides at a clock read now, once
-        -- the locks are held, not at t: a row deleted since t by a Prune that read a later clock
-        -- and found it full (or by a Reset) was not full at t, and charged as full then it would
-        -- refill from then. The whole call, not that row alone: a charge split between a created
-        -- shard and an existing one stamped at two readings would leave the existing one refilling
-        -- from the earlier, tokens it may never have lacked (docs/spec.md §1).
+        -- On the database's clock, a call that created a row decides, whole, at a clock read once
+        -- its locks are held: a row deleted since t (Prune, Reset) was not full at t (spec §1).
         IF p_now_us IS NULL AND made THEN
             t := txlimit_clock(NULL);
         END IF;
